@@ -1,0 +1,334 @@
+"""TrainWorker: one rank of a run. A plain class, made a Ray actor at spawn time.
+
+The training loop runs in a thread so the actor always answers ``poll()`` (step, loss,
+phase, heartbeat, error) even while a collective blocks. Every decision that must be the
+same on all ranks (stop here, checkpoint now) travels in a tiny all-reduce at the end of
+each step, so ranks agree on the step boundary where it happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+
+from rayflex.actors.data import GlobalSampler, TokenDataset
+from rayflex.actors.parallel import (MeshPlan, build_device_mesh, build_local_stages, build_schedule,
+                                     clip_grads_, shard_stage)
+from rayflex.config import TrainSpec
+from rayflex.constants import knob
+
+log = logging.getLogger(__name__)
+
+# Phases a rank reports, so a hang can be attributed to what the rank was doing.
+PHASES = ("idle", "setup", "data", "forward_backward", "optimizer", "collective", "checkpoint", "done")
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    step_time_s: float
+    lr: float
+    grad_norm: float
+    time: float
+    samples: int
+
+
+@dataclass
+class WorkerStatus:
+    rank: int
+    node_id: str
+    state: str  # idle | running | done | stopped | failed
+    step: int  # last finished step (0 = none)
+    phase: str
+    phase_since: float
+    heartbeat: float
+    records: list = field(default_factory=list)
+    error: Optional[str] = None
+    error_step: Optional[int] = None
+    checkpoints: list = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TrainWorker:
+    def __init__(self, rank: int, spec: TrainSpec, plan: MeshPlan):
+        self.rank = rank
+        self.spec = spec
+        self.plan = plan
+        torch.set_num_threads(spec.scaling.torch_threads)
+        self.node_id = self._node_id()
+        self.device = torch.device("cuda", 0) if spec.scaling.use_gpu else torch.device("cpu")
+        self._lock = threading.Lock()
+        self._records: list[StepRecord] = []
+        self._checkpoint_events: list[dict] = []
+        self._state = "idle"
+        self._phase, self._phase_since = "idle", time.time()
+        self._step = 0
+        self._error: Optional[str] = None
+        self._error_step: Optional[int] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._checkpoint_request: Optional[str] = None
+        self.fail_at: Optional[tuple[int, str]] = None  # test hook: (step, message)
+        self.checkpointer = None
+
+    # ----------------------------------------------------------------- identity
+    @staticmethod
+    def _node_id() -> str:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                return ray.get_runtime_context().get_node_id()
+        except Exception:  # not inside Ray (unit tests)
+            pass
+        return "local"
+
+    def node_info(self) -> dict[str, Any]:
+        """Where this rank lives; rank 0 also offers the rendezvous address."""
+        ip = os.environ.get("RAYFLEX_NODE_IP")
+        if ip is None:
+            try:
+                import ray
+
+                ip = ray.util.get_node_ip_address()
+            except Exception:
+                ip = "127.0.0.1"
+        return {"rank": self.rank, "node_id": self.node_id, "ip": ip, "pid": os.getpid(),
+                "port": free_port() if self.rank == 0 else None}
+
+    # ----------------------------------------------------------------- setup
+    def setup(self, master_addr: str, master_port: int, restore: bool = True) -> dict[str, Any]:
+        """Join the process group, build and shard this rank's stage(s), restore state."""
+        import torch.distributed as dist
+
+        self._set_phase("setup")
+        t0 = time.time()
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=self.rank, world_size=self.plan.world_size,
+                                timeout=timedelta(seconds=knob("COLLECTIVE_TIMEOUT_S")))
+        self.mesh = build_device_mesh(self.plan, self.device.type)
+        self.pp_index, self.dp_index = self.plan.coords(self.rank)
+        self.dp_mesh = self.mesh["dp"]
+        pipelined = self.plan.pp > 1
+        self.stages = build_local_stages(self.spec.model, self.plan, self.rank, self.device)
+        for _, module in self.stages:
+            shard_stage(module, self.dp_mesh, pipelined=pipelined)
+        self.params = [p for _, m in self.stages for p in m.parameters()]
+        opt = self.spec.run.optimizer
+        # One optimizer per stage module: checkpoint keys then stay per-FQN whatever the split.
+        self.optimizers = [torch.optim.AdamW(m.parameters(), lr=opt.lr, betas=tuple(opt.betas),
+                                             weight_decay=opt.weight_decay) for _, m in self.stages]
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, self._lr_factor) for o in self.optimizers]
+        self.schedule = (build_schedule(self.plan, self.stages, self.mesh["pp"].get_group(), self.device,
+                                        self.spec.model.loss_fn) if pipelined else None)
+        self.dataset = TokenDataset(self.spec.data.uri)
+        need = self.spec.data.seq_len + 1
+        if self.dataset.row_len < need:
+            raise ValueError(f"dataset rows have {self.dataset.row_len} tokens but DataConfig.seq_len="
+                             f"{self.spec.data.seq_len} needs {need}; lower seq_len or rewrite the data")
+        self.sampler = GlobalSampler(len(self.dataset), self.spec.data.global_batch, self.spec.data.seed)
+        self._has_first = 0 in [s for s, _ in self.stages]
+        self._has_last = (self.plan.num_stages - 1) in [s for s, _ in self.stages]
+        # Checkpointing runs on its own gloo group so uploads never interleave with training
+        # collectives (on GPU the default group is nccl).
+        self.ckpt_group = dist.new_group(backend="gloo")
+        restored = None
+        if self.spec.checkpoint.every_steps or self.spec.checkpoint.resume:
+            from rayflex.storage.checkpoint import AsyncCheckpointer
+
+            self.checkpointer = AsyncCheckpointer(self.spec.checkpoint_uri, rank=self.rank,
+                                                  group=self.ckpt_group, use_async=self.spec.checkpoint.async_save,
+                                                  keep=self.spec.checkpoint.keep, mesh=self.plan)
+            if restore and self.spec.checkpoint.resume:
+                restored = self.checkpointer.load_latest(self._stateful())
+        if restored is not None:
+            self._step = restored["step"]
+        self._set_phase("idle")
+        return {"rank": self.rank, "setup_s": time.time() - t0, "step": self._step,
+                "restored": restored}
+
+    def _lr_factor(self, step: int) -> float:
+        opt, total = self.spec.run.optimizer, self.spec.run.steps
+        if step < opt.warmup_steps:
+            return (step + 1) / opt.warmup_steps
+        progress = (step - opt.warmup_steps) / max(1, total - opt.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return opt.min_lr_ratio + (1 - opt.min_lr_ratio) * cosine
+
+    def _stateful(self):
+        from rayflex.storage.checkpoint import TrainState
+
+        return TrainState(modules=[m for _, m in self.stages], optimizers=self.optimizers,
+                          schedulers=self.schedulers, get_step=lambda: self._step,
+                          config={"run": self.spec.run.name, "world_size": self.plan.world_size,
+                                  "pp": self.plan.pp, "dp": self.plan.dp})
+
+    # ----------------------------------------------------------------- loop
+    def start(self, end_step: int) -> int:
+        """Run steps ``self._step + 1 .. end_step`` in a background thread."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError(f"rank {self.rank}: training loop already running")
+        self._stop.clear()
+        self._state = "running"
+        self._thread = threading.Thread(target=self._loop, args=(end_step,), name=f"rayflex-rank{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+        return self._step
+
+    def _set_phase(self, phase: str) -> None:
+        self._phase, self._phase_since = phase, time.time()
+
+    def _loop(self, end_step: int) -> None:
+        import torch.distributed as dist
+
+        try:
+            stop_agreed = False
+            while self._step < end_step and not stop_agreed:
+                step = self._step + 1
+                if self.fail_at is not None and self.fail_at[0] == step:
+                    raise RuntimeError(self.fail_at[1])
+                t0 = time.perf_counter()
+                loss_sum, grad_norm = self._train_step(step)
+                # One tiny all-reduce carries the loss and the control flags, so every rank
+                # agrees at this boundary on stopping and on checkpointing.
+                self._set_phase("collective")
+                wants_ckpt = self._checkpoint_request is not None
+                control = torch.tensor([loss_sum, float(self._stop.is_set()), float(wants_ckpt)],
+                                       dtype=torch.float64)
+                dist.all_reduce(control)
+                loss = float(control[0]) / self.plan.dp
+                stop_agreed = control[1] > 0
+                dt = time.perf_counter() - t0
+                with self._lock:
+                    self._step = step
+                    self._records.append(StepRecord(step=step, loss=loss, step_time_s=dt,
+                                                    lr=self.schedulers[0].get_last_lr()[0], grad_norm=grad_norm,
+                                                    time=time.time(), samples=self.spec.data.global_batch))
+                periodic = self.spec.checkpoint.every_steps and step % self.spec.checkpoint.every_steps == 0
+                if control[2] > 0 or (periodic and step < end_step):
+                    reason = self._checkpoint_request or "periodic"
+                    self._checkpoint_request = None
+                    self._save(step, reason if control[2] > 0 else "periodic")
+            if self.checkpointer is not None:
+                if self._step == end_step and self.spec.checkpoint.every_steps:
+                    self._save(self._step, "final")
+                self._set_phase("checkpoint")
+                self._note_checkpoint(self.checkpointer.wait())
+            self._state = "done" if self._step >= end_step else "stopped"
+            self._set_phase("done")
+        except BaseException:  # noqa: BLE001 - every failure must reach the controller
+            self._error = traceback.format_exc()
+            self._error_step = self._step + 1
+            self._state = "failed"
+            log.error("rank %d failed at step %d:\n%s", self.rank, self._error_step, self._error)
+
+    def _train_step(self, step: int) -> tuple[float, float]:
+        self._set_phase("data")
+        rows = self.dataset.rows(self.sampler.indices(step - 1, self.dp_index, self.plan.dp))
+        seq = self.spec.data.seq_len
+        x, y = rows[:, :seq].to(self.device), rows[:, 1:seq + 1].to(self.device)
+        self._set_phase("forward_backward")
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+        loss_fn = self.spec.model.loss_fn
+        if self.schedule is None:
+            (_, model), = self.stages
+            accum = self.plan.accum_steps
+            total = 0.0
+            for i, (xc, yc) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+                model.set_requires_gradient_sync(i == accum - 1)
+                loss = loss_fn(model(xc), yc)
+                (loss / accum).backward()
+                total += float(loss.detach()) / accum
+            loss_contrib = total
+        else:
+            losses: list[torch.Tensor] = []
+            kwargs: dict[str, Any] = {}
+            if self._has_last:
+                kwargs = {"target": y, "losses": losses}
+            args = (x,) if self._has_first else ()
+            self.schedule.step(*args, **kwargs)
+            # Only last-stage ranks hold a loss; the control all-reduce divides by dp.
+            loss_contrib = float(torch.stack(losses).detach().mean()) if self._has_last else 0.0
+        self._set_phase("optimizer")
+        opt = self.spec.run.optimizer
+        if opt.grad_clip is not None:
+            grad_norm = clip_grads_(self.params, opt.grad_clip)
+        else:
+            from rayflex.actors.parallel import global_grad_norm
+
+            grad_norm = float(global_grad_norm(self.params))
+        for o, sch in zip(self.optimizers, self.schedulers):
+            o.step()
+            sch.step()
+        return loss_contrib, grad_norm
+
+    # ----------------------------------------------------------------- checkpoints
+    def _save(self, step: int, reason: str) -> None:
+        if self.checkpointer is None:
+            return
+        self._set_phase("checkpoint")
+        info = self.checkpointer.save(self._stateful(), step=step, reason=reason)
+        self._note_checkpoint(info)
+
+    def _note_checkpoint(self, info) -> None:
+        if not info:
+            return
+        with self._lock:
+            self._checkpoint_events.extend(info if isinstance(info, list) else [info])
+
+    def request_checkpoint(self, reason: str = "on_demand") -> None:
+        """Ask for a checkpoint at the next step boundary (all ranks agree through the
+        control all-reduce, so asking one rank is enough)."""
+        self._checkpoint_request = reason
+
+    # ----------------------------------------------------------------- control
+    def poll(self) -> WorkerStatus:
+        """Progress since the last poll. Cheap; never blocks on training."""
+        with self._lock:
+            records, self._records = self._records, []
+            ckpts, self._checkpoint_events = self._checkpoint_events, []
+            return WorkerStatus(rank=self.rank, node_id=self.node_id, state=self._state, step=self._step,
+                                phase=self._phase, phase_since=self._phase_since, heartbeat=time.time(),
+                                records=records, error=self._error, error_step=self._error_step,
+                                checkpoints=ckpts)
+
+    def request_stop(self) -> None:
+        """Stop at the next step boundary (agreed by every rank)."""
+        self._stop.set()
+
+    def set_fail_at(self, step: int, message: str = "injected failure") -> None:
+        """Test hook: raise ``message`` when starting ``step``."""
+        self.fail_at = (step, message)
+
+    def join(self, timeout_s: float) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # best effort; the process is about to go away
+                pass

@@ -1,0 +1,352 @@
+"""User-facing configuration: keyword-only dataclasses validated on construction.
+
+Every check runs in ``__post_init__`` (or in :func:`validate_together` for checks that
+span several configs), so a bad value fails on the driver before any actor exists. Each
+error names the field and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rayflex.errors import ConfigError
+
+SUPPORTED_SCHEMES = ("file", "s3", "memory")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def _positive_int(cls: str, name: str, value: Any, fix: str = "use an integer >= 1") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{cls}.{name}", f"must be a positive integer, got {value!r}", fix)
+
+
+def _non_negative_int(cls: str, name: str, value: Any, fix: str = "use an integer >= 0") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{cls}.{name}", f"must be an integer >= 0, got {value!r}", fix)
+
+
+def check_uri(where: str, uri: str) -> None:
+    """Reject URIs whose scheme rayflex cannot write to (a bare path means file://)."""
+    if not isinstance(uri, str) or not uri:
+        raise ConfigError(where, f"must be a non-empty URI string, got {uri!r}",
+                          "use e.g. 'file:///tmp/rayflex' or 's3://bucket/prefix'")
+    if "://" in uri:
+        scheme = uri.split("://", 1)[0].lower()
+        if scheme not in SUPPORTED_SCHEMES:
+            raise ConfigError(where, f"unknown storage scheme {scheme!r} in {uri!r}",
+                              f"use one of {', '.join(s + '://' for s in SUPPORTED_SCHEMES)}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ScalingConfig:
+    """How many workers and what each one needs.
+
+    ``num_workers`` is the size the run asks for; ``min_workers``/``max_workers`` bound
+    elastic restarts (both default to ``num_workers``: a fixed-size run).
+    """
+
+    num_workers: int = 4
+    min_workers: Optional[int] = None
+    max_workers: Optional[int] = None
+    cpus_per_worker: float = 1.0
+    use_gpu: bool = False
+    resources_per_worker: dict = field(default_factory=dict)
+    # Torch intra-op threads per worker; 1 avoids oversubscribing small machines.
+    torch_threads: int = 1
+
+    def __post_init__(self) -> None:
+        c = "ScalingConfig"
+        _positive_int(c, "num_workers", self.num_workers)
+        lo = self.num_workers if self.min_workers is None else self.min_workers
+        hi = self.num_workers if self.max_workers is None else self.max_workers
+        _positive_int(c, "min_workers", lo)
+        _positive_int(c, "max_workers", hi)
+        if lo > hi:
+            raise ConfigError(f"{c}.min_workers", f"min_workers={lo} is greater than max_workers={hi}",
+                              "set min_workers <= max_workers")
+        if not lo <= self.num_workers <= hi:
+            raise ConfigError(f"{c}.num_workers",
+                              f"num_workers={self.num_workers} is outside [min_workers={lo}, max_workers={hi}]",
+                              "pick num_workers between min_workers and max_workers")
+        object.__setattr__(self, "min_workers", lo)
+        object.__setattr__(self, "max_workers", hi)
+        if not isinstance(self.cpus_per_worker, (int, float)) or self.cpus_per_worker < 0:
+            raise ConfigError(f"{c}.cpus_per_worker", f"must be >= 0, got {self.cpus_per_worker!r}",
+                              "use e.g. 1")
+        _positive_int(c, "torch_threads", self.torch_threads)
+        if not isinstance(self.resources_per_worker, dict):
+            raise ConfigError(f"{c}.resources_per_worker", "must be a dict of resource -> amount",
+                              "use e.g. {'accelerator_type:H100': 0.001}")
+
+    def worker_resources(self) -> dict[str, float]:
+        res = {"CPU": float(self.cpus_per_worker)}
+        if self.use_gpu:
+            res["GPU"] = 1.0
+        res.update({k: float(v) for k, v in self.resources_per_worker.items()})
+        return {k: v for k, v in res.items() if v > 0}
+
+
+@dataclass(kw_only=True, frozen=True)
+class ParallelConfig:
+    """Pipeline parallelism; the data-parallel size is whatever the world size leaves.
+
+    ``pp`` stages (x ``stages_per_rank`` virtual stages for the interleaved schedule),
+    ``dp = world_size // pp`` FSDP2 shards per stage. ``microbatches`` defaults to the
+    smallest count the schedule allows (``pp`` for gpipe/1f1b, ``pp*stages_per_rank``).
+    """
+
+    pp: int = 1
+    schedule: str = "1f1b"
+    microbatches: Optional[int] = None
+    stages_per_rank: int = 1
+    # How blocks are balanced over stages: "params" (parameter count) or "uniform".
+    balance: str = "params"
+
+    def __post_init__(self) -> None:
+        c = "ParallelConfig"
+        _positive_int(c, "pp", self.pp)
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"{c}.schedule", f"unknown schedule {self.schedule!r}",
+                              f"use one of {', '.join(SCHEDULES)}")
+        _positive_int(c, "stages_per_rank", self.stages_per_rank)
+        if self.schedule == "interleaved" and self.stages_per_rank < 2:
+            raise ConfigError(f"{c}.stages_per_rank",
+                              "the interleaved schedule needs at least 2 stages per rank",
+                              "set stages_per_rank=2 or use schedule='1f1b'")
+        if self.schedule != "interleaved" and self.stages_per_rank != 1:
+            raise ConfigError(f"{c}.stages_per_rank",
+                              f"stages_per_rank={self.stages_per_rank} only works with schedule='interleaved'",
+                              "set schedule='interleaved' or stages_per_rank=1")
+        if self.microbatches is not None:
+            _positive_int(c, "microbatches", self.microbatches)
+            if self.pp > 1 and self.microbatches < self.pp:
+                raise ConfigError(f"{c}.microbatches",
+                                  f"microbatches={self.microbatches} is fewer than pp={self.pp} stages",
+                                  f"use microbatches >= {self.pp} (4 x pp keeps the bubble small)")
+        if self.balance not in ("params", "uniform"):
+            raise ConfigError(f"{c}.balance", f"unknown balance {self.balance!r}",
+                              "use 'params' or 'uniform'")
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataConfig:
+    """Token dataset and the fixed global batch.
+
+    ``uri`` points at a directory of Parquet shards with a ``tokens`` column of
+    ``seq_len + 1`` token ids per row. ``global_batch`` (in samples) is fixed for the whole
+    run, whatever the world size; ``micro_batch`` is the per-rank forward size (None: the
+    largest divisor that fits the plan).
+    """
+
+    uri: str
+    seq_len: int = 64
+    global_batch: int = 16
+    micro_batch: Optional[int] = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        c = "DataConfig"
+        check_uri(f"{c}.uri", self.uri)
+        _positive_int(c, "seq_len", self.seq_len)
+        _positive_int(c, "global_batch", self.global_batch)
+        if self.micro_batch is not None:
+            _positive_int(c, "micro_batch", self.micro_batch)
+        _non_negative_int(c, "seed", self.seed)
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    """Asynchronous sharded checkpoints. ``every_steps=0`` disables periodic saves."""
+
+    every_steps: int = 0
+    keep: int = 3
+    async_save: bool = True
+    # Where checkpoints go; None means ``{RunConfig.storage}/{name}/checkpoints``.
+    uri: Optional[str] = None
+    # Load the latest committed checkpoint of this run on start (resume).
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        c = "CheckpointConfig"
+        _non_negative_int(c, "every_steps", self.every_steps, "use 0 (off) or a step interval")
+        _positive_int(c, "keep", self.keep)
+        if self.uri is not None:
+            check_uri(f"{c}.uri", self.uri)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ElasticConfig:
+    """Failure and preemption budgets for restarts."""
+
+    max_failures: int = 3
+    max_preemptions: int = 10
+    # Seconds to wait for enough resources before giving up on a restart.
+    resource_wait_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        c = "ElasticConfig"
+        _non_negative_int(c, "max_failures", self.max_failures)
+        _non_negative_int(c, "max_preemptions", self.max_preemptions)
+        if not isinstance(self.resource_wait_s, (int, float)) or self.resource_wait_s < 0:
+            raise ConfigError(f"{c}.resource_wait_s", f"must be >= 0, got {self.resource_wait_s!r}",
+                              "use a number of seconds")
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warm-up and cosine decay to ``min_lr_ratio * lr``."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.95)
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    grad_clip: Optional[float] = 1.0
+
+    def __post_init__(self) -> None:
+        c = "OptimizerConfig"
+        if not isinstance(self.lr, (int, float)) or not self.lr > 0:
+            raise ConfigError(f"{c}.lr", f"must be > 0, got {self.lr!r}", "use e.g. 3e-4")
+        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
+            raise ConfigError(f"{c}.weight_decay", f"must be >= 0, got {self.weight_decay!r}", "use e.g. 0.1")
+        _non_negative_int(c, "warmup_steps", self.warmup_steps)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"{c}.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio!r}", "use e.g. 0.1")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ConfigError(f"{c}.grad_clip", f"must be > 0 or None, got {self.grad_clip!r}",
+                              "use e.g. 1.0, or None to disable clipping")
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunConfig:
+    """Run identity and length. The run directory is ``{storage}/{name}/``."""
+
+    name: str
+    storage: str = "file:///tmp/rayflex"
+    steps: int = 100
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        c = "RunConfig"
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise ConfigError(f"{c}.name", f"invalid run name {self.name!r}",
+                              "use letters, digits, '_', '-', '.', starting with a letter or digit")
+        check_uri(f"{c}.storage", self.storage)
+        _positive_int(c, "steps", self.steps)
+        _positive_int(c, "log_every", self.log_every)
+
+    @property
+    def run_dir(self) -> str:
+        return self.storage.rstrip("/") + "/" + self.name
+
+
+def validate_together(*, scaling: ScalingConfig, parallel: ParallelConfig, data: DataConfig,
+                      num_blocks: int) -> None:
+    """Checks that need several configs at once; same error style, still before any actor."""
+    for size, what in ((scaling.num_workers, "num_workers"), (scaling.min_workers, "min_workers")):
+        if size % parallel.pp:
+            raise ConfigError(f"ScalingConfig.{what}",
+                              f"{what}={size} is not divisible by ParallelConfig.pp={parallel.pp}",
+                              f"use a multiple of {parallel.pp} workers, or change pp")
+    if parallel.num_stages > num_blocks:
+        raise ConfigError("ParallelConfig.pp",
+                          f"{parallel.num_stages} pipeline stages for a model of only {num_blocks} blocks",
+                          f"use pp * stages_per_rank <= {num_blocks}")
+    dp = scaling.num_workers // parallel.pp
+    if data.global_batch % dp:
+        raise ConfigError("DataConfig.global_batch",
+                          f"global_batch={data.global_batch} is not divisible by the data-parallel size "
+                          f"{dp} (= num_workers {scaling.num_workers} / pp {parallel.pp})",
+                          f"use a multiple of {dp}")
+    per_rank = data.global_batch // dp
+    if data.micro_batch is not None and per_rank % data.micro_batch:
+        raise ConfigError("DataConfig.micro_batch",
+                          f"micro_batch={data.micro_batch} does not divide the per-rank batch {per_rank}",
+                          f"use a divisor of {per_rank}")
+    if parallel.pp > 1:
+        m = parallel.microbatches or parallel.num_stages
+        if per_rank % m:
+            raise ConfigError("ParallelConfig.microbatches",
+                              f"{m} microbatches do not divide the per-rank batch {per_rank}",
+                              f"use a divisor of {per_rank} that is >= {parallel.pp}")
+        if parallel.schedule == "interleaved" and m % parallel.pp:
+            raise ConfigError("ParallelConfig.microbatches",
+                              f"interleaved schedule needs microbatches ({m}) divisible by pp ({parallel.pp})",
+                              f"use a multiple of {parallel.pp}")
+
+
+def apply_override(obj: Any, dotted: str, raw: str) -> Any:
+    """Return a copy of a (nested) frozen dataclass with ``dotted`` set to ``raw`` parsed.
+
+    ``raw`` is parsed as a Python literal when possible (``4``, ``1e-3``, ``None``,
+    ``'gpipe'``), else kept as a string. Unknown fields raise ConfigError listing the known.
+    """
+    import ast
+
+    head, _, rest = dotted.partition(".")
+    if not dataclasses.is_dataclass(obj):
+        raise ConfigError(dotted, "cannot set a field on a non-config value", "check the key")
+    names = [f.name for f in dataclasses.fields(obj)]
+    if head not in names:
+        raise ConfigError(f"{type(obj).__name__}.{head}", "no such field",
+                          f"use one of {', '.join(names)}")
+    current = getattr(obj, head)
+    if rest:
+        return dataclasses.replace(obj, **{head: apply_override(current, rest, raw)})
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    return dataclasses.replace(obj, **{head: value})
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainSpec:
+    """Everything that defines a run; validated as a whole before any actor starts."""
+
+    model: Any  # rayflex.models.ModelSpec (typed loosely to keep this module torch-free)
+    data: DataConfig
+    run: RunConfig
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in (("data", DataConfig), ("run", RunConfig), ("scaling", ScalingConfig),
+                          ("parallel", ParallelConfig), ("checkpoint", CheckpointConfig),
+                          ("elastic", ElasticConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"Trainer.{name}", f"expected a {cls.__name__}, got "
+                                  f"{type(getattr(self, name)).__name__}", f"pass {cls.__name__}(...)")
+        if not hasattr(self.model, "num_blocks") or not hasattr(self.model, "build_block"):
+            raise ConfigError("Trainer.model", f"expected a ModelSpec, got {type(self.model).__name__}",
+                              "pass rayflex.models.gpt(...) or your own ModelSpec")
+        validate_together(scaling=self.scaling, parallel=self.parallel, data=self.data,
+                          num_blocks=self.model.num_blocks)
+
+    @property
+    def checkpoint_uri(self) -> str:
+        return self.checkpoint.uri or f"{self.run.run_dir}/checkpoints"
+
+    def with_overrides(self, overrides: dict[str, str]) -> "TrainSpec":
+        """Apply ``section.field=value`` overrides (``parallel.pp=2``); re-validates."""
+        spec = self
+        for key, raw in overrides.items():
+            section, _, rest = key.partition(".")
+            if section == "model" or not rest:
+                raise ConfigError(key, "cannot override this key from the command line",
+                                  "use section.field, e.g. run.steps=20 or parallel.pp=2")
+            spec = apply_override(spec, key, raw)
+        return dataclasses.replace(spec)  # re-runs __post_init__ checks

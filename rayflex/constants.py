@@ -1,0 +1,49 @@
+"""Timing knobs, overridable through ``RAYFLEX_*`` environment variables.
+
+Tests shrink them (e.g. ``RAYFLEX_POLL_INTERVAL_S=0.05``); production keeps the defaults.
+Read through functions, not module constants, so a test can change the environment after
+import and the controller (which may run in another process) sees the value it was given.
+"""
+
+from __future__ import annotations
+
+import os
+
+_DEFAULTS: dict[str, float] = {
+    # How often the controller polls every worker.
+    "POLL_INTERVAL_S": 0.2,
+    # A worker whose poll() has not answered for this long counts as unresponsive.
+    "POLL_TIMEOUT_S": 10.0,
+    # Heartbeat age after which a live actor counts as stuck.
+    "HEARTBEAT_TIMEOUT_S": 30.0,
+    # Floor of the hang timeout; the effective one is max(floor, k x median step time).
+    "HANG_TIMEOUT_FLOOR_S": 60.0,
+    "HANG_TIMEOUT_STEP_MULTIPLE": 10.0,
+    # Timeout of every torch.distributed collective (gloo/nccl process group).
+    "COLLECTIVE_TIMEOUT_S": 300.0,
+    # Waiting for placement groups to be scheduled.
+    "PLACEMENT_TIMEOUT_S": 60.0,
+    # Worker setup (rendezvous, model build, checkpoint load).
+    "SETUP_TIMEOUT_S": 300.0,
+}
+
+
+def knob(name: str) -> float:
+    """Return the value of timing knob ``name`` (``RAYFLEX_<name>`` overrides the default)."""
+    if name not in _DEFAULTS:
+        raise KeyError(f"unknown rayflex knob {name!r}; known: {sorted(_DEFAULTS)}")
+    raw = os.environ.get(f"RAYFLEX_{name}")
+    if raw is None:
+        return _DEFAULTS[name]
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"RAYFLEX_{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"RAYFLEX_{name}={raw!r} must be > 0")
+    return value
+
+
+def knob_env() -> dict[str, str]:
+    """The RAYFLEX_* variables set in this process, to forward to actors' runtime_env."""
+    return {k: v for k, v in os.environ.items() if k.startswith("RAYFLEX_")}

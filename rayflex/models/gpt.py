@@ -1,0 +1,107 @@
+"""A small GPT written as blocks: embedding, N transformer blocks, head.
+
+Sized by :class:`GPTConfig` so tests run in seconds on CPU and the same code describes a
+real model for the planners.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rayflex.models.spec import ModelSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 64
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        from rayflex.errors import ConfigError
+
+        if self.d_model % self.n_heads:
+            raise ConfigError("GPTConfig.d_model", f"d_model={self.d_model} is not divisible by "
+                              f"n_heads={self.n_heads}", "pick d_model a multiple of n_heads")
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"GPTConfig.{name}", "must be >= 1", "use a positive size")
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tok(tokens) + self.pos(positions)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm causal self-attention + MLP."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.out = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+        # GPT-2 style: scale residual projections down with depth.
+        for lin in (self.proj, self.out):
+            nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.lm = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        nn.init.normal_(self.lm.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm(self.ln(x))
+
+
+def build_gpt_block(cfg: GPTConfig, index: int) -> nn.Module:
+    if index == 0:
+        return Embedding(cfg)
+    if index == cfg.n_layers + 1:
+        return Head(cfg)
+    return TransformerBlock(cfg)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position of the microbatch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def gpt(cfg: GPTConfig | None = None, **sizes) -> ModelSpec:
+    """A GPT as a :class:`ModelSpec`: ``n_layers + 2`` blocks (embedding, layers, head)."""
+    cfg = cfg or GPTConfig(**sizes)
+    return ModelSpec(name=f"gpt-{cfg.n_layers}x{cfg.d_model}", num_blocks=cfg.n_layers + 2,
+                     build_block=functools.partial(build_gpt_block, cfg), loss_fn=lm_loss,
+                     hidden_size=cfg.d_model)

@@ -1,0 +1,200 @@
+"""AsyncCheckpointer: sharded, asynchronous, atomically committed checkpoints.
+
+Save: the training thread pays only for staging (a copy of this rank's shards to host
+memory); DCP then writes each rank's own shards through fsspec in a background thread,
+coordinating on a dedicated gloo group. When rank 0's save completes, DCP has written
+``.metadata`` after gathering every rank's write result, so every shard is durable; rank 0
+then writes the commit marker (manifest.commit) — last — and applies retention. At most one
+save is in flight: a new save first waits for the previous one (the "wait" policy).
+
+Load: rank 0 picks the newest committed step that verifies (falling back past a corrupt
+one), broadcasts its choice, and every rank loads it into its *current* mesh: DCP reshards
+from whatever world size and pipeline split saved it, because keys are global block FQNs.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from rayflex.errors import CheckpointError
+from rayflex.storage import manifest as mf
+
+log = logging.getLogger(__name__)
+
+EXTRA_FILE = "rayflex_state.json"
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint holds for one rank: its stage modules and their optimizers and
+    schedulers, plus run-level scalars (step, data position, RNG, config)."""
+
+    modules: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[Any]
+    get_step: Callable[[], int]
+    config: dict = field(default_factory=dict)
+
+    def tensor_state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        opts = StateDictOptions(flatten_optimizer_state_dict=True)
+        model, optim = {}, {}
+        for module, opt in zip(self.modules, self.optimizers):
+            model.update(get_model_state_dict(module))
+            optim.update(get_optimizer_state_dict(module, opt, options=opts))
+        return {"model": model, "optim": optim}
+
+    def load_tensor_state(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        # Each stage takes its own keys out of the merged dicts (keys are global FQNs).
+        opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+        for module, opt in zip(self.modules, self.optimizers):
+            set_model_state_dict(module, state["model"], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(module, opt, state["optim"], options=opts)
+
+    def extra_state(self) -> dict[str, Any]:
+        buf = io.BytesIO()
+        torch.save(torch.get_rng_state(), buf)
+        return {"step": self.get_step(), "data_position_steps": self.get_step(),
+                "schedulers": [s.state_dict() for s in self.schedulers],
+                "torch_rng": base64.b64encode(buf.getvalue()).decode(), "config": self.config}
+
+    def load_extra(self, extra: dict[str, Any]) -> None:
+        # Every stage's scheduler follows the same schedule; the saved split may differ.
+        for s in self.schedulers:
+            s.load_state_dict(extra["schedulers"][0])
+        torch.set_rng_state(torch.load(io.BytesIO(base64.b64decode(extra["torch_rng"]))))
+
+
+class AsyncCheckpointer:
+    def __init__(self, root: str, *, rank: int, group=None, use_async: bool = True, keep: int = 3,
+                 mesh: Any = None):
+        self.root = root.rstrip("/")
+        self.rank = rank
+        self.group = group
+        self.use_async = use_async
+        self.keep = keep
+        self.mesh = mesh
+        self._inflight: Optional[tuple[int, str, Future, float, float]] = None
+        self._done: list[dict] = []
+        self._lock = threading.Lock()
+        self.last_blocked_s = 0.0
+
+    # ----------------------------------------------------------------- save
+    def save(self, state: TrainState, *, step: int, reason: str = "periodic") -> list[dict]:
+        """Start a checkpoint of ``step``. Returns reports of saves finished meanwhile."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        reports = self.wait()  # at most one save in flight
+        path = mf.step_dir(self.root, step)
+        t0 = time.perf_counter()
+        tensors = state.tensor_state()
+        extra = state.extra_state()
+        writer = FsspecWriter(path, single_file_per_rank=True, sync_files=False)
+        if self.use_async:
+            fut = dcp.async_save(tensors, storage_writer=writer, process_group=self.group)
+            if not isinstance(fut, Future):  # AsyncSaveResponse with a separate staging future
+                fut.staging_completion.result()
+                fut = fut.upload_completion
+        else:
+            dcp.save(tensors, storage_writer=writer, process_group=self.group)
+            fut = Future()
+            fut.set_result(None)
+        blocked = time.perf_counter() - t0
+        self.last_blocked_s = blocked
+        nbytes = sum(t.numel() * t.element_size() for t in _tensors(tensors))
+        self._inflight = (step, reason, fut, blocked, time.time(), extra, nbytes)
+        if not self.use_async:
+            reports += self.wait()
+        return reports
+
+    def wait(self) -> list[dict]:
+        """Block until the in-flight save (if any) is written and committed."""
+        if self._inflight is None:
+            return []
+        step, reason, fut, blocked, started, extra, nbytes = self._inflight
+        self._inflight = None
+        report = {"step": step, "reason": reason, "blocked_s": blocked, "bytes": nbytes,
+                  "uri": mf.step_dir(self.root, step)}
+        try:
+            fut.result()
+            if self.rank == 0:
+                self._commit(step, extra)
+            report["committed"] = True
+        except Exception as e:  # noqa: BLE001 - a failed save must not kill training
+            log.error("checkpoint of step %d failed: %s", step, e)
+            report["error"] = f"{type(e).__name__}: {e}"
+        report["total_s"] = time.time() - started
+        return [report]
+
+    def _commit(self, step: int, extra: dict) -> None:
+        mf.write_extra(self.root, step, EXTRA_FILE, json.dumps(extra))
+        mesh = {"pp": getattr(self.mesh, "pp", 1), "dp": getattr(self.mesh, "dp", 1)}
+        world = getattr(self.mesh, "world_size", 1)
+        mf.commit(self.root, step, world_size=world, mesh=mesh, extra={"reason": "rayflex"})
+        try:
+            mf.apply_retention(self.root, self.keep)
+            mf.gc_uncommitted(self.root)
+        except Exception as e:  # noqa: BLE001 - housekeeping must not fail a committed save
+            log.warning("checkpoint housekeeping failed: %s", e)
+
+    # ----------------------------------------------------------------- load
+    def load_latest(self, state: TrainState) -> Optional[dict]:
+        """Load the newest committed, verified checkpoint into ``state``; None if none."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        choice: list[Any] = [None]
+        if self.rank == 0:
+            found = mf.resolve_loadable(self.root)
+            if found is not None and found.manifest is not None:
+                m = found.manifest
+                choice[0] = {"step": m.step, "world_size": m.world_size, "mesh": m.mesh,
+                             "skipped": [f"step {s}: {why}" for s, why in found.skipped]}
+            elif found is not None and found.skipped:
+                raise CheckpointError(f"no loadable checkpoint under {self.root}: "
+                                      + "; ".join(f"step {s}: {why}" for s, why in found.skipped))
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0, group=self.group)
+        info = choice[0]
+        if info is None:
+            return None
+        path = mf.step_dir(self.root, info["step"])
+        tensors = state.tensor_state()
+        dcp.load(tensors, storage_reader=FsspecReader(path), process_group=self.group)
+        state.load_tensor_state(tensors)
+        state.load_extra(json.loads(mf.read_extra(self.root, info["step"], EXTRA_FILE)))
+        info["uri"] = path
+        return info
+
+
+def _tensors(obj: Any):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        yield obj._local_tensor
+    elif isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)

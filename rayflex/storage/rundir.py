@@ -1,0 +1,79 @@
+"""The run directory ``{storage}/{name}/``: metrics, events, result, spec.
+
+Line files are appended where the filesystem can append (local disk, memory) and
+rewritten whole where it cannot (object stores have no append); the controller keeps the
+lines in memory either way, so a rewrite never loses data.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import fsspec
+
+
+class RunDirectory:
+    def __init__(self, uri: str):
+        self.uri = uri.rstrip("/")
+        self.fs, self.path = fsspec.core.url_to_fs(self.uri)
+        self._can_append = self.fs.protocol in ("file", "local", "memory") or \
+            (isinstance(self.fs.protocol, tuple) and set(self.fs.protocol) & {"file", "local", "memory"})
+        self._lines: dict[str, list[str]] = {}
+        self._flushed: dict[str, int] = {}
+
+    def ensure(self) -> None:
+        self.fs.makedirs(self.path, exist_ok=True)
+
+    def file(self, name: str) -> str:
+        return f"{self.path}/{name}"
+
+    def exists(self, name: str) -> bool:
+        return self.fs.exists(self.file(name))
+
+    def read_text(self, name: str) -> Optional[str]:
+        try:
+            with self.fs.open(self.file(name), "r") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def read_json(self, name: str) -> Optional[Any]:
+        text = self.read_text(name)
+        return None if text is None else json.loads(text)
+
+    def read_jsonl(self, name: str) -> list[dict]:
+        text = self.read_text(name) or ""
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+    def write_json(self, name: str, obj: Any) -> None:
+        """Write via a temporary name then move, so readers never see half a file."""
+        tmp = self.file(f".{name}.tmp")
+        with self.fs.open(tmp, "w") as f:
+            f.write(json.dumps(obj, indent=2, default=str))
+        self.fs.mv(tmp, self.file(name))
+
+    def load_lines(self, name: str) -> None:
+        """Adopt the existing lines of a file (a resumed run continues its files)."""
+        text = self.read_text(name) or ""
+        self._lines[name] = [line for line in text.splitlines() if line.strip()]
+        self._flushed[name] = len(self._lines[name])
+
+    def add_line(self, name: str, obj: Any) -> None:
+        self._lines.setdefault(name, []).append(json.dumps(obj, default=str))
+
+    def lines(self, name: str) -> list[str]:
+        return list(self._lines.get(name, []))
+
+    def flush(self) -> None:
+        for name, lines in self._lines.items():
+            done = self._flushed.get(name, 0)
+            if done == len(lines):
+                continue
+            if self._can_append and self.fs.exists(self.file(name)):
+                with self.fs.open(self.file(name), "a") as f:
+                    f.write("".join(line + "\n" for line in lines[done:]))
+            else:
+                with self.fs.open(self.file(name), "w") as f:
+                    f.write("".join(line + "\n" for line in lines))
+            self._flushed[name] = len(lines)

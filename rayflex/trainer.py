@@ -1,0 +1,237 @@
+"""Public entry points: ``Trainer.fit()`` (blocking) and ``Trainer.submit()`` (a handle).
+
+Everything is validated on the driver before Ray is touched; then the driver connects to
+Ray (or starts a local one: the embedded default) and creates the run's Controller actor,
+named after the run so other processes (``rayflex status``) can find it. The actor is not
+detached: it fate-shares with the driver, so a killed driver takes its run down cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rayflex.config import (CheckpointConfig, DataConfig, ElasticConfig, ParallelConfig, RunConfig,
+                            ScalingConfig, TrainSpec)
+from rayflex.errors import RayflexError, RunFailed, WorkerError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a finished run reports; ``metrics`` holds one dict per step."""
+
+    status: str
+    steps_completed: int
+    first_loss: Optional[float]
+    final_loss: Optional[float]
+    tokens_per_s: Optional[float]
+    time_to_first_step_s: Optional[float]
+    run_dir: str
+    metrics: list
+    raw: dict
+
+    @classmethod
+    def from_dict(cls, d: dict, metrics: list) -> "Result":
+        return cls(status=d["status"], steps_completed=d["steps_completed"], first_loss=d.get("first_loss"),
+                   final_loss=d.get("final_loss"), tokens_per_s=d.get("tokens_per_s"),
+                   time_to_first_step_s=d.get("time_to_first_step_s"), run_dir=d["run_dir"],
+                   metrics=metrics, raw=d)
+
+
+def ensure_ray(min_cpus: float = 0) -> None:
+    """Connect to the cluster in RAY_ADDRESS / the running one, else start a local Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return
+    try:
+        ray.init(address="auto", log_to_driver=True)
+        return
+    except (ConnectionError, RuntimeError, ValueError):
+        pass
+    # The embedded default: a single-node Ray on loopback with at least one logical CPU
+    # per worker (workers mostly wait on collectives; OMP threads are pinned to 1).
+    cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
+    ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
+             log_to_driver=True)
+
+
+class RunHandle:
+    """A run in progress: poll it from a notebook, stop it, wait for its result."""
+
+    def __init__(self, name: str, controller, result_ref):
+        self.name = name
+        self.controller = controller
+        self._ref = result_ref
+        self._result: Optional[dict] = None
+
+    def status(self) -> dict:
+        import ray
+
+        if self._result is not None:
+            return {**self._result, "state": self._result["status"].upper(), "step": self._result["steps_completed"]}
+        try:
+            return ray.get(self.controller.status.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - the controller may have just exited
+            self._collect(timeout=5)
+            if self._result is None:
+                raise
+            return self.status()
+
+    def metrics(self, since_step: int = 0) -> list[dict]:
+        import ray
+
+        if self._result is not None:
+            return [m for m in self._metrics_final if m["step"] > since_step]
+        return ray.get(self.controller.metrics.remote(since_step), timeout=30)
+
+    def events(self) -> list[dict]:
+        import ray
+
+        return ray.get(self.controller.events.remote(), timeout=30)
+
+    def done(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait([self._ref], timeout=0)
+        return bool(ready)
+
+    def stop(self, wait: bool = True, timeout_s: float = 120) -> Optional[Result]:
+        """Stop at the next step boundary (every rank agrees on it); keeps checkpoints."""
+        if self._result is None:
+            self.controller.request_stop.remote("stopped by user")
+        return self.wait(timeout_s, raise_on_failure=False) if wait else None
+
+    def _collect(self, timeout: Optional[float]) -> None:
+        import ray
+
+        if self._result is None:
+            metrics = ray.get(self.controller.metrics.remote(0), timeout=timeout)
+            self._result = ray.get(self._ref, timeout=timeout)
+            self._metrics_final = metrics
+
+    def wait(self, timeout_s: Optional[float] = None, *, raise_on_failure: bool = True,
+             progress: bool = False) -> Result:
+        """Block until the run ends; raise the worker's error if it failed."""
+        import ray
+
+        if progress:
+            _show_progress(self)
+        ready, _ = ray.wait([self._ref], timeout=timeout_s)
+        if not ready:
+            raise TimeoutError(f"run {self.name!r} still running after {timeout_s}s")
+        self._result = ray.get(self._ref)
+        metrics = ray.get(self.controller.metrics.remote(0), timeout=30)
+        self._metrics_final = metrics
+        res = Result.from_dict(self._result, metrics)
+        if raise_on_failure and res.status == "failed":
+            d = self._result
+            if d.get("error_type") == "WorkerError":
+                raise WorkerError(d.get("error_rank", -1), "", d["steps_completed"] + 1, d.get("error") or "")
+            raise RunFailed(self.name, d.get("reason") or d.get("error") or "unknown")
+        return res
+
+
+def _show_progress(handle: RunHandle, interval_s: float = 0.5) -> None:
+    """A progress bar (tqdm.auto: a widget in notebooks, a line in terminals)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        tqdm = None
+    st = handle.status()
+    bar = tqdm(total=st["target_steps"], desc=handle.name, unit="step", file=sys.stderr) if tqdm else None
+    last = 0
+    while not handle.done():
+        try:
+            st = handle.status()
+        except Exception:  # noqa: BLE001
+            break
+        if bar is not None:
+            bar.update(max(0, st["step"] - last))
+            last = max(last, st["step"])
+            loss, tps = st.get("loss"), st.get("tokens_per_s")
+            bar.set_postfix_str(f"loss={loss:.4f} tok/s={tps:,.0f} state={st['state']}"
+                                if loss is not None and tps else f"state={st['state']}")
+        time.sleep(interval_s)
+    if bar is not None:
+        try:
+            st = handle.status()
+            bar.update(max(0, st["step"] - last))
+        except Exception:  # noqa: BLE001
+            pass
+        bar.close()
+
+
+class Trainer:
+    """Configure once, then ``fit()`` / ``submit()`` / ``plan()``."""
+
+    def __init__(self, *, model, data: DataConfig, run: RunConfig, scaling: ScalingConfig | None = None,
+                 parallel: ParallelConfig | None = None, checkpoint: CheckpointConfig | None = None,
+                 elastic: ElasticConfig | None = None):
+        self.spec = TrainSpec(model=model, data=data, run=run, scaling=scaling or ScalingConfig(),
+                              parallel=parallel or ParallelConfig(), checkpoint=checkpoint or CheckpointConfig(),
+                              elastic=elastic or ElasticConfig())
+
+    @classmethod
+    def from_spec(cls, spec: TrainSpec) -> "Trainer":
+        t = cls.__new__(cls)
+        t.spec = spec
+        return t
+
+    def with_overrides(self, overrides: dict[str, str]) -> "Trainer":
+        return Trainer.from_spec(self.spec.with_overrides(overrides))
+
+    def submit(self) -> RunHandle:
+        """Start the run and return at once."""
+        import ray
+
+        from rayflex.platform.controller import CONTROLLER_NAMESPACE, Controller, controller_name
+
+        self._preflight()
+        ensure_ray(self.spec.scaling.num_workers * self.spec.scaling.cpus_per_worker)
+        name = controller_name(self.spec.run.name)
+        try:
+            ray.get_actor(name, namespace=CONTROLLER_NAMESPACE)
+        except ValueError:
+            pass
+        else:
+            raise RayflexError(f"run {self.spec.run.name!r} is already running on this cluster; "
+                               f"stop it first (`rayflex status {self.spec.run.name}`) or pick another name")
+        from rayflex.constants import knob_env
+
+        remote = ray.remote(num_cpus=0, max_concurrency=8,
+                            runtime_env={"env_vars": knob_env()} if knob_env() else None)(Controller)
+        controller = remote.options(name=name, namespace=CONTROLLER_NAMESPACE).remote(self.spec)
+        return RunHandle(self.spec.run.name, controller, controller.run.remote())
+
+    def fit(self, *, progress: bool = True) -> Result:
+        """Run to the end, showing progress; raises the worker's error if the run fails."""
+        handle = self.submit()
+        return handle.wait(progress=progress)
+
+    def _preflight(self) -> None:
+        """Checks that touch the outside world, still before any actor: storage, data."""
+        from rayflex.storage.fs import check_storage
+
+        check_storage(self.spec.run.storage)
+        if self.spec.checkpoint.uri:
+            check_storage(self.spec.checkpoint.uri)
+        from rayflex.actors.data import TokenDataset
+
+        ds = TokenDataset(self.spec.data.uri)
+        if ds.row_len < self.spec.data.seq_len + 1:
+            from rayflex.errors import ConfigError
+
+            raise ConfigError("DataConfig.seq_len", f"seq_len={self.spec.data.seq_len} needs rows of "
+                              f"{self.spec.data.seq_len + 1} tokens but {self.spec.data.uri} has "
+                              f"{ds.row_len}", f"use seq_len <= {ds.row_len - 1}")
