@@ -44,8 +44,9 @@ class Result:
                    metrics=metrics, raw=d)
 
 
-def ensure_ray(min_cpus: float = 0) -> None:
-    """Connect to the cluster in RAY_ADDRESS / the running one, else start a local Ray."""
+def ensure_ray(min_cpus: float = 0, *, connect_only: bool = False) -> None:
+    """Connect to the cluster in RAY_ADDRESS / the running one, else start a local Ray
+    (unless ``connect_only``, where no cluster raises ConnectionError)."""
     import ray
 
     if ray.is_initialized():
@@ -57,8 +58,9 @@ def ensure_ray(min_cpus: float = 0) -> None:
     try:
         ray.init(address="auto", log_to_driver=True)
         return
-    except (ConnectionError, RuntimeError, ValueError):
-        pass
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        if connect_only:
+            raise ConnectionError(f"no running Ray cluster to connect to: {e}") from None
     # The embedded default: a single-node Ray on loopback with at least one logical CPU
     # per worker (workers mostly wait on collectives; OMP threads are pinned to 1).
     cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))

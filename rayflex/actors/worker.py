@@ -59,6 +59,16 @@ class WorkerStatus:
     checkpoints: list = field(default_factory=list)
 
 
+def _fail_at_from_env(rank: int) -> Optional[tuple[int, str]]:
+    """Fault injection (tests, chaos runs): ``RAYFLEX_FAIL_AT="RANK:STEP[,RANK:STEP...]"``
+    makes that rank raise when it starts that step."""
+    for item in filter(None, os.environ.get("RAYFLEX_FAIL_AT", "").split(",")):
+        r, _, s = item.partition(":")
+        if int(r) == rank:
+            return int(s), f"injected failure (RAYFLEX_FAIL_AT) at rank {rank} step {int(s)}"
+    return None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -84,7 +94,7 @@ class TrainWorker:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._checkpoint_request: Optional[str] = None
-        self.fail_at: Optional[tuple[int, str]] = None  # test hook: (step, message)
+        self.fail_at: Optional[tuple[int, str]] = _fail_at_from_env(rank)
         self.checkpointer = None
 
     # ----------------------------------------------------------------- identity

@@ -29,6 +29,8 @@ from torch import nn
 
 from rayflex.errors import CheckpointError
 from rayflex.storage import manifest as mf
+from rayflex.storage.fs import join as fs_join
+from rayflex.storage.fs import resolve, with_retries
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +146,8 @@ class AsyncCheckpointer:
         return [report]
 
     def _commit(self, step: int, extra: dict) -> None:
-        mf.write_extra(self.root, step, EXTRA_FILE, json.dumps(extra))
+        # Written before the marker so the manifest's checksums cover it too.
+        _write_bytes(fs_join(mf.step_dir(self.root, step), EXTRA_FILE), json.dumps(extra).encode())
         mesh = {"pp": getattr(self.mesh, "pp", 1), "dp": getattr(self.mesh, "dp", 1)}
         world = getattr(self.mesh, "world_size", 1)
         mf.commit(self.root, step, world_size=world, mesh=mesh, extra={"reason": "rayflex"})
@@ -164,13 +167,13 @@ class AsyncCheckpointer:
         choice: list[Any] = [None]
         if self.rank == 0:
             found = mf.resolve_loadable(self.root)
-            if found is not None and found.manifest is not None:
+            skipped = [f"step {s.step}: {s.reason}" for s in found.skipped]
+            if found.manifest is not None:
                 m = found.manifest
-                choice[0] = {"step": m.step, "world_size": m.world_size, "mesh": m.mesh,
-                             "skipped": [f"step {s}: {why}" for s, why in found.skipped]}
-            elif found is not None and found.skipped:
-                raise CheckpointError(f"no loadable checkpoint under {self.root}: "
-                                      + "; ".join(f"step {s}: {why}" for s, why in found.skipped))
+                choice[0] = {"step": m.step, "world_size": m.world_size, "mesh": m.mesh, "skipped": skipped}
+            elif skipped:
+                raise CheckpointError(f"no loadable checkpoint under {self.root}: every committed step "
+                                      f"failed verification: {'; '.join(skipped)}")
         if dist.is_initialized():
             dist.broadcast_object_list(choice, src=0, group=self.group)
         info = choice[0]
@@ -180,9 +183,19 @@ class AsyncCheckpointer:
         tensors = state.tensor_state()
         dcp.load(tensors, storage_reader=FsspecReader(path), process_group=self.group)
         state.load_tensor_state(tensors)
-        state.load_extra(json.loads(mf.read_extra(self.root, info["step"], EXTRA_FILE)))
+        state.load_extra(json.loads(_read_bytes(fs_join(path, EXTRA_FILE))))
         info["uri"] = path
         return info
+
+
+def _write_bytes(uri: str, data: bytes) -> None:
+    fs, path = resolve(uri)
+    with_retries(lambda: fs.pipe_file(path, data), what=f"write {uri}")
+
+
+def _read_bytes(uri: str) -> bytes:
+    fs, path = resolve(uri)
+    return with_retries(lambda: fs.cat_file(path), what=f"read {uri}")
 
 
 def _tensors(obj: Any):

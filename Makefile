@@ -1,0 +1,38 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+# Both create (or reuse) .venv and install rayflex with a CPU build of torch, pinned first
+# so nothing pulls a multi-GB CUDA build on CPU-only machines.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+
+.PHONY: venv demo test test-fast bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[test]" "torch==$(TORCH_VERSION)"
+	touch $@
+
+venv: $(VENV)/.installed
+
+# Train the example GPT with 4 FSDP2 workers on an embedded local Ray cluster.
+demo: venv
+	$(VENV)/bin/rayflex run examples/gpt_small.py --name gpt-demo-$$(date +%Y%m%d-%H%M%S)
+
+# The whole test suite (starts its own Ray clusters and S3 endpoint on loopback).
+test: venv
+	$(PY) -m pytest -q -x --durations=15 tests
+
+# Unit tests only (no Ray cluster).
+test-fast: venv
+	$(PY) -m pytest -q -m "not cluster" tests
+
+bench: venv
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) runs data .pytest_cache
