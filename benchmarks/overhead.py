@@ -1,0 +1,137 @@
+"""rayflex vs a plain torch.multiprocessing + gloo FSDP2 script: same model, data, batch,
+steps and world size, measured in the same run (alternating, median of rounds).
+
+    python benchmarks/overhead.py [--steps 40] [--rounds 2]
+
+Prints JSON: tokens/s of each, their ratio (goal >= 0.95) and rayflex's time from
+``fit()`` to the first finished step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import emit, machine, setup_logging  # noqa: E402
+
+SEQ, BATCH, WORKERS = 64, 32, 4
+
+
+def model_spec():
+    from rayflex.models import GPTConfig, gpt
+
+    return gpt(GPTConfig(vocab_size=256, seq_len=SEQ, d_model=128, n_layers=4, n_heads=4))
+
+
+def _plain_rank(rank: int, world: int, port: int, data_uri: str, steps: int, out) -> None:
+    """One rank of the peer: init gloo, fully_shard each block, AdamW, same samples."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from rayflex.actors.data import GlobalSampler, TokenDataset
+    from rayflex.models.spec import build_stage
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    mesh = init_device_mesh("cpu", (world,))
+    spec = model_spec()
+    model = build_stage(spec, list(range(spec.num_blocks)))
+    for i in model.indices:
+        fully_shard(model.blocks[str(i)], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ds = TokenDataset(data_uri)
+    sampler = GlobalSampler(len(ds), BATCH, 0)
+    times = []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        rows = ds.rows(sampler.indices(step, rank, world))
+        x, y = rows[:, :SEQ], rows[:, 1:SEQ + 1]
+        opt.zero_grad(set_to_none=True)
+        loss = spec.loss_fn(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        lv = loss.detach().clone()
+        dist.all_reduce(lv)  # the peer also reports a global loss each step
+        times.append(time.perf_counter() - t0)
+    out.put((rank, times))
+    dist.destroy_process_group()
+
+
+def run_plain(data_uri: str, steps: int) -> dict:
+    import torch.multiprocessing as mp
+
+    from rayflex.actors.worker import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_plain_rank, args=(r, WORKERS, port, data_uri, steps, q)) for r in range(WORKERS)]
+    for p in procs:
+        p.start()
+    per_rank = dict(q.get(timeout=900) for _ in procs)
+    for p in procs:
+        p.join(60)
+    step_times = [max(per_rank[r][s] for r in per_rank) for s in range(steps)]
+    steady = step_times[2:]
+    return {"tokens_per_s": BATCH * SEQ / statistics.median(steady), "median_step_s": statistics.median(steady)}
+
+
+def run_rayflex(data_uri: str, storage: str, steps: int, name: str) -> dict:
+    import rayflex as rf
+
+    trainer = rf.Trainer(model=model_spec(), data=rf.DataConfig(uri=data_uri, seq_len=SEQ, global_batch=BATCH),
+                         run=rf.RunConfig(name=name, storage=storage, steps=steps,
+                                          optimizer=rf.OptimizerConfig(lr=3e-3, grad_clip=1.0)),
+                         scaling=rf.ScalingConfig(num_workers=WORKERS),
+                         checkpoint=rf.CheckpointConfig(resume=False))
+    t0 = time.time()
+    result = trainer.fit(progress=False)
+    times = [m["step_time_s"] for m in result.metrics][2:]
+    return {"tokens_per_s": BATCH * SEQ / statistics.median(times), "median_step_s": statistics.median(times),
+            "time_to_first_step_s": result.metrics[0]["time"] - t0, "final_loss": result.final_loss}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    setup_logging()
+    from rayflex.actors.data import write_synthetic_dataset
+    from rayflex.trainer import ensure_ray
+
+    tmp = tempfile.mkdtemp(prefix="rayflex-bench-")
+    data = write_synthetic_dataset(f"file://{tmp}/data", num_samples=4096, seq_len=SEQ)
+    ensure_ray(WORKERS)
+    rf_runs, plain_runs = [], []
+    for i in range(args.rounds):  # alternate so drift on a shared machine hits both
+        rf_runs.append(run_rayflex(data, f"file://{tmp}/runs", args.steps, f"overhead-{i}"))
+        print(f"round {i}: rayflex {rf_runs[-1]}", file=sys.stderr)
+        plain_runs.append(run_plain(data, args.steps))
+        print(f"round {i}: plain {plain_runs[-1]}", file=sys.stderr)
+    rf_tps = statistics.median(r["tokens_per_s"] for r in rf_runs)
+    plain_tps = statistics.median(r["tokens_per_s"] for r in plain_runs)
+    emit({"benchmark": "overhead", "machine": machine(),
+          "workload": {"model": "gpt-4x128", "seq_len": SEQ, "global_batch": BATCH, "workers": WORKERS,
+                       "steps": args.steps, "rounds": args.rounds, "nodes": 1},
+          "results": {"rayflex": {"tokens_per_s": rf_tps,
+                                  "time_to_first_step_s": statistics.median(r["time_to_first_step_s"] for r in rf_runs),
+                                  "rounds": rf_runs},
+                      "plain_torch": {"tokens_per_s": plain_tps, "rounds": plain_runs}},
+          "ratios": {"rayflex_over_plain_torch_tokens_per_s": rf_tps / plain_tps}})
+
+
+if __name__ == "__main__":
+    main()
