@@ -151,6 +151,9 @@ class DataConfig:
     global_batch: int = 16
     micro_batch: Optional[int] = None
     seed: int = 0
+    # Write which dataset rows each step consumed to ``samples.jsonl`` (an audit log that
+    # proves exact data continuation across restarts; costs one line per step).
+    log_samples: bool = False
 
     def __post_init__(self) -> None:
         c = "DataConfig"

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from rayflex.actors.data import GlobalSampler, TokenDataset
+from rayflex.actors.instrument import ActivationCounter, pipeline_wait_timer
 from rayflex.actors.parallel import (MeshPlan, build_device_mesh, build_local_stages, build_schedule,
                                      clip_grads_, shard_stage)
 from rayflex.config import TrainSpec
@@ -42,6 +43,14 @@ class StepRecord:
     grad_norm: float
     time: float
     samples: int
+    # Peak bytes autograd held for backward during the step, and (pipelines) seconds spent
+    # blocked on neighbouring stages vs the whole forward/backward.
+    activation_peak_bytes: int = 0
+    pipeline_wait_s: float = 0.0
+    forward_backward_s: float = 0.0
+    pp_index: int = 0
+    dp_index: int = 0
+    sample_indices: Optional[list] = None
 
 
 @dataclass
@@ -96,6 +105,7 @@ class TrainWorker:
         self._checkpoint_request: Optional[str] = None
         self.fail_at: Optional[tuple[int, str]] = _fail_at_from_env(rank)
         self.checkpointer = None
+        self.activations = ActivationCounter()
 
     # ----------------------------------------------------------------- identity
     @staticmethod
@@ -215,7 +225,7 @@ class TrainWorker:
                 if self.fail_at is not None and self.fail_at[0] == step:
                     raise RuntimeError(self.fail_at[1])
                 t0 = time.perf_counter()
-                loss_sum, grad_norm = self._train_step(step)
+                loss_sum, grad_norm, probe = self._train_step(step)
                 # One tiny all-reduce carries the loss and the control flags, so every rank
                 # agrees at this boundary on stopping and on checkpointing.
                 self._set_phase("collective")
@@ -230,7 +240,8 @@ class TrainWorker:
                     self._step = step
                     self._records.append(StepRecord(step=step, loss=loss, step_time_s=dt,
                                                     lr=self.schedulers[0].get_last_lr()[0], grad_norm=grad_norm,
-                                                    time=time.time(), samples=self.spec.data.global_batch))
+                                                    time=time.time(), samples=self.spec.data.global_batch,
+                                                    pp_index=self.pp_index, dp_index=self.dp_index, **probe))
                 periodic = self.spec.checkpoint.every_steps and step % self.spec.checkpoint.every_steps == 0
                 if control[2] > 0 or (periodic and step < end_step):
                     reason = self._checkpoint_request or "periodic"
@@ -249,15 +260,38 @@ class TrainWorker:
             self._state = "failed"
             log.error("rank %d failed at step %d:\n%s", self.rank, self._error_step, self._error)
 
-    def _train_step(self, step: int) -> tuple[float, float]:
+    def _train_step(self, step: int) -> tuple[float, float, dict]:
         self._set_phase("data")
-        rows = self.dataset.rows(self.sampler.indices(step - 1, self.dp_index, self.plan.dp))
+        indices = self.sampler.indices(step - 1, self.dp_index, self.plan.dp)
+        rows = self.dataset.rows(indices)
         seq = self.spec.data.seq_len
         x, y = rows[:, :seq].to(self.device), rows[:, 1:seq + 1].to(self.device)
         self._set_phase("forward_backward")
         for o in self.optimizers:
             o.zero_grad(set_to_none=True)
         loss_fn = self.spec.model.loss_fn
+        self.activations.reset_peak()
+        t_fb = time.perf_counter()
+        with self.activations.track(), pipeline_wait_timer() as waits:
+            loss_contrib = self._forward_backward(x, y, loss_fn)
+        probe = {"activation_peak_bytes": self.activations.peak, "pipeline_wait_s": waits["wait_s"],
+                 "forward_backward_s": time.perf_counter() - t_fb,
+                 "sample_indices": indices.tolist() if self.spec.data.log_samples else None}
+        self._set_phase("optimizer")
+        opt = self.spec.run.optimizer
+        if opt.grad_clip is not None:
+            grad_norm = clip_grads_(self.params, opt.grad_clip)
+        else:
+            from rayflex.actors.parallel import global_grad_norm
+
+            grad_norm = float(global_grad_norm(self.params))
+        for o, sch in zip(self.optimizers, self.schedulers):
+            o.step()
+            sch.step()
+        return loss_contrib, grad_norm, probe
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> float:
+        """Forward and backward of this rank's share of the step; returns its loss share."""
         if self.schedule is None:
             (_, model), = self.stages
             accum = self.plan.accum_steps
@@ -277,18 +311,7 @@ class TrainWorker:
             self.schedule.step(*args, **kwargs)
             # Only last-stage ranks hold a loss; the control all-reduce divides by dp.
             loss_contrib = float(torch.stack(losses).detach().mean()) if self._has_last else 0.0
-        self._set_phase("optimizer")
-        opt = self.spec.run.optimizer
-        if opt.grad_clip is not None:
-            grad_norm = clip_grads_(self.params, opt.grad_clip)
-        else:
-            from rayflex.actors.parallel import global_grad_norm
-
-            grad_norm = float(global_grad_norm(self.params))
-        for o, sch in zip(self.optimizers, self.schedulers):
-            o.step()
-            sch.step()
-        return loss_contrib, grad_norm
+        return loss_contrib
 
     # ----------------------------------------------------------------- checkpoints
     def _save(self, step: int, reason: str) -> None:

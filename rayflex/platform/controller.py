@@ -128,6 +128,7 @@ class Controller:
         # A run directory with history: continue its files (resume by name).
         self.rundir.load_lines("metrics.jsonl")
         self.rundir.load_lines("events.jsonl")
+        self.rundir.load_lines("samples.jsonl")
         self.timeline = ev.Timeline.from_jsonl("\n".join(self.rundir.lines("events.jsonl")))
         self._metrics = [__import__("json").loads(line) for line in self.rundir.lines("metrics.jsonl")]
         self.rundir.write_json("spec.json", _describe_spec(self.spec))
@@ -230,6 +231,17 @@ class Controller:
                     "tokens_per_s": tokens / step_time if step_time > 0 else None, "lr": r0.lr,
                     "grad_norm": r0.grad_norm, "world_size": world, "ranks_reported": len(recs),
                     "time": max(r.time for r in recs.values())}
+            pp = self.plan.pp
+            line["activation_peak_bytes"] = [max(r.activation_peak_bytes for r in recs.values() if r.pp_index == s)
+                                              for s in range(pp)]
+            if pp > 1:
+                line["pipeline_wait_fraction"] = [
+                    statistics.fmean(r.pipeline_wait_s / r.forward_backward_s if r.forward_backward_s else 0.0
+                                     for r in recs.values() if r.pp_index == s) for s in range(pp)]
+            if self.spec.data.log_samples:
+                first_stage = sorted((r.dp_index, r.sample_indices) for r in recs.values() if r.pp_index == 0)
+                self.rundir.add_line("samples.jsonl", {"step": r0.step, "world_size": world,
+                                                       "indices": [i for _, idx in first_stage for i in idx or []]})
             if self._first_step_at is None:
                 self._first_step_at = line["time"]
             with self._lock:

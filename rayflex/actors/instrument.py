@@ -1,0 +1,107 @@
+"""Per-step instrumentation of a rank: live activation bytes and pipeline wait time.
+
+* Activations: a ``saved_tensors_hooks`` pair counts the bytes autograd keeps for backward
+  (what a pipeline schedule's memory profile is about), deduplicated by storage, with the
+  peak per step. A tensor's bytes are released when autograd drops it after backward.
+* Pipeline waits: every blocking wait of torch's pipeline schedules goes through
+  ``schedules._wait_batch_p2p``; wrapping it once per process gives the seconds a rank
+  spent waiting for its neighbours (the bubble, measured) next to its compute time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+_tls = threading.local()
+_patch_lock = threading.Lock()
+_patched = False
+
+
+class ActivationCounter:
+    """Live and peak bytes of tensors saved for backward (this thread)."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[tuple, int] = {}
+
+    def _release(self, key: tuple, nbytes: int) -> None:
+        n = self._refs.get(key, 0) - 1
+        if n <= 0:
+            self._refs.pop(key, None)
+            self.live -= nbytes
+        else:
+            self._refs[key] = n
+
+    def pack(self, t: torch.Tensor):
+        if t.device.type == "meta" or not hasattr(t, "untyped_storage"):
+            return t
+        try:
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), t.device.type)
+            nbytes = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. DTensor)
+            return t
+        if key not in self._refs:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        holder = _Saved(t)
+        weakref.finalize(holder, self._release, key, nbytes)
+        return holder
+
+    @staticmethod
+    def unpack(obj):
+        return obj.tensor if isinstance(obj, _Saved) else obj
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    @contextmanager
+    def track(self):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            yield self
+
+
+class _Saved:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def _install_wait_timer() -> None:
+    global _patched
+    with _patch_lock:
+        if _patched:
+            return
+        from torch.distributed.pipelining import schedules
+
+        original = schedules._wait_batch_p2p
+
+        def timed_wait(work):
+            t0 = time.perf_counter()
+            try:
+                return original(work)
+            finally:
+                _tls.wait_s = getattr(_tls, "wait_s", 0.0) + time.perf_counter() - t0
+
+        schedules._wait_batch_p2p = timed_wait
+        _patched = True
+
+
+@contextmanager
+def pipeline_wait_timer():
+    """Yields a dict whose ``wait_s`` is the time this thread blocked on pipeline p2p."""
+    _install_wait_timer()
+    _tls.wait_s = 0.0
+    out = {"wait_s": 0.0}
+    try:
+        yield out
+    finally:
+        out["wait_s"] = _tls.wait_s

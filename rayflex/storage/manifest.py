@@ -1,0 +1,370 @@
+"""The commit protocol of checkpoints: a step counts only once its marker exists.
+
+Layout under a checkpoint root::
+
+    {root}/step_00000100/__0_0.distcp ...   shards written by torch.distributed.checkpoint
+    {root}/step_00000100/.metadata          DCP writes it last, after every shard
+    {root}/step_00000100/<rayflex files>    small extras (trainer state, ...)
+    {root}/step_00000100/COMMITTED.json     the marker: written LAST, holds the Manifest
+
+A crash at any moment leaves either a committed step (marker present, every file listed
+in it) or an uncommitted directory that loaders ignore and :func:`gc_uncommitted` removes.
+The marker is one small object: a single PUT on S3, an atomic rename on disk, so it is
+either fully there or not at all. Committed steps are immutable: a second commit of the
+same step is refused. Deleting goes the other way round: the marker first, so a step that
+is half deleted is never mistaken for a committed one.
+
+Fingerprints, and why two kinds:
+
+* ``etag:<value>`` on S3. The server computes the ETag at upload; it is returned by every
+  listing, so commit and verify cost one LIST per step and no download. It detects an
+  object that was rewritten, replaced or truncated after commit (a flipped byte gives a
+  new MD5/ETag). It does not prove the bytes equal what the writer had in memory
+  (multipart and SSE-KMS ETags are not a plain MD5, and no client-side hash is taken),
+  and it cannot be recomputed if the checkpoint is copied to another kind of storage;
+  such a copy is then checked by size only (with a warning). S3 itself checksums data at
+  rest and TLS protects it in transit, so the ETag is the cheap check that matters.
+* ``blake2b:<hex>`` elsewhere (local disk, memory): a streamed content hash. Commit reads
+  every byte once (usually from page cache, just written); verify reads them again.
+
+Verification always compares the same kind the manifest recorded.
+
+All remote operations go through :func:`rayflex.storage.fs.with_retries`. Concurrency
+assumption: one committer (rank 0 / the controller) and at most one save in flight, which
+is always newer than the newest committed step; gc relies on that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Iterable, Optional
+
+from rayflex.errors import CheckpointError, ConfigError
+from rayflex.storage.fs import (StorageOptions, exists, is_s3, join, listdir, read_text,
+                                redact_uri, remove_tree, resolve, with_retries,
+                                write_text_atomic)
+
+logger = logging.getLogger(__name__)
+
+MARKER = "COMMITTED.json"
+METADATA = ".metadata"
+FORMAT_VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_HASH_CHUNK = 4 << 20
+
+
+def step_dir(root: str, step: int) -> str:
+    """URI of the directory of ``step`` (zero-padded so names sort like numbers)."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return join(root, f"step_{step:08d}")
+
+
+def parse_step(name: str) -> Optional[int]:
+    """The step of a ``step_XXXXXXXX`` name or path; None for anything else."""
+    match = _STEP_RE.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    size: int
+    fingerprint: str  # "etag:..." or "blake2b:..."
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a committed step contains; the marker file's content."""
+
+    step: int
+    world_size: int
+    mesh: dict
+    files: dict  # relpath -> FileRecord
+    created_at: str
+    extra: dict = field(default_factory=dict)
+    format: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": self.format, "step": self.step, "world_size": self.world_size,
+            "mesh": self.mesh, "created_at": self.created_at, "extra": self.extra,
+            "files": {rel: {"size": r.size, "fingerprint": r.fingerprint}
+                      for rel, r in sorted(self.files.items())},
+        }, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        try:
+            raw = json.loads(text)
+            if raw.get("format", 1) > FORMAT_VERSION:
+                raise CheckpointError(
+                    f"manifest format {raw['format']} is newer than this rayflex understands "
+                    f"({FORMAT_VERSION}). Fix: upgrade rayflex to load this checkpoint")
+            return cls(step=int(raw["step"]), world_size=int(raw["world_size"]),
+                       mesh=dict(raw["mesh"]), created_at=str(raw["created_at"]),
+                       extra=dict(raw.get("extra", {})), format=int(raw.get("format", 1)),
+                       files={rel: FileRecord(size=int(r["size"]), fingerprint=str(r["fingerprint"]))
+                              for rel, r in raw["files"].items()})
+        except CheckpointError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(f"malformed checkpoint manifest: {type(err).__name__}: {err}") from err
+
+
+@dataclass(frozen=True)
+class SkippedStep:
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Outcome of :func:`resolve_loadable`: the step to load (if any) and what was passed
+    over on the way, so the caller can put the skipped steps on the run's timeline."""
+
+    manifest: Optional[Manifest]
+    step_uri: Optional[str]
+    skipped: tuple = ()  # SkippedStep, newest first
+
+    @property
+    def step(self) -> Optional[int]:
+        return None if self.manifest is None else self.manifest.step
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _list_files(fs, path: str) -> dict:
+    """relpath -> fsspec info of every file under ``path`` (recursive, one listing)."""
+    fs.invalidate_cache(path)  # see writes made by other processes (s3fs caches listings)
+    try:
+        found = fs.find(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    prefix = path.rstrip("/") + "/"
+    out = {}
+    for name, info in found.items():
+        if info.get("type", "file") == "file" and name.startswith(prefix) and name != prefix:
+            out[name[len(prefix):]] = info
+    return out
+
+
+def _etag(info: dict) -> Optional[str]:
+    value = info.get("ETag") or info.get("etag")
+    return str(value).strip('"') if value else None
+
+
+def _blake2b(fs, path: str) -> str:
+    def _hash() -> str:
+        digest = hashlib.blake2b(digest_size=16)
+        with fs.open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+                digest.update(chunk)
+        return "blake2b:" + digest.hexdigest()
+    return with_retries(_hash, what=f"hash {path}")
+
+
+def _s3_etag(fs, path: str, info: dict) -> Optional[str]:
+    etag = _etag(info)
+    if etag is None:
+        fs.invalidate_cache(path)
+        etag = _etag(with_retries(lambda: fs.info(path), what=f"stat {path}"))
+    return None if etag is None else "etag:" + etag
+
+
+def _fingerprint(fs, path: str, info: dict) -> str:
+    if is_s3(fs):
+        etag = _s3_etag(fs, path, info)
+        if etag is not None:
+            return etag
+    return _blake2b(fs, path)
+
+
+def _current_fingerprint(fs, path: str, info: dict, recorded: str) -> Optional[str]:
+    """The fingerprint of the same kind as ``recorded``; None where it cannot be taken."""
+    kind = recorded.split(":", 1)[0]
+    if kind == "blake2b":
+        return _blake2b(fs, path)
+    if kind == "etag" and is_s3(fs):
+        return _s3_etag(fs, path, info)
+    logger.warning("cannot compute a %r fingerprint for %s on this storage; checked its "
+                   "size only", kind, path)
+    return None
+
+
+def _step_dirs(root: str, options: Optional[StorageOptions]) -> list[int]:
+    return sorted(s for s in map(parse_step, listdir(root, options)) if s is not None)
+
+
+def _is_committed(root: str, step: int, options: Optional[StorageOptions]) -> bool:
+    return exists(join(step_dir(root, step), MARKER), options)
+
+
+def _remove_step(root: str, step: int, options: Optional[StorageOptions]) -> None:
+    sdir = step_dir(root, step)
+    remove_tree(join(sdir, MARKER), options)  # marker first: never a half-deleted "committed"
+    remove_tree(sdir, options)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def commit(root: str, step: int, *, world_size: int, mesh: dict, extra: Optional[dict] = None,
+           options: Optional[StorageOptions] = None) -> Manifest:
+    """Record every file of ``step`` with size and fingerprint, then write the marker.
+
+    Call it once every rank's save has finished (DCP's ``.metadata`` exists). Refuses an
+    already committed step and a step without ``.metadata``.
+    """
+    sdir = step_dir(root, step)
+    shown = redact_uri(sdir)
+    if _is_committed(root, step, options):
+        raise CheckpointError(
+            f"step {step} at {shown} is already committed; refusing to overwrite its marker. "
+            "Fix: committed steps are immutable; save under a new step number")
+    fs, path = resolve(sdir, options)
+    files = with_retries(lambda: _list_files(fs, path), what=f"list {shown}")
+    files.pop(MARKER, None)
+    if METADATA not in files:
+        raise CheckpointError(
+            f"cannot commit step {step}: {shown}/{METADATA} is missing "
+            f"({len(files)} other files present). DCP writes it last, so the save has not "
+            "finished or failed. Fix: commit only after every rank's save completed")
+    records = {rel: FileRecord(size=int(info["size"]),
+                               fingerprint=_fingerprint(fs, f"{path}/{rel}", info))
+               for rel, info in sorted(files.items())}
+    manifest = Manifest(step=step, world_size=int(world_size), mesh=dict(mesh), files=records,
+                        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        extra=dict(extra or {}))
+    text = manifest.to_json()  # serialize before writing: a bad extra fails here, not half-way
+    write_text_atomic(join(sdir, MARKER), text, options)
+    logger.info("committed checkpoint step %d at %s (%d files, %d bytes)", step, shown,
+                len(records), sum(r.size for r in records.values()))
+    return manifest
+
+
+def read_manifest(root: str, step: int, options: Optional[StorageOptions] = None) -> Manifest:
+    """The manifest of a committed step; CheckpointError if it is not committed."""
+    marker = join(step_dir(root, step), MARKER)
+    try:
+        text = read_text(marker, options)
+    except FileNotFoundError:
+        raise CheckpointError(f"step {step} is not committed: {redact_uri(marker)} does not "
+                              "exist. Fix: load a committed step (see list_committed)") from None
+    try:
+        manifest = Manifest.from_json(text)
+    except CheckpointError as err:
+        raise CheckpointError(f"step {step}: {redact_uri(marker)}: {err}") from err
+    if manifest.step != step:
+        raise CheckpointError(f"step {step}: {redact_uri(marker)} describes step "
+                              f"{manifest.step}; the directory was renamed or copied wrongly")
+    return manifest
+
+
+def list_committed(root: str, options: Optional[StorageOptions] = None) -> list[int]:
+    """Committed steps under ``root``, ascending. Directories without a marker are ignored."""
+    return [s for s in _step_dirs(root, options) if _is_committed(root, s, options)]
+
+
+def latest_committed(root: str, options: Optional[StorageOptions] = None) -> Optional[int]:
+    steps = list_committed(root, options)
+    return steps[-1] if steps else None
+
+
+def verify(root: str, step: int, *, deep: bool = True,
+           options: Optional[StorageOptions] = None) -> Manifest:
+    """Check that committed ``step`` is intact: every recorded file present, right size,
+    and (``deep``) the same fingerprint. Raises CheckpointError naming each bad file.
+
+    On S3 ``deep`` costs nothing extra (ETags come with the listing); on disk it rereads
+    every byte. Extra files not in the manifest are ignored.
+    """
+    manifest = read_manifest(root, step, options)
+    sdir = step_dir(root, step)
+    fs, path = resolve(sdir, options)
+    found = with_retries(lambda: _list_files(fs, path), what=f"list {redact_uri(sdir)}")
+    problems = []
+    for rel, record in sorted(manifest.files.items()):
+        info = found.get(rel)
+        if info is None:
+            problems.append(f"{rel} is missing")
+            continue
+        size = int(info["size"])
+        if size != record.size:
+            problems.append(f"{rel} has size {size} bytes, manifest says {record.size}")
+            continue
+        if deep:
+            current = _current_fingerprint(fs, f"{path}/{rel}", info, record.fingerprint)
+            if current is not None and current != record.fingerprint:
+                problems.append(f"{rel} checksum differs (manifest {record.fingerprint}, "
+                                f"found {current})")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint step {step} at {redact_uri(sdir)} is corrupt: " + "; ".join(problems)
+            + ". Fix: load an older committed step (resolve_loadable does so) and delete this one")
+    return manifest
+
+
+def resolve_loadable(root: str, *, deep: bool = True,
+                     options: Optional[StorageOptions] = None) -> Resolution:
+    """The newest committed step that verifies, skipping (and logging) corrupt ones.
+
+    Storage errors (endpoint down) propagate instead of counting as corruption: falling
+    back to an older step because the network blinked would silently lose progress.
+    """
+    skipped: list[SkippedStep] = []
+    for step in reversed(list_committed(root, options)):
+        try:
+            manifest = verify(root, step, deep=deep, options=options)
+        except CheckpointError as err:
+            logger.warning("skipping checkpoint step %d: %s", step, err)
+            skipped.append(SkippedStep(step=step, reason=str(err)))
+            continue
+        return Resolution(manifest=manifest, step_uri=step_dir(root, step), skipped=tuple(skipped))
+    return Resolution(manifest=None, step_uri=None, skipped=tuple(skipped))
+
+
+def apply_retention(root: str, keep: int, options: Optional[StorageOptions] = None) -> list[int]:
+    """Delete committed steps older than the newest ``keep``; return the removed steps."""
+    if not isinstance(keep, int) or keep < 1:
+        raise ConfigError("CheckpointConfig.keep", f"must be an int >= 1, got {keep!r}",
+                          "keep at least the newest checkpoint (keep=1)")
+    doomed = list_committed(root, options)[:-keep]
+    for step in doomed:
+        _remove_step(root, step, options)
+        logger.info("retention: removed checkpoint step %d under %s", step, redact_uri(root))
+    return doomed
+
+
+def gc_uncommitted(root: str, *, older_than_step: Optional[int] = None,
+                   steps: Optional[Iterable[int]] = None,
+                   options: Optional[StorageOptions] = None) -> list[int]:
+    """Delete step directories without a marker (leftovers of a crash); return their steps.
+
+    A directory is removed only if it cannot be a save still in flight: its step is below
+    ``older_than_step`` (default: the newest committed step), or it is listed in ``steps``
+    (the caller knows that save was abandoned). Pass ``older_than_step`` above every step
+    only when no worker can be saving (e.g. at restart, before workers start). Committed
+    steps are never removed, even when listed.
+    """
+    all_steps = _step_dirs(root, options)
+    committed = {s for s in all_steps if _is_committed(root, s, options)}
+    threshold = older_than_step if older_than_step is not None else max(committed, default=None)
+    explicit = set(steps or ())
+    removed = []
+    for step in all_steps:
+        if step in committed:
+            continue
+        if not ((threshold is not None and step < threshold) or step in explicit):
+            continue
+        if _is_committed(root, step, options):  # committed since we listed: keep it
+            continue
+        remove_tree(step_dir(root, step), options)
+        logger.info("removed uncommitted checkpoint step %d under %s", step, redact_uri(root))
+        removed.append(step)
+    return removed
