@@ -105,6 +105,7 @@ class TrainWorker:
         self._checkpoint_request: Optional[str] = None
         self.fail_at: Optional[tuple[int, str]] = _fail_at_from_env(rank)
         self.checkpointer = None
+        self._last_saved_step: Optional[int] = None
         self.activations = ActivationCounter()
 
     # ----------------------------------------------------------------- identity
@@ -179,7 +180,7 @@ class TrainWorker:
             if restore and self.spec.checkpoint.resume:
                 restored = self.checkpointer.load_latest(self._stateful())
         if restored is not None:
-            self._step = restored["step"]
+            self._step = self._last_saved_step = restored["step"]
         self._set_phase("idle")
         return {"rank": self.rank, "setup_s": time.time() - t0, "step": self._step,
                 "restored": restored}
@@ -242,14 +243,18 @@ class TrainWorker:
                                                     lr=self.schedulers[0].get_last_lr()[0], grad_norm=grad_norm,
                                                     time=time.time(), samples=self.spec.data.global_batch,
                                                     pp_index=self.pp_index, dp_index=self.dp_index, **probe))
+                if self.checkpointer is not None:
+                    self._note_checkpoint(self.checkpointer.completed())
                 periodic = self.spec.checkpoint.every_steps and step % self.spec.checkpoint.every_steps == 0
                 if control[2] > 0 or (periodic and step < end_step):
                     reason = self._checkpoint_request or "periodic"
                     self._checkpoint_request = None
                     self._save(step, reason if control[2] > 0 else "periodic")
             if self.checkpointer is not None:
-                if self._step == end_step and self.spec.checkpoint.every_steps:
-                    self._save(self._step, "final")
+                # The end of a run and a graceful stop both leave a checkpoint of the last
+                # step, so a resubmitted run loses nothing.
+                if self.spec.checkpoint.every_steps and self._last_saved_step != self._step:
+                    self._save(self._step, "final" if self._step >= end_step else "stop")
                 self._set_phase("checkpoint")
                 self._note_checkpoint(self.checkpointer.wait())
             self._state = "done" if self._step >= end_step else "stopped"
@@ -317,6 +322,7 @@ class TrainWorker:
     def _save(self, step: int, reason: str) -> None:
         if self.checkpointer is None:
             return
+        self._last_saved_step = step
         self._set_phase("checkpoint")
         info = self.checkpointer.save(self._stateful(), step=step, reason=reason)
         self._note_checkpoint(info)
@@ -357,8 +363,15 @@ class TrainWorker:
             return not self._thread.is_alive()
         return True
 
-    def shutdown(self) -> None:
+    def shutdown(self, checkpoint_grace_s: float = 4.0) -> None:
+        """Give an in-flight checkpoint a moment to commit, then leave the process group."""
         import torch.distributed as dist
+
+        if self.checkpointer is not None:
+            try:
+                self.checkpointer.wait(timeout_s=checkpoint_grace_s)
+            except Exception:  # noqa: BLE001 - a peer died mid-upload: it never commits
+                pass
 
         if dist.is_initialized():
             try:

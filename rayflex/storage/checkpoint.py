@@ -18,9 +18,8 @@ import base64
 import io
 import json
 import logging
-import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -73,13 +72,15 @@ class TrainState:
         buf = io.BytesIO()
         torch.save(torch.get_rng_state(), buf)
         return {"step": self.get_step(), "data_position_steps": self.get_step(),
-                "schedulers": [s.state_dict() for s in self.schedulers],
+                # The LR lambdas are code, not state: keep only the counters.
+                "schedulers": [{k: v for k, v in s.state_dict().items() if k != "lr_lambdas"}
+                               for s in self.schedulers],
                 "torch_rng": base64.b64encode(buf.getvalue()).decode(), "config": self.config}
 
     def load_extra(self, extra: dict[str, Any]) -> None:
         # Every stage's scheduler follows the same schedule; the saved split may differ.
         for s in self.schedulers:
-            s.load_state_dict(extra["schedulers"][0])
+            s.load_state_dict({**extra["schedulers"][0], "lr_lambdas": [None] * len(s.lr_lambdas)})
         torch.set_rng_state(torch.load(io.BytesIO(base64.b64decode(extra["torch_rng"]))))
 
 
@@ -92,14 +93,19 @@ class AsyncCheckpointer:
         self.use_async = use_async
         self.keep = keep
         self.mesh = mesh
-        self._inflight: Optional[tuple[int, str, Future, float, float]] = None
-        self._done: list[dict] = []
-        self._lock = threading.Lock()
+        self._inflight: Optional[Future] = None
+        # One background thread finishes (waits for, then commits) one save at a time.
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayflex-ckpt-commit")
         self.last_blocked_s = 0.0
 
     # ----------------------------------------------------------------- save
     def save(self, state: TrainState, *, step: int, reason: str = "periodic") -> list[dict]:
-        """Start a checkpoint of ``step``. Returns reports of saves finished meanwhile."""
+        """Start a checkpoint of ``step``; returns reports of saves that finished meanwhile.
+
+        Blocks only for staging (and, first, for a previous save still in flight). Rank 0
+        commits in the background the moment the upload completes, so a crash two steps
+        later does not lose a checkpoint that was already written.
+        """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
@@ -110,39 +116,47 @@ class AsyncCheckpointer:
         extra = state.extra_state()
         writer = FsspecWriter(path, single_file_per_rank=True, sync_files=False)
         if self.use_async:
-            fut = dcp.async_save(tensors, storage_writer=writer, process_group=self.group)
-            if not isinstance(fut, Future):  # AsyncSaveResponse with a separate staging future
-                fut.staging_completion.result()
-                fut = fut.upload_completion
+            upload = dcp.async_save(tensors, storage_writer=writer, process_group=self.group)
+            if not isinstance(upload, Future):  # AsyncSaveResponse: staging and upload futures
+                upload.staging_completion.result()
+                upload = upload.upload_completion
         else:
             dcp.save(tensors, storage_writer=writer, process_group=self.group)
-            fut = Future()
-            fut.set_result(None)
+            upload = Future()
+            upload.set_result(None)
         blocked = time.perf_counter() - t0
         self.last_blocked_s = blocked
         nbytes = sum(t.numel() * t.element_size() for t in _tensors(tensors))
-        self._inflight = (step, reason, fut, blocked, time.time(), extra, nbytes)
+        report = {"step": step, "reason": reason, "blocked_s": blocked, "bytes": nbytes, "uri": path}
+        self._inflight = self._finisher.submit(self._finish, upload, report, extra, time.time())
         if not self.use_async:
             reports += self.wait()
         return reports
 
-    def wait(self) -> list[dict]:
+    def _finish(self, upload: Future, report: dict, extra: dict, started: float) -> dict:
+        try:
+            upload.result()
+            if self.rank == 0:
+                self._commit(report["step"], extra)
+            report["committed"] = True
+        except Exception as e:  # noqa: BLE001 - a failed save must not kill training
+            log.error("checkpoint of step %d failed: %s", report["step"], e)
+            report["error"] = f"{type(e).__name__}: {e}"
+        report["total_s"] = time.time() - started
+        return report
+
+    def completed(self) -> list[dict]:
+        """Reports of a save that has finished, without waiting for one that has not."""
+        if self._inflight is not None and self._inflight.done():
+            return self.wait()
+        return []
+
+    def wait(self, timeout_s: Optional[float] = None) -> list[dict]:
         """Block until the in-flight save (if any) is written and committed."""
         if self._inflight is None:
             return []
-        step, reason, fut, blocked, started, extra, nbytes = self._inflight
+        report = self._inflight.result(timeout=timeout_s)
         self._inflight = None
-        report = {"step": step, "reason": reason, "blocked_s": blocked, "bytes": nbytes,
-                  "uri": mf.step_dir(self.root, step)}
-        try:
-            fut.result()
-            if self.rank == 0:
-                self._commit(step, extra)
-            report["committed"] = True
-        except Exception as e:  # noqa: BLE001 - a failed save must not kill training
-            log.error("checkpoint of step %d failed: %s", step, e)
-            report["error"] = f"{type(e).__name__}: {e}"
-        report["total_s"] = time.time() - started
         return [report]
 
     def _commit(self, step: int, extra: dict) -> None:

@@ -12,7 +12,14 @@ in a repr, a log line or an error message.
 Retries are layered: botocore retries a few times inside one request, s3fs retries a few
 transport errors, and :func:`with_retries` wraps a whole logical operation (write a file,
 list a directory) with exponential backoff. The outer layer is the one that logs, so an
-operator sees that storage is flaky before it turns into a failure.
+operator sees that storage is flaky before it turns into a failure. The layers multiply:
+a transport error that persists costs up to 3 (botocore) x 5 (s3fs) requests per attempt,
+so a listing that keeps failing takes tens of seconds to become a StorageError. That is
+meant for background work (checkpoint upload); the start-up probe uses one attempt.
+
+s3fs caches directory listings per filesystem instance (and fsspec shares instances per
+process), so objects written by another process are invisible to a cached listing. Every
+listing and stat here drops the cache for its path first.
 """
 
 from __future__ import annotations
