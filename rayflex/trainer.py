@@ -114,28 +114,37 @@ class RunHandle:
             self.controller.request_stop.remote("stopped by user")
         return self.wait(timeout_s, raise_on_failure=False) if wait else None
 
+    def _release(self) -> None:
+        """The run is over and its result fetched: free the name for a resubmission."""
+        import ray
+
+        try:
+            ray.kill(self.controller, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
     def _collect(self, timeout: Optional[float]) -> None:
         import ray
 
         if self._result is None:
-            metrics = ray.get(self.controller.metrics.remote(0), timeout=timeout)
-            self._result = ray.get(self._ref, timeout=timeout)
-            self._metrics_final = metrics
+            result = ray.get(self._ref, timeout=timeout)
+            self._metrics_final = ray.get(self.controller.metrics.remote(0), timeout=timeout)
+            self._result = result
+            self._release()
 
     def wait(self, timeout_s: Optional[float] = None, *, raise_on_failure: bool = True,
              progress: bool = False) -> Result:
         """Block until the run ends; raise the worker's error if it failed."""
         import ray
 
-        if progress:
-            _show_progress(self)
-        ready, _ = ray.wait([self._ref], timeout=timeout_s)
-        if not ready:
-            raise TimeoutError(f"run {self.name!r} still running after {timeout_s}s")
-        self._result = ray.get(self._ref)
-        metrics = ray.get(self.controller.metrics.remote(0), timeout=30)
-        self._metrics_final = metrics
-        res = Result.from_dict(self._result, metrics)
+        if self._result is None:
+            if progress:
+                _show_progress(self)
+            ready, _ = ray.wait([self._ref], timeout=timeout_s)
+            if not ready:
+                raise TimeoutError(f"run {self.name!r} still running after {timeout_s}s")
+            self._collect(timeout=60)
+        res = Result.from_dict(self._result, self._metrics_final)
         if raise_on_failure and res.status == "failed":
             d = self._result
             if d.get("error_type") == "WorkerError":
@@ -228,6 +237,17 @@ class Trainer:
         check_storage(self.spec.run.storage)
         if self.spec.checkpoint.uri:
             check_storage(self.spec.checkpoint.uri)
+        ckpt = self.spec.checkpoint
+        if ckpt.every_steps and not ckpt.resume:
+            from rayflex.errors import ConfigError
+            from rayflex.storage import manifest as mf
+
+            latest = mf.latest_committed(self.spec.checkpoint_uri)
+            if latest is not None:
+                raise ConfigError("CheckpointConfig.resume",
+                                  f"resume=False but {self.spec.checkpoint_uri} already holds committed "
+                                  f"checkpoints (latest step {latest}); a fresh run would mix two timelines",
+                                  "set resume=True to continue it, or use a new RunConfig.name")
         from rayflex.actors.data import TokenDataset
 
         ds = TokenDataset(self.spec.data.uri)

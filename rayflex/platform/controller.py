@@ -95,7 +95,15 @@ class Controller:
                 "tokens_per_s": last.get("tokens_per_s"),
                 "world_size": self.plan.world_size if self.plan else None,
                 "last_checkpoint": self._last_ckpt, "run_dir": self.spec.run.run_dir,
-                "reason": self.reason, "restarts": len(self.timeline.of(ev.Restarted))}
+                "reason": self.reason, "restarts": len(self.timeline.of(ev.Restarted)),
+                "workers": self._workers()}
+
+    def _workers(self) -> list[dict]:
+        group = self.group
+        if group is None or not getattr(group, "node_of", None):
+            return []
+        pids = getattr(group, "pids", {})
+        return [{"rank": r, "node_id": group.node_of.get(r), "pid": pids.get(r)} for r in sorted(group.node_of)]
 
     def metrics(self, since_step: int = 0) -> list[dict]:
         with self._lock:

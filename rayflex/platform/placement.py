@@ -41,7 +41,7 @@ import heapq
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from rayflex.errors import ConfigError, PlacementError
@@ -380,7 +380,8 @@ class _Relaxation:
 # Realiser: pack a level plan onto nodes
 # --------------------------------------------------------------------------------------
 def _realize(tree: _Tree, mesh: MeshShape, rows: Sequence[int], bnds: Sequence[int],
-             robust: bool = False, budget: int = 4000) -> Optional[List[Dict[int, int]]]:
+             robust: bool = False, budget: int = 4000,
+             deadline: float = math.inf) -> Optional[List[Dict[int, int]]]:
     """Per-stage node counts honouring the level plan, or None if the packer finds none.
 
     Stages tied at node level (boundary level 0) form a run placed as dp chunks of
@@ -388,7 +389,7 @@ def _realize(tree: _Tree, mesh: MeshShape, rows: Sequence[int], bnds: Sequence[i
     subtree inside the subtree it is tied to (the previous run's); homes are tried nearest
     the previous run first, then best fit, and chunks go first fit (previous run's nodes,
     then rack order; or smallest free space first). The packer backtracks over these
-    choices within ``budget`` placements. ``robust`` also lets a run escalate to a slower
+    choices within ``budget`` placements and the ``deadline``. ``robust`` also lets a run escalate to a slower
     level instead of failing, so a plan of untied stages always realises.
     """
     pp, dp = mesh.pp, mesh.dp
@@ -415,7 +416,7 @@ def _realize(tree: _Tree, mesh: MeshShape, rows: Sequence[int], bnds: Sequence[i
         for lv, tie in levels:
             for placed in _run_options(tree, rem, dp, k, lv, tie, prev, ahead):
                 tries[0] -= 1
-                if tries[0] < 0:
+                if tries[0] < 0 or (not robust and time.monotonic() > deadline):
                     return False
                 for i, ch in placed.items():
                     rem[i] -= ch * k
@@ -552,9 +553,9 @@ def _canon(tree_zone, tree_dom, s: int, per_node: Sequence[tuple]) -> tuple:
     return (s, tuple(sorted(tuple(sorted(tuple(sorted(d)) for d in z.values())) for z in zones.values())))
 
 
-def _exact_counts(tree: _Tree, costs: _Costs, mesh: MeshShape,
-                  max_states: int) -> Optional[Tuple[float, List[Dict[int, int]]]]:
-    """Optimal per-stage node counts by memoised search, or None past ``max_states``.
+def _exact_counts(tree: _Tree, costs: _Costs, mesh: MeshShape, max_states: int,
+                  deadline: float = math.inf) -> Optional[Tuple[float, List[Dict[int, int]]]]:
+    """Optimal per-stage node counts by memoised search; None past ``max_states`` or deadline.
 
     Nodes with the same rack, zone, free slots and previous-stage count are interchangeable,
     so a stage's counts are enumerated as non-increasing tuples per such class.
@@ -606,7 +607,7 @@ def _exact_counts(tree: _Tree, costs: _Costs, mesh: MeshShape,
         key = _canon(tree.zone, tree.dom, s, list(zip(rem, prev)))
         if key in memo:
             return memo[key]
-        if len(memo) >= max_states:
+        if len(memo) >= max_states or time.monotonic() > deadline:
             raise _SearchBudgetExceeded
         best = math.inf
         for c in options(rem, prev):
@@ -729,6 +730,21 @@ def _make_plan(tree: _Tree, costs: _Costs, mesh: MeshShape, profile: CommProfile
                 naive_s, text, lower_bound, optimal, method, ev.fsdp_s, ev.p2p_s)
 
 
+def modeled_comm_seconds(topology: Topology, mesh: MeshShape, profile: CommProfile,
+                         rank_to_node: Sequence[str], bandwidths: Optional[Bandwidths] = None) -> float:
+    """Modeled communication seconds per step of any rank -> node id assignment."""
+    if len(rank_to_node) != mesh.world_size:
+        raise ValueError(f"rank_to_node has {len(rank_to_node)} entries for world size {mesh.world_size}")
+    used = set(rank_to_node)
+    tree = _Tree([n for n in topology.nodes if n.node_id in used])
+    index = {nd.node_id: i for i, nd in enumerate(tree.nodes)}
+    missing = used - set(index)
+    if missing:
+        raise ValueError(f"rank_to_node names nodes not in the topology: {sorted(missing)[:5]}")
+    costs = _Costs(mesh, profile, bandwidths or topology.bandwidths)
+    return _evaluate(tree, costs, mesh, [index[n] for n in rank_to_node]).total
+
+
 def _naive_assignment(tree: _Tree, mesh: MeshShape) -> List[int]:
     return [i for i in range(tree.n) for _ in range(tree.cap[i])][:mesh.world_size]
 
@@ -841,14 +857,21 @@ def brute_force_plan(topology: Topology, mesh: MeshShape, profile: CommProfile, 
 class Planner:
     """Chooses rank -> (node, slot) for a pp x dp mesh by the cost model above.
 
-    ``exact_search_states`` bounds the memoised exact search used when the hierarchical plan
-    does not meet the lower bound (0 disables it); small clusters always finish well inside it.
+    When the first level plan packs, the plan meets the lower bound and planning stops
+    (uniform clusters, including 16,384 slots, take well under a second). Otherwise it tries
+    up to ``level_plans`` level plans, then, on clusters of at most ``exact_search_max_slots``
+    eligible slots, an exact search of at most ``exact_search_states`` states (0 disables it).
+    ``time_budget_s`` caps each of those two phases; past it the plan is the best found, and
+    its explanation gives the gap to the lower bound.
     """
 
     def __init__(self, topology: Topology, bandwidths: Optional[Bandwidths] = None,
-                 exact_search_states: int = 20_000, level_plans: int = 64):
+                 exact_search_states: int = 20_000, exact_search_max_slots: int = 64,
+                 level_plans: int = 64, time_budget_s: float = 1.0):
         self.topology = topology
         self.level_plans = level_plans
+        self.exact_search_max_slots = exact_search_max_slots
+        self.time_budget_s = time_budget_s
         self.bandwidths = bandwidths or topology.bandwidths
         self.exact_search_states = exact_search_states
 
@@ -857,6 +880,7 @@ class Planner:
              market_type: Optional[str] = None) -> Plan:
         nodes = _eligible_nodes(self.topology, mesh, require_labels, market_type)
         tree, costs = _Tree(nodes), _Costs(mesh, profile, self.bandwidths)
+        deadline = time.monotonic() + self.time_budget_s
         relax = _Relaxation(tree, costs, mesh)
         lower_bound = relax.solve()
         naive_nor = _naive_assignment(tree, mesh)
@@ -873,19 +897,25 @@ class Planner:
                     best = (total, nor, method)
 
         # level plans cheapest first; stop once the next one cannot beat what is realised
+        first = None
         for tried, (relaxed, rows, bnds) in enumerate(relax.plans()):
-            if tried >= self.level_plans or (best is not None and relaxed >= best[0] * (1 - _REL)):
+            first = first or (rows, bnds)
+            if (tried >= self.level_plans or (best is not None and relaxed >= best[0] * (1 - _REL))
+                    or (tried and time.monotonic() > deadline)):
                 break
-            consider(_realize(tree, mesh, rows, bnds), "hierarchical")
+            consider(_realize(tree, mesh, rows, bnds, deadline=deadline), "hierarchical")
         if best is None or not meets(best[0]):
+            consider(_realize(tree, mesh, *first, robust=True), "hierarchical (levels relaxed)")
             alone = [relax.rows_ok[0]] * mesh.pp
             consider(_realize(tree, mesh, alone, [3] * (mesh.pp - 1), robust=True),
                      "hierarchical (stages packed one by one)")
             if naive_s < best[0] * (1 - _REL):
                 best = (naive_s, naive_nor, "naive order (no better packing found)")
         optimal = meets(best[0])
-        if not optimal and self.exact_search_states > 0:
-            found = _exact_counts(tree, costs, mesh, self.exact_search_states)
+        if (not optimal and self.exact_search_states > 0
+                and sum(tree.cap) <= self.exact_search_max_slots):
+            found = _exact_counts(tree, costs, mesh, self.exact_search_states,
+                                  time.monotonic() + self.time_budget_s)
             if found is not None:
                 nor = _columns_from_counts(tree, found[1], mesh.dp)
                 total = _evaluate(tree, costs, mesh, nor).total
@@ -929,12 +959,12 @@ def _where(tree: _Tree, members: Dict[int, int], level: int) -> str:
     shown = ", ".join(f"{_short(tree.nodes[i].node_id)} x{members[i]}" for i in nodes[:4])
     more = f", +{len(nodes) - 4} more" if len(nodes) > 4 else ""
     first = tree.nodes[nodes[0]]
-    racks = {tree.nodes[i].rack for i in nodes}
-    zones = {tree.nodes[i].zone for i in nodes}
+    zone = f"zone {first.zone}" if first.zone else "the unnamed zone"
+    racks = {tree.dom[i] for i in nodes}
     home = {0: f"node {_short(first.node_id)}",
-            1: f"rack {first.rack} (zone {first.zone})",
-            2: f"zone {first.zone}, {len(racks)} racks",
-            3: f"{len(zones)} zones"}[level]
+            1: f"rack {first.rack} ({zone})",
+            2: f"{zone}, {len(racks)} racks" if len(racks) > 1 else zone,
+            3: f"{len({tree.zone[i] for i in nodes})} zones"}[level]
     return f"{len(nodes)} node(s) [{shown}{more}] in {home}"
 
 

@@ -109,12 +109,19 @@ class AsyncCheckpointer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
+        import torch.distributed as dist
+
         reports = self.wait()  # at most one save in flight
         path = mf.step_dir(self.root, step)
         t0 = time.perf_counter()
+        if self.rank == 0:
+            mf.prepare_step_dir(self.root, step)
+        if dist.is_initialized():
+            dist.barrier(group=self.group)  # nobody writes before the directory is clean
         tensors = state.tensor_state()
         extra = state.extra_state()
         writer = FsspecWriter(path, single_file_per_rank=True, sync_files=False)
+        _maybe_slow_upload(writer, step)
         if self.use_async:
             upload = dcp.async_save(tensors, storage_writer=writer, process_group=self.group)
             if not isinstance(upload, Future):  # AsyncSaveResponse: staging and upload futures
@@ -182,6 +189,8 @@ class AsyncCheckpointer:
         if self.rank == 0:
             found = mf.resolve_loadable(self.root)
             skipped = [f"step {s.step}: {s.reason}" for s in found.skipped]
+            for s in found.skipped:  # corrupt: withdraw it so it is never tried again
+                mf.quarantine(self.root, s.step, s.reason)
             if found.manifest is not None:
                 m = found.manifest
                 choice[0] = {"step": m.step, "world_size": m.world_size, "mesh": m.mesh, "skipped": skipped}
@@ -200,6 +209,26 @@ class AsyncCheckpointer:
         state.load_extra(json.loads(_read_bytes(fs_join(path, EXTRA_FILE))))
         info["uri"] = path
         return info
+
+
+def _maybe_slow_upload(writer, step: int) -> None:
+    """Fault injection for crash tests: ``RAYFLEX_SLOW_UPLOAD="FROM_STEP:SECONDS"`` delays
+    the background upload of every save from that step on (staging is not delayed)."""
+    import os
+
+    raw = os.environ.get("RAYFLEX_SLOW_UPLOAD")
+    if not raw:
+        return
+    from_step, _, seconds = raw.partition(":")
+    if step < int(from_step):
+        return
+    original = writer.write_data
+
+    def slow_write_data(*args, **kwargs):
+        time.sleep(float(seconds))
+        return original(*args, **kwargs)
+
+    writer.write_data = slow_write_data
 
 
 def _write_bytes(uri: str, data: bytes) -> None:

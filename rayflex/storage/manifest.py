@@ -368,3 +368,30 @@ def gc_uncommitted(root: str, *, older_than_step: Optional[int] = None,
         logger.info("removed uncommitted checkpoint step %d under %s", step, redact_uri(root))
         removed.append(step)
     return removed
+
+
+QUARANTINE = "QUARANTINED.json"
+
+
+def quarantine(root: str, step: int, reason: str, options: Optional[StorageOptions] = None) -> None:
+    """Withdraw a committed step that failed verification.
+
+    The reason goes to ``QUARANTINED.json`` (for the post-mortem), then the marker is
+    removed: loaders ignore the step from now on, and a later save of the same step number
+    (the resumed run passing it again) may clear the directory and write it anew.
+    """
+    sdir = step_dir(root, step)
+    write_text_atomic(join(sdir, QUARANTINE), json.dumps({"step": step, "reason": reason}), options)
+    remove_tree(join(sdir, MARKER), options)
+    logger.warning("quarantined checkpoint step %d at %s: %s", step, redact_uri(sdir), reason)
+
+
+def prepare_step_dir(root: str, step: int, options: Optional[StorageOptions] = None) -> None:
+    """Make ``step``'s directory ready for a fresh save: refuse a committed one (committed
+    steps are immutable), clear leftovers of a crashed or quarantined attempt, so stale
+    shards from another world size never end up in the new manifest."""
+    if _is_committed(root, step, options):
+        raise CheckpointError(
+            f"step {step} is already committed at {redact_uri(step_dir(root, step))}; refusing to "
+            "overwrite it. Fix: resume from it (CheckpointConfig.resume=True) or use a new run name")
+    remove_tree(step_dir(root, step), options)

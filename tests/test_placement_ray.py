@@ -1,0 +1,73 @@
+"""PlacementManager on a real two-node Ray cluster: every actor lands on its planned node.
+
+Both "nodes" run on this machine and share 127.0.0.1, so only a node-id label selector can
+tell them apart; this is the one test that needs Ray.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import pytest  # noqa: E402
+
+from rayflex.errors import PlacementError  # noqa: E402
+from rayflex.platform.placement import CommProfile, MeshShape, Plan, PlacementManager, Planner  # noqa: E402
+from rayflex.platform.topology import Topology  # noqa: E402
+
+
+@pytest.fixture
+def two_node_cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "node_ip_address": "127.0.0.1", "num_cpus": 2, "labels": {"rack": "r0"}})
+    try:
+        cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2, labels={"rack": "r1"})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.cluster
+def test_actors_run_on_their_planned_nodes(two_node_cluster):
+    import ray
+
+    topology = Topology.from_ray(cpus_per_worker=1)
+    assert sorted(n.rack for n in topology.nodes) == ["r0", "r1"]
+    mesh = MeshShape(pp=2, dp=2)
+    plan = Planner(topology).plan(mesh, CommProfile.uniform(2, 4e9, 16e6, 4))
+    # each FSDP group inside one node (one "rack" each)
+    assert plan.rank_to_node[0] == plan.rank_to_node[1] != plan.rank_to_node[2] == plan.rank_to_node[3]
+
+    @ray.remote(num_cpus=1)
+    class Probe:
+        def node_id(self):
+            return ray.get_runtime_context().get_node_id()
+
+    manager = PlacementManager(plan, {"CPU": 1})
+    try:
+        manager.place(timeout_s=60)
+        probes = [Probe.options(scheduling_strategy=manager.scheduling_strategy(rank)).remote()
+                  for rank in range(mesh.world_size)]
+        assert ray.get([p.node_id.remote() for p in probes], timeout=60) == list(plan.rank_to_node)
+        for p in probes:
+            ray.kill(p)
+    finally:
+        manager.remove()
+
+    # a plan naming a node that does not exist times out, cleans up and says which node
+    ghost = "f" * 56
+    bogus = Plan(mesh=MeshShape(1, 1), rank_to_node=(ghost,), rank_to_slot=(0,), modeled_comm_s=0.0,
+                 naive_comm_s=0.0, explanation="")
+    stuck = PlacementManager(bogus, {"CPU": 1})
+    with pytest.raises(PlacementError, match=f"node {ghost}"):
+        stuck.place(timeout_s=2)
+    from ray.util import placement_group_table
+
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
