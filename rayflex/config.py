@@ -57,6 +57,8 @@ class ScalingConfig:
     resources_per_worker: dict = field(default_factory=dict)
     # Torch intra-op threads per worker; 1 avoids oversubscribing small machines.
     torch_threads: int = 1
+    # Node labels every worker's node must carry, e.g. {"ray.io/market-type": "spot"}.
+    node_labels: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         c = "ScalingConfig"
@@ -74,9 +76,12 @@ class ScalingConfig:
                               "pick num_workers between min_workers and max_workers")
         object.__setattr__(self, "min_workers", lo)
         object.__setattr__(self, "max_workers", hi)
-        if not isinstance(self.cpus_per_worker, (int, float)) or self.cpus_per_worker < 0:
-            raise ConfigError(f"{c}.cpus_per_worker", f"must be >= 0, got {self.cpus_per_worker!r}",
-                              "use e.g. 1")
+        if not isinstance(self.cpus_per_worker, (int, float)) or self.cpus_per_worker <= 0:
+            raise ConfigError(f"{c}.cpus_per_worker", f"must be > 0, got {self.cpus_per_worker!r}",
+                              "use e.g. 1 (a worker needs CPU time even on a GPU node)")
+        if not isinstance(self.node_labels, dict):
+            raise ConfigError(f"{c}.node_labels", "must be a dict of label -> value",
+                              "use e.g. {'ray.io/market-type': 'spot'}")
         _positive_int(c, "torch_threads", self.torch_threads)
         if not isinstance(self.resources_per_worker, dict):
             raise ConfigError(f"{c}.resources_per_worker", "must be a dict of resource -> amount",

@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 from rayflex.config import (CheckpointConfig, DataConfig, ElasticConfig, ParallelConfig, RunConfig,
                             ScalingConfig, TrainSpec)
-from rayflex.errors import RayflexError, RunFailed, WorkerError
+from rayflex.errors import (CheckpointError, PlacementError, RayflexError, RunFailed, StorageError,
+                            WorkerError)
 
 log = logging.getLogger(__name__)
 
@@ -44,27 +45,42 @@ class Result:
                    metrics=metrics, raw=d)
 
 
+def _running_cluster_address() -> Optional[str]:
+    """The address of a cluster started on this machine with ``ray start`` and still alive.
+
+    Ray's own ``address="auto"`` connects to *any* GCS process it finds (another user's
+    test cluster, a stale one); rayflex only joins the one named in Ray's bootstrap file,
+    and only if a live GCS process actually serves it.
+    """
+    try:
+        from ray._private import services
+
+        bootstrap = services.find_bootstrap_address(None)
+        if bootstrap and bootstrap in set(services.find_gcs_addresses()):
+            return bootstrap
+    except Exception:  # noqa: BLE001 - private API moved: fall back to a fresh local Ray
+        log.debug("could not look for a running Ray cluster", exc_info=True)
+    return None
+
+
 def ensure_ray(min_cpus: float = 0, *, connect_only: bool = False) -> None:
-    """Connect to the cluster in RAY_ADDRESS / the running one, else start a local Ray
+    """Connect to RAY_ADDRESS or this machine's running cluster, else start a local Ray
     (unless ``connect_only``, where no cluster raises ConnectionError)."""
     import ray
 
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    address = os.environ.get("RAY_ADDRESS") or _running_cluster_address()
+    if address:
+        ray.init(address=address, log_to_driver=True)
         return
-    try:
-        ray.init(address="auto", log_to_driver=True)
-        return
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        if connect_only:
-            raise ConnectionError(f"no running Ray cluster to connect to: {e}") from None
+    if connect_only:
+        raise ConnectionError("no running Ray cluster on this machine and RAY_ADDRESS is not set")
     # The embedded default: a single-node Ray on loopback with at least one logical CPU
     # per worker (workers mostly wait on collectives; OMP threads are pinned to 1).
     cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
-    ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
+    ray.init(address="local", num_cpus=cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
              log_to_driver=True)
 
 
@@ -149,6 +165,10 @@ class RunHandle:
             d = self._result
             if d.get("error_type") == "WorkerError":
                 raise WorkerError(d.get("error_rank", -1), "", d["steps_completed"] + 1, d.get("error") or "")
+            typed = {"PlacementError": PlacementError, "StorageError": StorageError,
+                     "CheckpointError": CheckpointError}.get(d.get("error_type") or "")
+            if typed is not None:  # keep the type the controller raised
+                raise typed(f"run {self.name!r} failed: {d.get('error')}")
             raise RunFailed(self.name, d.get("reason") or d.get("error") or "unknown")
         return res
 
@@ -229,6 +249,25 @@ class Trainer:
         """Run to the end, showing progress; raises the worker's error if the run fails."""
         handle = self.submit()
         return handle.wait(progress=progress)
+
+    def plan(self, topology=None, *, world_size: Optional[int] = None):
+        """Where the ranks would go, and why: a dry run of the placement planner.
+
+        ``topology``: a :class:`rayflex.platform.topology.Topology`, a YAML/JSON file
+        describing nodes and labels (no cluster needed), or None for the connected (or
+        embedded local) cluster. Returns a ``Plan`` (``print(plan.format(ranks=True))``).
+        """
+        from rayflex.actors.parallel import plan_mesh
+        from rayflex.platform.placement_policy import plan_for
+        from rayflex.platform.topology import Topology
+
+        if isinstance(topology, str):
+            topology = Topology.from_file(topology)
+        elif topology is None:
+            ensure_ray(self.spec.scaling.num_workers * self.spec.scaling.cpus_per_worker)
+        mesh = plan_mesh(self.spec.model, self.spec.parallel, self.spec.data,
+                         world_size or self.spec.scaling.num_workers)
+        return plan_for(self.spec, mesh, topology)
 
     def _preflight(self) -> None:
         """Checks that touch the outside world, still before any actor: storage, data."""

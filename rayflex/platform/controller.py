@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 from rayflex.actors.parallel import MeshPlan, plan_mesh
 from rayflex.config import TrainSpec
 from rayflex.constants import knob
-from rayflex.errors import PlacementError, RayflexError, WorkerError
+from rayflex.errors import RayflexError, WorkerError
 from rayflex.platform import events as ev
 from rayflex.storage.rundir import RunDirectory
 
@@ -148,7 +148,7 @@ class Controller:
         world = self.spec.scaling.num_workers
         self.plan = plan_mesh(self.spec.model, self.spec.parallel, self.spec.data, world)
         t0 = time.time()
-        placer = self._placer or default_placer
+        placer = self._placer or _topology_placer
         self.placement, strategies, placement_info = placer(self.spec, self.plan)
         factory = self._group_factory or _ray_group
         self.group = factory(self.spec, self.plan, strategies)
@@ -320,42 +320,13 @@ def _describe_spec(spec: TrainSpec) -> dict:
     return out
 
 
+def _topology_placer(spec, plan):
+    from rayflex.platform.placement_policy import place_run
+
+    return place_run(spec, plan)
+
+
 def _ray_group(spec, plan, strategies):
     from rayflex.platform.worker_group import RayWorkerGroup
 
     return RayWorkerGroup(spec, plan, strategies)
-
-
-class _PackPlacement:
-    """One PACK placement group, ranks in bundle order (what Ray Train does)."""
-
-    def __init__(self, pg):
-        self.pg = pg
-
-    def remove(self) -> None:
-        from ray.util.placement_group import remove_placement_group
-
-        remove_placement_group(self.pg)
-
-
-def default_placer(spec: TrainSpec, plan: MeshPlan):
-    """Reserve one bundle per rank; returns (placement, per-rank strategies, event info)."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    res = spec.scaling.worker_resources()
-    pg = placement_group([dict(res) for _ in range(plan.world_size)], strategy="PACK",
-                         name=f"rayflex:{spec.run.name}")
-    timeout = knob("PLACEMENT_TIMEOUT_S")
-    ready, _ = ray.wait([pg.ready()], timeout=timeout)
-    if not ready:
-        remove_placement_group(pg)
-        avail = ray.available_resources()
-        raise PlacementError(
-            f"could not reserve {plan.world_size} workers x {res} within {timeout:.0f}s; the cluster has "
-            f"{ {k: avail.get(k, 0) for k in res} } available. Add nodes, lower ScalingConfig.num_workers, "
-            f"or lower the per-worker resources.")
-    strategies = [PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-                  for i in range(plan.world_size)]
-    return _PackPlacement(pg), strategies, {}

@@ -64,6 +64,7 @@ class PlanChosen(Event):
     micro_batch: int = 1
     accum_steps: int = 1
     rank_to_node: list = field(default_factory=list)
+    planned_rank_to_node: list = field(default_factory=list)
     modeled_comm_s: Optional[float] = None
     naive_comm_s: Optional[float] = None
     explanation: str = ""

@@ -94,6 +94,7 @@ class AsyncCheckpointer:
         self.keep = keep
         self.mesh = mesh
         self._inflight: Optional[Future] = None
+        self._staging = None
         # One background thread finishes (waits for, then commits) one save at a time.
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayflex-ckpt-commit")
         self.last_blocked_s = 0.0
@@ -123,7 +124,8 @@ class AsyncCheckpointer:
         writer = FsspecWriter(path, single_file_per_rank=True, sync_files=False)
         _maybe_slow_upload(writer, step)
         if self.use_async:
-            upload = dcp.async_save(tensors, storage_writer=writer, process_group=self.group)
+            upload = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
+                                    async_stager=self._stager())
             if not isinstance(upload, Future):  # AsyncSaveResponse: staging and upload futures
                 upload.staging_completion.result()
                 upload = upload.upload_completion
@@ -139,6 +141,18 @@ class AsyncCheckpointer:
         if not self.use_async:
             reports += self.wait()
         return reports
+
+    def _stager(self):
+        """A stager that keeps its host buffers between saves, so staging is one copy into
+        memory that already exists (pinned on GPU hosts), not an allocation per save. Safe
+        because a save starts only after the previous upload finished reading them."""
+        if self._staging is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            cuda = torch.cuda.is_available()
+            self._staging = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                         use_async_staging=False, use_non_blocking_copy=cuda))
+        return self._staging
 
     def _finish(self, upload: Future, report: dict, extra: dict, started: float) -> dict:
         try:
