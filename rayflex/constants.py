@@ -23,6 +23,8 @@ _DEFAULTS: dict[str, float] = {
     "COLLECTIVE_TIMEOUT_S": 300.0,
     # Waiting for placement groups to be scheduled.
     "PLACEMENT_TIMEOUT_S": 60.0,
+    # How long survivors of a fault get to leave the failed attempt before being killed.
+    "RELEASE_TIMEOUT_S": 10.0,
     # Worker setup (rendezvous, model build, checkpoint load).
     "SETUP_TIMEOUT_S": 300.0,
 }
@@ -45,5 +47,17 @@ def knob(name: str) -> float:
 
 
 def knob_env() -> dict[str, str]:
-    """The RAYFLEX_* variables set in this process, to forward to actors' runtime_env."""
+    """The RAYFLEX_* variables set in this process, to hand to the actors it creates."""
     return {k: v for k, v in os.environ.items() if k.startswith("RAYFLEX_")}
+
+
+def adopt_knobs(knobs: dict[str, str] | None) -> None:
+    """Install the creator's RAYFLEX_* values in this (actor) process.
+
+    Passed as a constructor argument rather than a Ray ``runtime_env``: an actor with a
+    runtime_env of its own cannot use Ray's prestarted worker processes, which costs
+    seconds per worker at every (re)start.
+    """
+    for k, v in (knobs or {}).items():
+        if k.startswith("RAYFLEX_"):
+            os.environ[k] = v

@@ -240,9 +240,8 @@ class Trainer:
                                f"stop it first (`rayflex status {self.spec.run.name}`) or pick another name")
         from rayflex.constants import knob_env
 
-        remote = ray.remote(num_cpus=0, max_concurrency=8,
-                            runtime_env={"env_vars": knob_env()} if knob_env() else None)(Controller)
-        controller = remote.options(name=name, namespace=CONTROLLER_NAMESPACE).remote(self.spec)
+        remote = ray.remote(num_cpus=0, max_concurrency=8)(Controller)
+        controller = remote.options(name=name, namespace=CONTROLLER_NAMESPACE).remote(self.spec, knobs=knob_env())
         return RunHandle(self.spec.run.name, controller, controller.run.remote())
 
     def fit(self, *, progress: bool = True) -> Result:

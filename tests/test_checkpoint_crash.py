@@ -51,24 +51,23 @@ def test_worker_killed_mid_upload_leaves_previous_checkpoint(cluster, dataset_ur
     handle = _trainer(dataset_uri, storage, name, steps=12).submit()
     status = _wait_for(lambda: (lambda s: s if s["step"] >= 5 else None)(handle.status()), 120, "step 5")
     assert mf.list_committed(root) == [2]
+    step4 = tmp_path / "runs" / name / "checkpoints" / "step_00000004"
+    assert step4.exists() and not (step4 / mf.MARKER).exists(), "step 4 is being uploaded"
     victim = next(w for w in status["workers"] if w["rank"] == 1)
     os.kill(victim["pid"], signal.SIGKILL)  # a worker process we started dies mid-upload
-    with pytest.raises(rf.RayflexError):
-        handle.wait(timeout_s=120)
     monkeypatch.delenv("RAYFLEX_SLOW_UPLOAD")
+    result = handle.wait(timeout_s=240)
 
-    assert mf.list_committed(root) == [2], "the interrupted step 4 must never count as committed"
-    step4 = tmp_path / "runs" / name / "checkpoints" / "step_00000004"
-    assert step4.exists() and not (step4 / mf.MARKER).exists()
-    died = [e for e in _events(tmp_path, name) if e["kind"] == "worker_died"]
-    assert died and died[0]["rank"] == 1
-
-    result = _trainer(dataset_uri, storage, name, steps=12).fit(progress=False)
+    # The run heals itself: the half-written step 4 is never loaded; step 2 is.
     assert result.status == "finished" and result.steps_completed == 12
-    loaded = [e for e in _events(tmp_path, name) if e["kind"] == "checkpoint_loaded"]
+    events = _events(tmp_path, name)
+    died = [e for e in events if e["kind"] == "worker_died"]
+    assert died and died[0]["rank"] == 1
+    loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
     assert loaded[-1]["step"] == 2
     assert mf.list_committed(root) == [8, 10, 12]
-    assert "COMMITTED" not in " ".join(os.listdir(step4)) if step4.exists() else True
+    for step in mf.list_committed(root):
+        mf.verify(root, step)
 
 
 def test_flipped_byte_is_detected_and_previous_step_loaded(cluster, dataset_uri, tmp_path, capsys):

@@ -57,8 +57,11 @@ def random_case(rng, max_slots=12):
             break
     pp, dp = rng.choice([(p, d) for p in range(1, total + 1) for d in range(1, total // p + 1)])
     scale = 10 ** rng.uniform(-3, 3)  # from FSDP-dominated to activation-dominated models
-    profile = CommProfile(tuple(10 ** rng.uniform(8, 10) for _ in range(pp)),
-                          10 ** rng.uniform(6, 9) * scale, rng.randint(1, 16), rng.random() < 0.3)
+    params = [10 ** rng.uniform(8, 10) for _ in range(pp)]
+    if rng.random() < 0.2:
+        params[rng.randrange(pp)] = 0.0  # a stage without parameters (edge case of the bound)
+    activations = 0.0 if rng.random() < 0.05 else 10 ** rng.uniform(6, 9) * scale
+    profile = CommProfile(tuple(params), activations, rng.randint(1, 16), rng.random() < 0.3)
     return Topology(tuple(nodes)), MeshShape(pp, dp), profile
 
 
@@ -76,7 +79,7 @@ def assert_valid(plan, topology):
 def test_planner_matches_brute_force_on_random_small_clusters():
     rng = random.Random(20240611)
     fast_optimal = 0
-    cases = 100
+    cases = 200
     for case in range(cases):
         topology, mesh, profile = random_case(rng)
         best = brute_force_plan(topology, mesh, profile)
@@ -128,7 +131,7 @@ def test_each_fsdp_group_stays_in_one_rack():
 def test_cost_model_formula_on_a_hand_example():
     # two stages x two ranks: stage 0 on node a, stage 1 on node b, a and b in one rack
     bw = Bandwidths()
-    topology = Topology((NodeInfo("a", slots=2, labels={"rack": "r"}), NodeInfo("b", slots=2, labels={"rack": "r"})))
+    topology = Topology(tuple(NodeInfo(n, slots=2, labels={"rack": "r"}) for n in "ab"))
     profile = CommProfile((4e9, 2e9), activation_bytes=1e8, microbatches=4)
     mesh = MeshShape(2, 2)
     cost = modeled_comm_seconds(topology, mesh, profile, ["a", "a", "b", "b"])
@@ -188,7 +191,8 @@ def test_label_and_market_filters_choose_the_nodes():
     (MeshShape(4, 4), {}, ["need 16 worker slots", "only 12", "1 dead", "1 draining"]),
     (MeshShape(1, 2), {"require_labels": {"rack": "r9"}}, ["rack='r9'", "0 of 3", "['r0', 'r1']"]),
     (MeshShape(1, 2), {"market_type": "spot"}, ["no usable spot nodes", "ray.io/market-type=spot"]),
-    (MeshShape(2, 4), {"market_type": "on-demand"}, ["need 8 worker slots", "only 4", "market-type=on-demand"]),
+    (MeshShape(2, 4), {"market_type": "on-demand"},
+     ["need 8 worker slots", "only 4", "market-type=on-demand"]),
 ])
 def test_infeasible_requests_name_what_is_missing(mesh, kwargs, words):
     nodes = [NodeInfo("a", slots=4, labels={"rack": "r0", "ray.io/market-type": "on-demand"}),
@@ -209,6 +213,7 @@ def test_plan_serialises_and_explains_itself():
     data = json.loads(json.dumps(plan.to_dict()))
     assert data["pp"] == 4 and len(data["rank_to_node"]) == 64 and data["optimal"] is True
     text = plan.format(ranks=True)
-    for needle in ("stage 0: ranks 0-15", "SAME_DOMAIN", "1 -> 2", "naive PACK", "lower bound", "ranks per node"):
+    for needle in ("stage 0: ranks 0-15", "SAME_DOMAIN", "1 -> 2", "naive PACK", "lower bound",
+                   "ranks per node"):
         assert needle in text, text
     assert LinkTier.SAME_NODE.name in text

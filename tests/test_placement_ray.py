@@ -6,6 +6,7 @@ tell them apart; this is the one test that needs Ray.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -50,16 +51,20 @@ def test_actors_run_on_their_planned_nodes(two_node_cluster):
         def node_id(self):
             return ray.get_runtime_context().get_node_id()
 
-    manager = PlacementManager(plan, {"CPU": 1})
-    try:
-        manager.place(timeout_s=60)
-        probes = [Probe.options(scheduling_strategy=manager.scheduling_strategy(rank)).remote()
-                  for rank in range(mesh.world_size)]
-        assert ray.get([p.node_id.remote() for p in probes], timeout=60) == list(plan.rank_to_node)
-        for p in probes:
-            ray.kill(p)
-    finally:
-        manager.remove()
+    # the plan as made, and with its two nodes swapped: both must be honoured exactly
+    a, b = plan.rank_to_node[0], plan.rank_to_node[2]
+    swapped = dataclasses.replace(plan, rank_to_node=tuple(b if n == a else a for n in plan.rank_to_node))
+    for wanted in (plan, swapped):
+        manager = PlacementManager(wanted, {"CPU": 1})
+        try:
+            manager.place(timeout_s=60)
+            probes = [Probe.options(scheduling_strategy=manager.scheduling_strategy(rank)).remote()
+                      for rank in range(mesh.world_size)]
+            assert ray.get([p.node_id.remote() for p in probes], timeout=60) == list(wanted.rank_to_node)
+            for p in probes:
+                ray.kill(p)
+        finally:
+            manager.remove()
 
     # a plan naming a node that does not exist times out, cleans up and says which node
     ghost = "f" * 56

@@ -18,7 +18,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "topologies"
 def test_labels_follow_ray_conventions_with_user_fallbacks():
     ray_labelled = NodeInfo("a", labels={"ray.io/availability-zone": "us-east-1a",
                                          "ray.io/gpu-domain": "nvl72-0", "ray.io/market-type": "spot"})
-    assert (ray_labelled.zone, ray_labelled.rack, ray_labelled.market_type) == ("us-east-1a", "nvl72-0", "spot")
+    got = (ray_labelled.zone, ray_labelled.rack, ray_labelled.market_type)
+    assert got == ("us-east-1a", "nvl72-0", "spot")
     user = NodeInfo("b", labels={"zone": "z1", "rack": "r7", "ray.io/gpu-domain": "ignored"})
     assert (user.zone, user.rack, user.market_type) == ("z1", "r7", None)
     bare = NodeInfo("c")

@@ -51,6 +51,8 @@ class StepRecord:
     pp_index: int = 0
     dp_index: int = 0
     sample_indices: Optional[list] = None
+    # Seconds blocked in the end-of-step all-reduce: the last rank to arrive waits least.
+    sync_wait_s: float = 0.0
 
 
 @dataclass
@@ -85,14 +87,25 @@ def free_port() -> int:
 
 
 class TrainWorker:
-    def __init__(self, rank: int, spec: TrainSpec, plan: MeshPlan):
-        self.rank = rank
+    def __init__(self, rank: int, spec: TrainSpec, plan: MeshPlan, knobs: Optional[dict] = None):
+        from rayflex.constants import adopt_knobs
+
+        adopt_knobs(knobs)
         self.spec = spec
-        self.plan = plan
         torch.set_num_threads(spec.scaling.torch_threads)
         self.node_id = self._node_id()
         self.device = torch.device("cuda", 0) if spec.scaling.use_gpu else torch.device("cpu")
         self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self.reconfigure(rank, plan)
+
+    def reconfigure(self, rank: int, plan: MeshPlan) -> None:
+        """Take a (new) rank in a (new) mesh. An elastic restart reuses a surviving process
+        this way: its imports and caches stay warm, only the rank's state starts over."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError(f"rank {self.rank}: cannot reconfigure while the training loop runs")
+        self.rank = rank
+        self.plan = plan
         self._records: list[StepRecord] = []
         self._checkpoint_events: list[dict] = []
         self._state = "idle"
@@ -101,7 +114,6 @@ class TrainWorker:
         self._error: Optional[str] = None
         self._error_step: Optional[int] = None
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
         self._checkpoint_request: Optional[str] = None
         self.fail_at: Optional[tuple[int, str]] = _fail_at_from_env(rank)
         self.checkpointer = None
@@ -233,7 +245,9 @@ class TrainWorker:
                 wants_ckpt = self._checkpoint_request is not None
                 control = torch.tensor([loss_sum, float(self._stop.is_set()), float(wants_ckpt)],
                                        dtype=torch.float64)
+                t_sync = time.perf_counter()
                 dist.all_reduce(control)
+                probe["sync_wait_s"] = time.perf_counter() - t_sync
                 loss = float(control[0]) / self.plan.dp
                 stop_agreed = control[1] > 0
                 dt = time.perf_counter() - t0
@@ -361,6 +375,30 @@ class TrainWorker:
         if self._thread is not None:
             self._thread.join(timeout_s)
             return not self._thread.is_alive()
+        return True
+
+    def release(self, timeout_s: float = 10.0) -> bool:
+        """Leave the current attempt so this process can be reused by the next one.
+
+        The loop is asked to stop; a loop blocked in a collective errors out only when the
+        peer it waits on closes its connection (gloo has no abort: neither destroying nor
+        shutting down the group unblocks a pending collective). Returns False if the loop is
+        still stuck after ``timeout_s``; the controller then kills this process, which in
+        turn unblocks the peers waiting on it."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("rank %d: training loop still blocked in phase %r after %.0fs", self.rank,
+                            self._phase, timeout_s)
+                return False
+        # After a failure an in-flight save cannot complete (its peers are gone): leave at
+        # once, so peers still blocked on this rank's sockets see them close.
+        self.shutdown(checkpoint_grace_s=0.0 if self._state == "failed" else min(4.0, timeout_s))
+        for name in ("stages", "params", "optimizers", "schedulers", "schedule", "mesh", "dp_mesh"):
+            self.__dict__.pop(name, None)
+        self.checkpointer = None
+        self._state = "released"
         return True
 
     def shutdown(self, checkpoint_grace_s: float = 4.0) -> None:

@@ -38,6 +38,7 @@ class RunState(str, enum.Enum):
     INITIALIZING = "INITIALIZING"
     PLACING = "PLACING"
     RUNNING = "RUNNING"
+    RESTARTING = "RESTARTING"
     FINISHED = "FINISHED"
     FAILED = "FAILED"
     STOPPED = "STOPPED"
@@ -49,16 +50,29 @@ class RunState(str, enum.Enum):
 
 class Controller:
     def __init__(self, spec: TrainSpec, *, group_factory: Optional[Callable] = None,
-                 placer: Optional[Callable] = None):
+                 knobs: Optional[dict] = None):
+        from rayflex.constants import adopt_knobs
+
+        adopt_knobs(knobs)
         self.spec = spec
         self.state = RunState.INITIALIZING
         self.rundir = RunDirectory(spec.run.run_dir)
         self.timeline = ev.Timeline()
         self._group_factory = group_factory
-        self._placer = placer
         self.group = None
-        self.placement = None
+        self.run_placement = None
         self.plan: Optional[MeshPlan] = None
+        self.detector = None
+        from rayflex.platform.elastic import FailurePolicy
+
+        self.policy = FailurePolicy(spec)
+        self._target_world: Optional[int] = None
+        self._grow_to: Optional[int] = None
+        self._survivors: dict[str, Any] = {}
+        self._fault = None
+        self._fault_time: Optional[float] = None
+        self._restart_reason: Optional[str] = None
+        self._committed_step = 0
         self.step = 0  # last step every rank finished
         self.start_step = 0
         self.reason = ""
@@ -75,7 +89,7 @@ class Controller:
     def run(self) -> dict:
         """Drive the state machine to a terminal state; returns the result dict."""
         handlers = {RunState.INITIALIZING: self._initialize, RunState.PLACING: self._place,
-                    RunState.RUNNING: self._running}
+                    RunState.RUNNING: self._running, RunState.RESTARTING: self._restarting}
         while not self.state.terminal:
             try:
                 nxt = handlers[self.state]()
@@ -144,14 +158,42 @@ class Controller:
                                    step=self._metrics[-1]["step"] if self._metrics else 0))
         return RunState.PLACING
 
+    def _usable_topology(self):
+        from rayflex.platform.topology import Topology
+
+        return Topology.from_ray(cpus_per_worker=self.spec.scaling.cpus_per_worker,
+                                 use_gpu=self.spec.scaling.use_gpu)
+
+    def _usable_slots(self, topology) -> int:
+        labels = self.spec.scaling.node_labels
+        return sum(n.slots for n in topology.usable().nodes
+                   if all(n.labels.get(k) == v for k, v in labels.items()))
+
     def _place(self) -> RunState:
-        world = self.spec.scaling.num_workers
-        self.plan = plan_mesh(self.spec.model, self.spec.parallel, self.spec.data, world)
+        from rayflex.platform.elastic import best_world_size
+        from rayflex.platform.placement_policy import RunPlacement, plan_for
+
         t0 = time.time()
-        placer = self._placer or _topology_placer
-        self.placement, strategies, placement_info = placer(self.spec, self.plan)
+        topology = self._usable_topology()
+        world = self._target_world
+        if world is None:  # first start: the configured size, or the best that fits if elastic
+            world = self.spec.scaling.num_workers
+            if self.spec.scaling.min_workers < world:
+                world = best_world_size(self.spec, min(world, self._usable_slots(topology))) or world
+        self.plan = plan_mesh(self.spec.model, self.spec.parallel, self.spec.data, world)
+        placement = plan_for(self.spec, self.plan, topology)  # PlacementError names what is missing
+        if self.run_placement is None:
+            self.run_placement = RunPlacement(self.spec)
+        members, extra = self.run_placement.assign(placement, self._survivors)
+        for actor in extra:
+            _kill(actor)
+        self.run_placement.release_unused()
         factory = self._group_factory or _ray_group
-        self.group = factory(self.spec, self.plan, strategies)
+        self.group = factory(self.spec, self.plan, members)
+        for rank, actor in enumerate(getattr(self.group, "actors", [])):
+            if rank not in getattr(self.group, "reused", []):
+                self.run_placement.bind(rank, _actor_id(actor))
+        self._survivors = {}
         infos = self.group.setup(restore=self.spec.checkpoint.resume)
         self._record(ev.PlanChosen(world_size=world, pp=self.plan.pp, dp=self.plan.dp,
                                    schedule=self.plan.schedule,
@@ -160,61 +202,163 @@ class Controller:
                                    microbatches=self.plan.microbatches, micro_batch=self.plan.micro_batch,
                                    accum_steps=self.plan.accum_steps,
                                    rank_to_node=[self.group.node_of.get(r, "") for r in range(world)],
-                                   **placement_info))
+                                   planned_rank_to_node=list(placement.rank_to_node),
+                                   modeled_comm_s=placement.modeled_comm_s, naive_comm_s=placement.naive_comm_s,
+                                   explanation=placement.explanation))
         steps = {i["step"] for i in infos}
         if len(steps) != 1:
             raise RayflexError(f"ranks restored different steps {sorted(steps)}; checkpoint is inconsistent")
         self.step = self.start_step = steps.pop()
+        self._committed_step = max(self._committed_step, self.step)
         restored = infos[0].get("restored")
         if restored:
             self._record(ev.CheckpointLoaded(step=self.step, uri=restored.get("uri", ""), world_size=world,
                                              saved_world_size=restored.get("world_size", 0),
                                              skipped=restored.get("skipped", [])))
-            # Metrics past the restored step belong to a timeline that was rolled back.
-            with self._lock:
-                self._metrics = [m for m in self._metrics if m["step"] <= self.step]
+        # Steps past the restored one belong to a timeline that was rolled back: re-run.
+        with self._lock:
+            rolled_back = [m for m in self._metrics if m["step"] > self.step]
+            self._metrics = [m for m in self._metrics if m["step"] <= self.step]
+        if rolled_back:
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                self.rundir.rewrite(name, lambda line: line["step"] <= self.step)
+        self._pending.clear()
+        if self._restart_reason is not None:
+            self._record(ev.Restarted(step=self.step, world_size=world, from_step=self.step,
+                                      reason=self._restart_reason, lost_steps=len(rolled_back),
+                                      reused_workers=len(getattr(self.group, "reused", [])),
+                                      fault_time=self._fault_time))
+            self._restart_reason = None
         self._record(ev.WorkersStarted(step=self.step, world_size=world, setup_s=time.time() - t0))
+        from rayflex.platform.health import FaultDetector
+
+        self.detector = FaultDetector(world, self.group.node_of)
         if self.step >= self.spec.run.steps:
             return RunState.FINISHED
         self.group.start(self.spec.run.steps)
+        if world < self.spec.scaling.max_workers:
+            _request_capacity(self.spec)
         return RunState.RUNNING
 
     def _running(self) -> RunState:
-        interval = knob("POLL_INTERVAL_S")
         stop_sent = False
-        last_flush = time.time()
+        last_flush = last_nodes = last_capacity = time.time()
+        alive_nodes = _alive_nodes()
+        interval = knob("POLL_INTERVAL_S")
         while True:
+            cycle_start = time.time()
             if self._stop.is_set() and not stop_sent:
                 self.group.broadcast("request_stop")
                 stop_sent = True
             result = self.group.poll()
             for rank, st in sorted(result.statuses.items()):
                 self._absorb(rank, st)
-            failed = [st for st in result.statuses.values() if st.state == "failed"]
-            if failed:
-                st = min(failed, key=lambda s: s.error_step or 0)
-                self._record(ev.WorkerFailed(step=st.error_step, rank=st.rank, node_id=st.node_id,
-                                             error=st.error or ""))
-                self.error = WorkerError(st.rank, st.node_id, st.error_step or 0, st.error or "")
-                self.reason = f"worker rank {st.rank} raised at step {st.error_step}"
-                return RunState.FAILED
-            if result.dead:
-                rank, err = sorted(result.dead.items())[0]
-                self._record(ev.WorkerDied(step=self.step + 1, rank=rank,
-                                           node_id=self.group.node_of.get(rank, ""), error=err))
-                self.reason = f"worker rank {rank} died: {err}"
-                return RunState.FAILED
+            now = time.time()
+            if now - last_nodes > 0.5:
+                alive_nodes, last_nodes = _alive_nodes(), now
+            fault = self.detector.check(result, alive_nodes)
+            if fault:
+                self._fault = fault
+                self._fault_time = now
+                for event in fault.events:
+                    self._record(event)
+                return RunState.RESTARTING
             states = {st.state for st in result.statuses.values()}
             if len(result.statuses) == self.plan.world_size and states <= {"done", "stopped"}:
                 self.rundir.flush()
                 if states == {"done"} and self.step >= self.spec.run.steps:
                     return RunState.FINISHED
+                if self._grow_to is not None and not self._stop.is_set():
+                    return self._begin_growth()
                 self._record(ev.RunStopped(step=self.step, reason=self.reason or "stopped"))
                 return RunState.STOPPED
-            if time.time() - last_flush > 1.0:
+            if (not stop_sent and self._grow_to is None and now - last_capacity > 2.0
+                    and self.plan.world_size < self.spec.scaling.max_workers):
+                last_capacity = now
+                self._check_growth()
+                if self._grow_to is not None:
+                    # Stop at the next step boundary; the stop leaves a checkpoint there.
+                    self.group.broadcast("request_stop")
+                    stop_sent = True
+            if now - last_flush > 1.0:
                 self.rundir.flush()
-                last_flush = time.time()
-            time.sleep(interval)
+                last_flush = now
+            time.sleep(max(0.0, interval - (time.time() - cycle_start)))
+
+    def _check_growth(self) -> None:
+        from rayflex.platform.elastic import ElasticPolicy
+
+        if not self.spec.checkpoint.every_steps:
+            return  # growing restarts from a checkpoint; without them it would lose progress
+        slots = self._usable_slots(self._usable_topology())
+        target = ElasticPolicy(self.spec).grow_to(self.plan.world_size, slots)
+        if target is not None:
+            self._grow_to = target
+            log.info("capacity for %d workers is back (%d usable slots): growing at the next step boundary",
+                     target, slots)
+
+    def _begin_growth(self) -> RunState:
+        self._restart_reason = f"capacity returned: growing from {self.plan.world_size} to {self._grow_to} workers"
+        self._fault_time = time.time()
+        self._target_world = self._grow_to
+        self._grow_to = None
+        self._collect_survivors(set())
+        return RunState.PLACING
+
+    def _collect_survivors(self, bad_ranks: set[int]) -> None:
+        """Kill the bad ranks; ask the others to leave the attempt, keep those that could."""
+        self.group.kill(sorted(bad_ranks))
+        for r in bad_ranks:
+            self.run_placement.vacate(_actor_id(self.group.actors[r]))
+        others = [r for r in range(self.plan.world_size) if r not in bad_ranks]
+        released = self.group.release(others, timeout_s=knob("RELEASE_TIMEOUT_S")) if others else {}
+        self._survivors = {}
+        for r in others:
+            actor = self.group.actors[r]
+            if released.get(r):
+                self._survivors[_actor_id(actor)] = actor
+            else:
+                log.warning("rank %d did not leave the failed attempt within %.0fs; killing it",
+                            r, knob("RELEASE_TIMEOUT_S"))
+                self.group.kill([r])
+                self.run_placement.vacate(_actor_id(actor))
+        self.group = None
+
+    def _restarting(self) -> RunState:
+        from rayflex.platform.elastic import Fail, Restart, WaitForResources
+
+        fault = self._fault
+        self._collect_survivors(set(fault.bad_ranks))
+        deadline = None
+        while True:
+            slots = self._usable_slots(self._usable_topology())
+            decision = self.policy.decide(kind=fault.kind, step=self.step + 1, committed_step=self._committed_step,
+                                          usable_slots=slots, error=fault.error) if deadline is None else \
+                self.policy.resize(usable_slots=slots)
+            if isinstance(decision, Fail):
+                self.reason = decision.reason
+                self.error = self._worker_error(fault)
+                return RunState.FAILED
+            if isinstance(decision, Restart):
+                self._target_world = decision.world_size
+                self._restart_reason = decision.reason
+                return RunState.PLACING
+            assert isinstance(decision, WaitForResources)
+            if deadline is None:
+                deadline = time.time() + decision.timeout_s
+                _request_capacity(self.spec)
+                log.warning("waiting up to %.0fs for resources: %s", decision.timeout_s, decision.reason)
+            if time.time() > deadline or self._stop.is_set():
+                self.reason = f"gave up waiting for resources after {decision.timeout_s:.0f}s: {decision.reason}"
+                return RunState.FAILED
+            time.sleep(1.0)
+
+    def _worker_error(self, fault) -> Optional[BaseException]:
+        failed = [e for e in fault.events if isinstance(e, ev.WorkerFailed)]
+        if failed:
+            e = failed[0]
+            return WorkerError(e.rank, e.node_id, e.step or 0, e.error)
+        return RayflexError(fault.error) if fault.error else None
 
     def _absorb(self, rank: int, st) -> None:
         """Fold one rank's step records into per-step metrics once every rank reported."""
@@ -223,6 +367,7 @@ class Controller:
         for ck in st.checkpoints:
             if rank == 0 and ck.get("committed"):
                 self._last_ckpt = {"step": ck["step"], "uri": ck.get("uri")}
+                self._committed_step = max(self._committed_step, ck["step"])
                 self._record(ev.CheckpointCommitted(step=ck["step"], uri=ck.get("uri", ""),
                                                     blocked_s=ck.get("blocked_s", 0.0),
                                                     total_s=ck.get("total_s", 0.0),
@@ -250,6 +395,10 @@ class Controller:
                 first_stage = sorted((r.dp_index, r.sample_indices) for r in recs.values() if r.pp_index == 0)
                 self.rundir.add_line("samples.jsonl", {"step": r0.step, "world_size": world,
                                                        "indices": [i for _, idx in first_stage for i in idx or []]})
+            if self.detector is not None:
+                for event in self.detector.note_step(r0.step, step_time,
+                                                     {r: rec.sync_wait_s for r, rec in recs.items()}):
+                    self._record(event)
             if self._first_step_at is None:
                 self._first_step_at = line["time"]
             with self._lock:
@@ -275,9 +424,11 @@ class Controller:
                 self.group.shutdown()
             except Exception:  # noqa: BLE001
                 log.warning("worker shutdown failed:\n%s", traceback.format_exc())
-        if self.placement is not None:
+        for actor in self._survivors.values():
+            _kill(actor)
+        if self.run_placement is not None:
             try:
-                self.placement.remove()
+                self.run_placement.remove()
             except Exception:  # noqa: BLE001
                 log.warning("placement removal failed:\n%s", traceback.format_exc())
 
@@ -320,13 +471,36 @@ def _describe_spec(spec: TrainSpec) -> dict:
     return out
 
 
-def _topology_placer(spec, plan):
-    from rayflex.platform.placement_policy import place_run
-
-    return place_run(spec, plan)
-
-
-def _ray_group(spec, plan, strategies):
+def _ray_group(spec, plan, members):
     from rayflex.platform.worker_group import RayWorkerGroup
 
-    return RayWorkerGroup(spec, plan, strategies)
+    return RayWorkerGroup(spec, plan, members)
+
+
+def _actor_id(actor) -> str:
+    return actor._actor_id.hex()
+
+
+def _kill(actor) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already dead
+        pass
+
+
+def _alive_nodes() -> set[str]:
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+def _request_capacity(spec: TrainSpec) -> None:
+    """Ask Ray's autoscaler for bundles up to max_workers (a no-op without an autoscaler)."""
+    try:
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=[spec.scaling.worker_resources() for _ in range(spec.scaling.max_workers)])
+    except Exception as e:  # noqa: BLE001 - clusters without an autoscaler
+        log.debug("request_resources unavailable: %s", e)

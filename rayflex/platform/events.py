@@ -162,6 +162,9 @@ class Restarted(Event):
     world_size: int = 0
     from_step: int = 0
     reason: str = ""
+    lost_steps: int = 0
+    reused_workers: int = 0
+    fault_time: Optional[float] = None
 
 
 @dataclass(frozen=True, kw_only=True)

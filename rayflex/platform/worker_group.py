@@ -1,51 +1,70 @@
-"""WorkerGroup: the set of TrainWorker actors of one run attempt.
+"""WorkerGroup: the TrainWorker actors of one run attempt, indexed by rank.
 
 The controller talks to workers only through this class, so controller logic can be tested
-with a stand-in group. Placement (which bundle of which placement group each rank lands
-in) is decided before and handed in as one scheduling strategy per rank.
+with a stand-in group. A group is built from, per rank, either a scheduling strategy (spawn
+a new actor in that bundle) or a surviving actor of the previous attempt (reconfigured to
+its new rank: no new process, no re-import of torch).
+
+Polls are asynchronous: each rank has at most one poll in flight, a cycle collects the
+answers that arrived, and a rank whose poll stays unanswered is reported with how long it
+has been silent — a frozen process never blocks the controller's loop.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from rayflex.actors.parallel import MeshPlan
 from rayflex.actors.worker import TrainWorker, WorkerStatus
 from rayflex.config import TrainSpec
 from rayflex.constants import knob, knob_env
-from rayflex.errors import RayflexError
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class PollResult:
-    """One poll of every rank: answers, and ranks whose actor is gone (with the error)."""
+    """One poll cycle: answers, ranks whose actor is gone (with the error), silent ranks."""
 
     statuses: dict[int, WorkerStatus]
     dead: dict[int, str]
     unresponsive: list[int]
+    silent_s: dict[int, float] = field(default_factory=dict)
+
+
+def worker_actor_class(spec: TrainSpec, worker_cls: type = TrainWorker):
+    import ray
+
+    res = spec.scaling.worker_resources()
+    return ray.remote(num_cpus=res.pop("CPU", 0), num_gpus=res.pop("GPU", 0), resources=res or None,
+                      max_concurrency=4)(worker_cls)
 
 
 class RayWorkerGroup:
-    def __init__(self, spec: TrainSpec, plan: MeshPlan, strategies: list[Any],
-                 *, worker_cls: type = TrainWorker):
-        import ray
+    def __init__(self, spec: TrainSpec, plan: MeshPlan, members: list[Any], *, worker_cls: type = TrainWorker):
+        """``members[rank]``: a scheduling strategy (spawn) or an existing actor (reuse)."""
+        from ray.actor import ActorHandle
 
         self.spec, self.plan = spec, plan
-        env = dict(knob_env())
-        env.setdefault("OMP_NUM_THREADS", str(spec.scaling.torch_threads))
-        res = spec.scaling.worker_resources()
-        opts: dict[str, Any] = {"num_cpus": res.pop("CPU", 0), "num_gpus": res.pop("GPU", 0),
-                                "resources": res or None, "max_concurrency": 4,
-                                "runtime_env": {"env_vars": env}}
-        remote_cls = ray.remote(**opts)(worker_cls)
-        self.actors = [remote_cls.options(scheduling_strategy=strategies[r], name=None).remote(r, spec, plan)
-                       for r in range(plan.world_size)]
+        remote_cls = None
+        self.actors = []
+        self.reused: list[int] = []
+        for rank, member in enumerate(members):
+            if isinstance(member, ActorHandle):
+                member.reconfigure.remote(rank, plan)
+                self.actors.append(member)
+                self.reused.append(rank)
+            else:
+                remote_cls = remote_cls or worker_actor_class(spec, worker_cls)
+                self.actors.append(remote_cls.options(scheduling_strategy=member).remote(
+                    rank, spec, plan, knobs=knob_env()))
         self.node_of: dict[int, str] = {}
+        self.pids: dict[int, int] = {}
+        self._inflight: dict[int, tuple[Any, float]] = {}
+        self._last_answer: dict[int, float] = {}
 
     def setup(self, restore: bool = True, timeout_s: Optional[float] = None) -> list[dict]:
         """Rendezvous at rank 0's address and build every stage. Returns per-rank setup info."""
@@ -57,7 +76,10 @@ class RayWorkerGroup:
         self.pids = {i["rank"]: i["pid"] for i in infos}
         master = infos[0]
         refs = [a.setup.remote(master["ip"], master["port"], restore) for a in self.actors]
-        return ray.get(refs, timeout=timeout_s)
+        out = ray.get(refs, timeout=timeout_s)
+        now = time.time()
+        self._last_answer = {r: now for r in range(len(self.actors))}
+        return out
 
     def start(self, end_step: int) -> list[int]:
         import ray
@@ -66,23 +88,30 @@ class RayWorkerGroup:
 
     def poll(self, timeout_s: Optional[float] = None) -> PollResult:
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import RayActorError
 
-        timeout_s = timeout_s or knob("POLL_TIMEOUT_S")
-        refs = {r: a.poll.remote() for r, a in enumerate(self.actors)}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-        ready = set(ready)
+        wait_s = knob("POLL_INTERVAL_S") if timeout_s is None else timeout_s
+        now = time.time()
+        for rank, actor in enumerate(self.actors):
+            if rank not in self._inflight:
+                self._inflight[rank] = (actor.poll.remote(), now)
+        refs = {ref: rank for rank, (ref, _) in self._inflight.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
         out = PollResult({}, {}, [])
-        for rank, ref in refs.items():
-            if ref not in ready:
-                out.unresponsive.append(rank)
-                continue
+        now = time.time()
+        for ref in ready:
+            rank = refs[ref]
+            del self._inflight[rank]
             try:
                 out.statuses[rank] = ray.get(ref)
+                self._last_answer[rank] = now
             except RayActorError as e:
-                out.dead[rank] = str(e).splitlines()[0] if str(e) else type(e).__name__
-            except GetTimeoutError:
-                out.unresponsive.append(rank)
+                out.dead[rank] = _short_error(e)
+            except Exception as e:  # noqa: BLE001 - any other failure to answer is a death
+                out.dead[rank] = _short_error(e)
+        for rank in self._inflight:
+            out.unresponsive.append(rank)
+            out.silent_s[rank] = now - self._last_answer.get(rank, now)
         return out
 
     def call(self, rank: int, method: str, *args) -> Any:
@@ -92,10 +121,28 @@ class RayWorkerGroup:
         for a in self.actors:
             getattr(a, method).remote(*args)
 
-    def wait_all(self, method: str, *args, timeout_s: float = 60.0) -> list[Any]:
+    def kill(self, ranks) -> None:
         import ray
 
-        return ray.get([getattr(a, method).remote(*args) for a in self.actors], timeout=timeout_s)
+        for r in ranks:
+            try:
+                ray.kill(self.actors[r], no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+
+    def release(self, ranks, timeout_s: float = 10.0) -> dict[int, bool]:
+        """Ask surviving ranks to leave the attempt; returns rank -> released cleanly."""
+        import ray
+
+        refs = {r: self.actors[r].release.remote(timeout_s) for r in ranks}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s + 5)
+        out = {}
+        for r, ref in refs.items():
+            try:
+                out[r] = ref in ready and bool(ray.get(ref))
+            except Exception:  # noqa: BLE001
+                out[r] = False
+        return out
 
     def shutdown(self, graceful_s: float = 5.0) -> None:
         """Let ranks release their process groups, then kill every actor."""
@@ -106,8 +153,9 @@ class RayWorkerGroup:
                      timeout=graceful_s)
         except Exception:  # noqa: BLE001 - the kill below is what matters
             pass
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # already dead
-                pass
+        self.kill(range(len(self.actors)))
+
+
+def _short_error(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

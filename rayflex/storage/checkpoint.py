@@ -110,16 +110,13 @@ class AsyncCheckpointer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        import torch.distributed as dist
-
         reports = self.wait()  # at most one save in flight
         path = mf.step_dir(self.root, step)
+        # No storage round-trip here: leftovers of crashed attempts were cleared when this
+        # attempt loaded its checkpoint (clear_after), so the step directory is fresh.
         t0 = time.perf_counter()
-        if self.rank == 0:
-            mf.prepare_step_dir(self.root, step)
-        if dist.is_initialized():
-            dist.barrier(group=self.group)  # nobody writes before the directory is clean
         tensors = state.tensor_state()
+        t_sd = time.perf_counter()
         extra = state.extra_state()
         writer = FsspecWriter(path, single_file_per_rank=True, sync_files=False)
         _maybe_slow_upload(writer, step)
@@ -136,7 +133,8 @@ class AsyncCheckpointer:
         blocked = time.perf_counter() - t0
         self.last_blocked_s = blocked
         nbytes = sum(t.numel() * t.element_size() for t in _tensors(tensors))
-        report = {"step": step, "reason": reason, "blocked_s": blocked, "bytes": nbytes, "uri": path}
+        report = {"step": step, "reason": reason, "blocked_s": blocked, "bytes": nbytes, "uri": path,
+                  "state_dict_s": t_sd - t0}
         self._inflight = self._finisher.submit(self._finish, upload, report, extra, time.time())
         if not self.use_async:
             reports += self.wait()
@@ -211,6 +209,9 @@ class AsyncCheckpointer:
             elif skipped:
                 raise CheckpointError(f"no loadable checkpoint under {self.root}: every committed step "
                                       f"failed verification: {'; '.join(skipped)}")
+            # Step directories past the one we resume from are leftovers of attempts that
+            # crashed mid-upload (or quarantined); this attempt will write those steps anew.
+            mf.clear_after(self.root, choice[0]["step"] if choice[0] else -1)
         if dist.is_initialized():
             dist.broadcast_object_list(choice, src=0, group=self.group)
         info = choice[0]

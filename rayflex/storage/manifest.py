@@ -386,12 +386,15 @@ def quarantine(root: str, step: int, reason: str, options: Optional[StorageOptio
     logger.warning("quarantined checkpoint step %d at %s: %s", step, redact_uri(sdir), reason)
 
 
-def prepare_step_dir(root: str, step: int, options: Optional[StorageOptions] = None) -> None:
-    """Make ``step``'s directory ready for a fresh save: refuse a committed one (committed
-    steps are immutable), clear leftovers of a crashed or quarantined attempt, so stale
-    shards from another world size never end up in the new manifest."""
-    if _is_committed(root, step, options):
-        raise CheckpointError(
-            f"step {step} is already committed at {redact_uri(step_dir(root, step))}; refusing to "
-            "overwrite it. Fix: resume from it (CheckpointConfig.resume=True) or use a new run name")
-    remove_tree(step_dir(root, step), options)
+def clear_after(root: str, step: int, options: Optional[StorageOptions] = None) -> list[int]:
+    """Remove every step directory newer than ``step`` that is not committed (leftovers of
+    an attempt that crashed mid-upload, or quarantined steps), so the resumed run writes
+    those steps into empty directories. Committed steps are never touched."""
+    removed = []
+    for s in _step_dirs(root, options):
+        if s > step and not _is_committed(root, s, options):
+            remove_tree(step_dir(root, s), options)
+            removed.append(s)
+    if removed:
+        logger.info("cleared uncommitted step directories %s under %s", removed, redact_uri(root))
+    return removed

@@ -62,6 +62,15 @@ class RunDirectory:
     def add_line(self, name: str, obj: Any) -> None:
         self._lines.setdefault(name, []).append(json.dumps(obj, default=str))
 
+    def rewrite(self, name: str, keep) -> None:
+        """Keep only the lines whose parsed JSON satisfies ``keep`` and rewrite the file
+        (a restart rolls back the steps after its checkpoint; they are re-run)."""
+        lines = [line for line in self._lines.get(name, []) if keep(json.loads(line))]
+        self._lines[name] = lines
+        with self.fs.open(self.file(name), "w") as f:
+            f.write("".join(line + "\n" for line in lines))
+        self._flushed[name] = len(lines)
+
     def lines(self, name: str) -> list[str]:
         return list(self._lines.get(name, []))
 

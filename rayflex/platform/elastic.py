@@ -1,0 +1,117 @@
+"""Policies that decide what happens after an event; the controller acts on the decision.
+
+``FailurePolicy.decide`` returns a frozen decision — :class:`Restart` (at a world size the
+mesh and the global batch allow, within [min_workers, max_workers] and the slots that are
+usable), :class:`WaitForResources` or :class:`Fail` with the reason. Failures and
+preemptions have separate budgets, and a failure that repeats at the same step with no
+committed progress in between (a poison batch, a bug) fails the run instead of looping.
+``ElasticPolicy.grow_to`` says when a run should scale back up because capacity returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from rayflex.config import TrainSpec
+
+
+@dataclass(frozen=True)
+class Restart:
+    world_size: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class WaitForResources:
+    min_world_size: int
+    timeout_s: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    reason: str
+
+
+Decision = Union[Restart, WaitForResources, Fail]
+
+
+def valid_world_sizes(spec: TrainSpec) -> list[int]:
+    """World sizes the run can use, largest first: multiples of pp whose dp divides the
+    global batch (and, with a pipeline, leaves a per-rank batch the microbatches divide)."""
+    pp = spec.parallel.pp
+    out = []
+    for n in range(spec.scaling.max_workers, spec.scaling.min_workers - 1, -1):
+        if n % pp:
+            continue
+        dp = n // pp
+        if spec.data.global_batch % dp:
+            continue
+        per_rank = spec.data.global_batch // dp
+        if pp > 1 and per_rank % (spec.parallel.microbatches or spec.parallel.num_stages):
+            continue
+        if pp == 1 and spec.data.micro_batch and per_rank % spec.data.micro_batch:
+            continue
+        out.append(n)
+    return out
+
+
+def best_world_size(spec: TrainSpec, usable_slots: int) -> Optional[int]:
+    return next((n for n in valid_world_sizes(spec) if n <= usable_slots), None)
+
+
+class FailurePolicy:
+    def __init__(self, spec: TrainSpec):
+        self.spec = spec
+        self.failures = 0
+        self.preemptions = 0
+        self._last_failure: Optional[tuple] = None  # (step, committed step then, error)
+        self._repeats = 0
+
+    def decide(self, *, kind: str, step: int, committed_step: int, usable_slots: int, error: str = "") -> Decision:
+        cfg = self.spec.elastic
+        if kind == "preemption":
+            self.preemptions += 1
+            if self.preemptions > cfg.max_preemptions:
+                return Fail(f"preemption budget exhausted ({self.preemptions} > max_preemptions="
+                            f"{cfg.max_preemptions})")
+        else:
+            self.failures += 1
+            key = (step, committed_step, _first_line(error))
+            self._repeats = self._repeats + 1 if self._last_failure == key else 0
+            self._last_failure = key
+            if self._repeats >= 1:
+                return Fail(f"the same failure repeated at step {step} with no progress since the checkpoint "
+                            f"of step {committed_step} (a poison batch or a bug?): {_first_line(error)}")
+            if self.failures > cfg.max_failures:
+                return Fail(f"failure budget exhausted ({self.failures} failures > max_failures="
+                            f"{cfg.max_failures}); last: {_first_line(error)}")
+        return self.resize(usable_slots=usable_slots, reason=f"{kind} at step {step}: {_first_line(error)}")
+
+    def resize(self, *, usable_slots: int, reason: str = "resources returned") -> Decision:
+        """The size to restart at with the slots usable now (no budget is charged)."""
+        cfg = self.spec.elastic
+        size = best_world_size(self.spec, usable_slots)
+        if size is None:
+            sizes = valid_world_sizes(self.spec)
+            smallest = min(sizes) if sizes else self.spec.scaling.min_workers
+            return WaitForResources(min_world_size=smallest, timeout_s=cfg.resource_wait_s,
+                                    reason=f"{usable_slots} usable slots, the run needs at least {smallest}")
+        return Restart(world_size=size, reason=reason)
+
+
+class ElasticPolicy:
+    """Scale up when capacity returns, at a checkpoint boundary."""
+
+    def __init__(self, spec: TrainSpec):
+        self.spec = spec
+
+    def grow_to(self, current: int, usable_slots: int) -> Optional[int]:
+        size = best_world_size(self.spec, usable_slots)
+        return size if size is not None and size > current else None
+
+
+def _first_line(text: str) -> str:
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "unknown"

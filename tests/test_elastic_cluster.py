@@ -1,0 +1,136 @@
+"""Faults on a live loopback cluster: the run notices in seconds, names the rank and node,
+restarts from the last committed checkpoint at the size the cluster allows, and ends with
+the loss of a run that never failed."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+import rayflex as rf
+from rayflex.reference import single_process_losses
+
+from conftest import loopback_cluster, small_gpt
+
+pytestmark = pytest.mark.cluster
+STEPS, GB = 14, 12
+
+
+@pytest.fixture(autouse=True)
+def fast_detection(monkeypatch):
+    monkeypatch.setenv("RAYFLEX_HEARTBEAT_TIMEOUT_S", "3")
+    monkeypatch.setenv("RAYFLEX_RELEASE_TIMEOUT_S", "5")
+    monkeypatch.setenv("RAYFLEX_HANG_TIMEOUT_FLOOR_S", "15")
+
+
+def _trainer(dataset_uri, tmp_path, name, *, workers=4, min_workers=2):
+    return rf.Trainer(model=small_gpt(n_layers=2),
+                      data=rf.DataConfig(uri=dataset_uri, seq_len=32, global_batch=GB),
+                      run=rf.RunConfig(name=name, storage=f"file://{tmp_path}/runs", steps=STEPS,
+                                       optimizer=rf.OptimizerConfig(lr=1e-2, warmup_steps=2)),
+                      scaling=rf.ScalingConfig(num_workers=workers, min_workers=min_workers, max_workers=workers),
+                      checkpoint=rf.CheckpointConfig(every_steps=3, keep=2),
+                      elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60))
+
+
+def _events(tmp_path, name):
+    return [json.loads(x) for x in (tmp_path / "runs" / name / "events.jsonl").read_text().splitlines()]
+
+
+def _wait_step(handle, step, timeout_s=120):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        st = handle.status()
+        if st["step"] >= step and st["state"] == "RUNNING":
+            return st
+        time.sleep(0.1)
+    raise AssertionError(f"run did not reach step {step} in {timeout_s}s")
+
+
+def _assert_recovered(result, trainer, events, *, world_size):
+    assert result.status == "finished" and result.steps_completed == STEPS
+    restarted = [e for e in events if e["kind"] == "restarted"]
+    loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
+    assert restarted and loaded, "the run restarted from a checkpoint"
+    assert restarted[0]["lost_steps"] <= 3, "at most one checkpoint interval is lost"
+    assert result.metrics[-1]["world_size"] == world_size
+    steps = [m["step"] for m in result.metrics]
+    assert steps == list(range(1, STEPS + 1)), "metrics.jsonl: every step once, rolled-back steps replaced"
+    # The same data and the same math at any world size: the loss of a run that never failed.
+    reference = single_process_losses(trainer.spec, STEPS)
+    assert result.final_loss == pytest.approx(reference[-1], rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with loopback_cluster([{"num_cpus": 2}, {"num_cpus": 2}]) as c:
+        yield c
+
+
+def test_killed_worker_actor_is_replaced(cluster, dataset_uri, tmp_path):
+    trainer = _trainer(dataset_uri, tmp_path, "kill-actor")
+    handle = trainer.submit()
+    st = _wait_step(handle, 5)
+    victim = next(w for w in st["workers"] if w["rank"] == 1)
+    killed_at = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    result = handle.wait(timeout_s=240)
+    events = _events(tmp_path, "kill-actor")
+    died = next(e for e in events if e["kind"] == "worker_died")
+    assert died["rank"] == 1 and died["node_id"] == victim["node_id"]
+    assert died["time"] - killed_at < 2.0, "a dead actor is noticed within 2 s"
+    restarted = next(e for e in events if e["kind"] == "restarted")
+    # Survivors that left the failed attempt in time are reused (no new process); the
+    # ones still blocked on the dead peer's collective are replaced.
+    assert 0 <= restarted["reused_workers"] <= 3
+    _assert_recovered(result, trainer, events, world_size=4)
+
+
+def test_frozen_worker_is_detected_as_hang(cluster, dataset_uri, tmp_path):
+    trainer = _trainer(dataset_uri, tmp_path, "sigstop")
+    handle = trainer.submit()
+    st = _wait_step(handle, 5)
+    victim = next(w for w in st["workers"] if w["rank"] == 2)
+    frozen_at = time.time()
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        result = handle.wait(timeout_s=240)
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):  # never leave a stopped process behind
+            try:
+                os.kill(victim["pid"], sig)
+            except ProcessLookupError:
+                pass
+    events = _events(tmp_path, "sigstop")
+    hang = next(e for e in events if e["kind"] == "hang_detected")
+    assert hang["ranks"] == [2] and hang["phases"]["2"] == "unresponsive"
+    assert 3.0 <= hang["time"] - frozen_at < 8.0, "named within seconds of the heartbeat timeout"
+    _assert_recovered(result, trainer, events, world_size=4)
+
+
+def test_node_loss_shrinks_then_capacity_return_grows_back(dataset_uri, tmp_path):
+    with loopback_cluster([{"num_cpus": 2}, {"num_cpus": 2}]) as cluster:
+        worker_node = cluster.list_all_nodes()[1]
+        trainer = _trainer(dataset_uri, tmp_path, "node-loss")
+        handle = trainer.submit()
+        _wait_step(handle, 4)
+        lost_id = worker_node.node_id
+        removed_at = time.time()
+        cluster.remove_node(worker_node)
+        deadline = time.time() + 120
+        while handle.status()["world_size"] != 2 or handle.status()["state"] != "RUNNING":
+            assert time.time() < deadline, "the run should continue on the surviving node"
+            time.sleep(0.2)
+        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+        result = handle.wait(timeout_s=300)
+    events = _events(tmp_path, "node-loss")
+    lost = next(e for e in events if e["kind"] in ("node_lost", "worker_died"))
+    assert lost["time"] - removed_at < 5.0
+    node_lost = [e for e in events if e["kind"] == "node_lost"]
+    assert node_lost and node_lost[0]["node_id"] == lost_id and len(node_lost[0]["ranks"]) == 2
+    sizes = [e["world_size"] for e in events if e["kind"] == "restarted"]
+    assert sizes[0] == 2 and sizes[-1] == 4, f"shrink to 2, grow back to 4: {sizes}"
+    assert any("capacity returned" in e["reason"] for e in events if e["kind"] == "restarted")
+    _assert_recovered(result, trainer, events, world_size=4)
