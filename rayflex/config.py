@@ -198,6 +198,15 @@ class ElasticConfig:
     max_preemptions: int = 10
     # Seconds to wait for enough resources before giving up on a restart.
     resource_wait_s: float = 120.0
+    # Spot notices: Ray's drain state (what the autoscaler sets for spot terminations),
+    # the cloud metadata endpoint polled on each worker node (None: off; "{node_id}" and
+    # "{node_ip}" are substituted), and a notice file an operator may write.
+    watch_ray_drain: bool = True
+    metadata_url: Optional[str] = None
+    metadata_kind: str = "aws"
+    notice_file: Optional[str] = None
+    # Safety margin on top of (a step + an estimated checkpoint) before a notice's deadline.
+    emergency_margin_s: float = 2.0
 
     def __post_init__(self) -> None:
         c = "ElasticConfig"
@@ -205,6 +214,15 @@ class ElasticConfig:
         _non_negative_int(c, "max_preemptions", self.max_preemptions)
         if not isinstance(self.resource_wait_s, (int, float)) or self.resource_wait_s < 0:
             raise ConfigError(f"{c}.resource_wait_s", f"must be >= 0, got {self.resource_wait_s!r}",
+                              "use a number of seconds")
+        if self.metadata_kind not in ("aws", "gcp"):
+            raise ConfigError(f"{c}.metadata_kind", f"unknown metadata kind {self.metadata_kind!r}",
+                              "use 'aws' (spot/instance-action) or 'gcp' (instance/preempted)")
+        if self.metadata_url is not None and not str(self.metadata_url).startswith(("http://", "https://")):
+            raise ConfigError(f"{c}.metadata_url", f"not an http(s) URL: {self.metadata_url!r}",
+                              "use e.g. http://169.254.169.254/latest/meta-data/spot/instance-action")
+        if not isinstance(self.emergency_margin_s, (int, float)) or self.emergency_margin_s < 0:
+            raise ConfigError(f"{c}.emergency_margin_s", f"must be >= 0, got {self.emergency_margin_s!r}",
                               "use a number of seconds")
 
 

@@ -114,6 +114,7 @@ class TrainWorker:
         self._error: Optional[str] = None
         self._error_step: Optional[int] = None
         self._stop = threading.Event()
+        self._stop_reason = "stop"
         self._checkpoint_request: Optional[str] = None
         self.fail_at: Optional[tuple[int, str]] = _fail_at_from_env(rank)
         self.checkpointer = None
@@ -267,8 +268,10 @@ class TrainWorker:
             if self.checkpointer is not None:
                 # The end of a run and a graceful stop both leave a checkpoint of the last
                 # step, so a resubmitted run loses nothing.
-                if self.spec.checkpoint.every_steps and self._last_saved_step != self._step:
-                    self._save(self._step, "final" if self._step >= end_step else "stop")
+                emergency = self._stop_reason == "preemption"
+                if (self.spec.checkpoint.every_steps or emergency) and self._last_saved_step != self._step:
+                    self._save(self._step, "final" if self._step >= end_step else
+                               "emergency" if emergency else "stop")
                 self._set_phase("checkpoint")
                 self._note_checkpoint(self.checkpointer.wait())
             self._state = "done" if self._step >= end_step else "stopped"
@@ -363,8 +366,10 @@ class TrainWorker:
                                 records=records, error=self._error, error_step=self._error_step,
                                 checkpoints=ckpts)
 
-    def request_stop(self) -> None:
-        """Stop at the next step boundary (agreed by every rank)."""
+    def request_stop(self, reason: str = "stop") -> None:
+        """Stop at the next step boundary (agreed by every rank), leaving a checkpoint there
+        (``reason="preemption"``: even if periodic checkpoints are off)."""
+        self._stop_reason = reason
         self._stop.set()
 
     def set_fail_at(self, step: int, message: str = "injected failure") -> None:

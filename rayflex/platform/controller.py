@@ -73,6 +73,10 @@ class Controller:
         self._fault_time: Optional[float] = None
         self._restart_reason: Optional[str] = None
         self._committed_step = 0
+        self._excluded: set[str] = set()
+        self._preempting = None
+        self._ckpt_seconds: list[float] = []
+        self.watcher = None
         self.step = 0  # last step every rank finished
         self.start_step = 0
         self.reason = ""
@@ -161,8 +165,12 @@ class Controller:
     def _usable_topology(self):
         from rayflex.platform.topology import Topology
 
-        return Topology.from_ray(cpus_per_worker=self.spec.scaling.cpus_per_worker,
-                                 use_gpu=self.spec.scaling.use_gpu)
+        topology = Topology.from_ray(cpus_per_worker=self.spec.scaling.cpus_per_worker,
+                                     use_gpu=self.spec.scaling.use_gpu)
+        if self._excluded:  # nodes with a preemption notice: about to vanish
+            topology = Topology(tuple(n for n in topology.nodes if n.node_id not in self._excluded),
+                                topology.bandwidths)
+        return topology
 
     def _usable_slots(self, topology) -> int:
         labels = self.spec.scaling.node_labels
@@ -236,13 +244,14 @@ class Controller:
         if self.step >= self.spec.run.steps:
             return RunState.FINISHED
         self.group.start(self.spec.run.steps)
+        self._watch_preemptions()
         if world < self.spec.scaling.max_workers:
             _request_capacity(self.spec)
         return RunState.RUNNING
 
     def _running(self) -> RunState:
         stop_sent = False
-        last_flush = last_nodes = last_capacity = time.time()
+        last_flush = last_nodes = last_capacity = last_notice = time.time()
         alive_nodes = _alive_nodes()
         interval = knob("POLL_INTERVAL_S")
         while True:
@@ -257,6 +266,11 @@ class Controller:
             if now - last_nodes > 0.5:
                 alive_nodes, last_nodes = _alive_nodes(), now
             fault = self.detector.check(result, alive_nodes)
+            if not fault and self.watcher is not None and now - last_notice > 0.5:
+                last_notice = now
+                fault = self._check_notices(result)
+            if fault and self._preempting is not None:
+                fault.kind = "preemption"  # the node went before the emergency save finished
             if fault:
                 self._fault = fault
                 self._fault_time = now
@@ -268,11 +282,13 @@ class Controller:
                 self.rundir.flush()
                 if states == {"done"} and self.step >= self.spec.run.steps:
                     return RunState.FINISHED
+                if self._preempting is not None:
+                    return self._begin_preemption_restart()
                 if self._grow_to is not None and not self._stop.is_set():
                     return self._begin_growth()
                 self._record(ev.RunStopped(step=self.step, reason=self.reason or "stopped"))
                 return RunState.STOPPED
-            if (not stop_sent and self._grow_to is None and now - last_capacity > 2.0
+            if (not stop_sent and self._grow_to is None and self._preempting is None and now - last_capacity > 2.0
                     and self.plan.world_size < self.spec.scaling.max_workers):
                 last_capacity = now
                 self._check_growth()
@@ -284,6 +300,71 @@ class Controller:
                 self.rundir.flush()
                 last_flush = now
             time.sleep(max(0.0, interval - (time.time() - cycle_start)))
+
+    # ----------------------------------------------------------------- preemption
+    def _watch_preemptions(self) -> None:
+        from rayflex.platform import preemption as pre
+
+        if self.watcher is None:
+            cfg = self.spec.elastic
+            sources: list = []
+            if cfg.watch_ray_drain:
+                sources.append(pre.RayDrainSource())
+            if cfg.metadata_url:
+                sources.append(pre.MetadataSource(cfg.metadata_url, cfg.metadata_kind))
+            if cfg.notice_file:
+                sources.append(pre.NoticeFileSource(cfg.notice_file))
+            self.watcher = pre.PreemptionWatcher(sources) if sources else None
+        if self.watcher is not None:
+            self.watcher.watch_nodes(set(self.group.node_of.values()))
+
+    def _checkpoint_estimate_s(self) -> float:
+        """How long an emergency checkpoint takes, from this run's recent saves."""
+        if self._ckpt_seconds:
+            return statistics.median(self._ckpt_seconds[-5:])
+        return knob("EMERGENCY_CHECKPOINT_DEFAULT_S")
+
+    def _check_notices(self, poll):
+        from rayflex.platform.health import Fault
+
+        for notice in self.watcher.poll():
+            ranks = sorted(r for r, n in self.group.node_of.items() if n == notice.node_id)
+            self._excluded.add(notice.node_id)
+            left = notice.seconds_left()
+            step_s = statistics.median(self.detector.step_times) if self.detector.step_times else 1.0
+            needed = step_s + self._checkpoint_estimate_s() + self.spec.elastic.emergency_margin_s
+            base = dict(step=self.step, node_id=notice.node_id, deadline=notice.deadline, source=notice.source,
+                        ranks=ranks, seconds_left=left, needed_s=needed)
+            if not ranks:
+                self._record(ev.PreemptionNotice(**base, action="no_workers",
+                                                 reason="no worker on the node; it is excluded from placement"))
+                continue
+            if self._preempting is not None:
+                self._record(ev.PreemptionNotice(**base, action="emergency_checkpoint",
+                                                 reason="joins the emergency checkpoint already under way"))
+                continue
+            if left >= needed:
+                self._record(ev.PreemptionNotice(**base, action="emergency_checkpoint", reason=(
+                    f"{left:.1f}s left >= {needed:.1f}s needed (a step {step_s:.2f}s + checkpoint "
+                    f"{self._checkpoint_estimate_s():.2f}s + margin {self.spec.elastic.emergency_margin_s:.1f}s)")))
+                self._preempting = notice
+                self.group.broadcast("request_stop", "preemption")
+                continue
+            why = (f"only {left:.1f}s left, an emergency checkpoint needs {needed:.1f}s: restoring the last "
+                   f"committed checkpoint (step {self._committed_step}) without node {notice.node_id[:12]}")
+            self._record(ev.PreemptionNotice(**base, action="restore_last_committed", reason=why))
+            return Fault(bad_ranks=set(ranks), kind="preemption", error=why)
+        return None
+
+    def _begin_preemption_restart(self) -> RunState:
+        from rayflex.platform.health import Fault
+
+        notice, self._preempting = self._preempting, None
+        ranks = {r for r, n in self.group.node_of.items() if n in self._excluded}
+        self._fault = Fault(bad_ranks=ranks, kind="preemption",
+                            error=f"spot preemption of node {notice.node_id[:12]} ({notice.source})")
+        self._fault_time = time.time()
+        return RunState.RESTARTING
 
     def _check_growth(self) -> None:
         from rayflex.platform.elastic import ElasticPolicy
@@ -368,6 +449,7 @@ class Controller:
             if rank == 0 and ck.get("committed"):
                 self._last_ckpt = {"step": ck["step"], "uri": ck.get("uri")}
                 self._committed_step = max(self._committed_step, ck["step"])
+                self._ckpt_seconds.append(ck.get("blocked_s", 0.0) + ck.get("total_s", 0.0))
                 self._record(ev.CheckpointCommitted(step=ck["step"], uri=ck.get("uri", ""),
                                                     blocked_s=ck.get("blocked_s", 0.0),
                                                     total_s=ck.get("total_s", 0.0),
@@ -426,6 +508,8 @@ class Controller:
                 log.warning("worker shutdown failed:\n%s", traceback.format_exc())
         for actor in self._survivors.values():
             _kill(actor)
+        if self.watcher is not None:
+            self.watcher.close()
         if self.run_placement is not None:
             try:
                 self.run_placement.remove()

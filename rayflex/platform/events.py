@@ -154,6 +154,12 @@ class PreemptionNotice(Event):
     node_id: str = ""
     deadline: Optional[float] = None
     source: str = ""
+    ranks: list = field(default_factory=list)
+    seconds_left: Optional[float] = None
+    needed_s: Optional[float] = None
+    # emergency_checkpoint | restore_last_committed | no_workers
+    action: str = ""
+    reason: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

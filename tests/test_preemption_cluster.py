@@ -1,0 +1,166 @@
+"""Spot notices mid-run: an emergency checkpoint at the current step commits before the
+deadline, the node is left, and the run finishes losing no step; a notice too short for a
+checkpoint falls back to the last committed one and says why."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import rayflex as rf
+from rayflex.reference import single_process_losses
+
+from conftest import loopback_cluster, small_gpt
+
+pytestmark = pytest.mark.cluster
+STEPS = 16
+
+
+def _trainer(dataset_uri, tmp_path, name, *, every=100, **elastic):
+    return rf.Trainer(model=small_gpt(n_layers=2), data=rf.DataConfig(uri=dataset_uri, seq_len=32, global_batch=12),
+                      run=rf.RunConfig(name=name, storage=f"file://{tmp_path}/runs", steps=STEPS),
+                      scaling=rf.ScalingConfig(num_workers=4, min_workers=2),
+                      checkpoint=rf.CheckpointConfig(every_steps=every, keep=2),
+                      elastic=rf.ElasticConfig(**elastic))
+
+
+def _events(tmp_path, name):
+    return [json.loads(x) for x in (tmp_path / "runs" / name / "events.jsonl").read_text().splitlines()]
+
+
+def _running_at(handle, step, timeout_s=120):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        st = handle.status()
+        if st["step"] >= step and st["state"] == "RUNNING":
+            return st
+        time.sleep(0.1)
+    raise AssertionError(f"not running at step {step} after {timeout_s}s")
+
+
+def _worker_node(status, head_id):
+    return next(w["node_id"] for w in status["workers"] if w["node_id"] != head_id)
+
+
+def _drain(cluster, node_id, seconds):
+    """What Ray's autoscaler does for a spot termination (and `ray drain-node` by hand)."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=cluster.address)
+    ok, why = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                             "spot termination (test)", int((time.time() + seconds) * 1000))
+    assert ok, why
+
+
+def _assert_emergency(events, node_id, result, trainer, notice_time, deadline):
+    notice = next(e for e in events if e["kind"] == "preemption_notice")
+    assert notice["node_id"] == node_id and notice["action"] == "emergency_checkpoint"
+    assert notice["time"] - notice_time < 3.0, "the notice is seen within seconds"
+    emergency = next(e for e in events if e["kind"] == "checkpoint_committed" and e["reason"] == "emergency")
+    assert emergency["time"] < deadline, "the emergency checkpoint commits before the deadline"
+    restarted = next(e for e in events if e["kind"] == "restarted")
+    assert restarted["lost_steps"] == 0 and restarted["from_step"] == emergency["step"]
+    after = next(e for e in events if e["kind"] == "plan_chosen" and e["time"] > restarted["time"] - 1)
+    assert node_id not in after["rank_to_node"], "the preempted node is left"
+    assert result.status == "finished" and result.steps_completed == STEPS
+    assert [m["step"] for m in result.metrics] == list(range(1, STEPS + 1))
+    assert result.final_loss == pytest.approx(single_process_losses(trainer.spec, STEPS)[-1], rel=1e-4)
+
+
+@pytest.fixture
+def three_nodes():
+    with loopback_cluster([{"num_cpus": 2}, {"num_cpus": 2}, {"num_cpus": 2}]) as c:
+        yield c
+
+
+def test_drain_notice_triggers_emergency_checkpoint(three_nodes, dataset_uri, tmp_path):
+    import ray
+
+    head = ray.get_runtime_context().get_node_id()
+    trainer = _trainer(dataset_uri, tmp_path, "drain")
+    handle = trainer.submit()
+    node = _worker_node(_running_at(handle, 4), head)
+    noticed_at = time.time()
+    deadline = noticed_at + 20
+    _drain(three_nodes, node, 20)
+    # The cloud takes the node at the deadline.
+    victim = next(n for n in three_nodes.list_all_nodes() if n.node_id == node)
+    timer = threading.Timer(max(0.0, deadline - time.time()), three_nodes.remove_node, args=(victim,))
+    timer.start()
+    try:
+        result = handle.wait(timeout_s=240)
+    finally:
+        timer.join()
+    _assert_emergency(_events(tmp_path, "drain"), node, result, trainer, noticed_at, deadline)
+
+
+class _FakeAWSMetadata(BaseHTTPRequestHandler):
+    """Answers spot/instance-action like EC2: 404 until a termination is scheduled."""
+
+    notices: dict = {}
+
+    def do_PUT(self):  # IMDSv2 token
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"test-token")
+
+    def do_GET(self):
+        node = self.path.strip("/").split("/")[0]
+        when = self.notices.get(node)
+        if when is None:
+            self.send_response(404)
+            self.end_headers()
+            return
+        body = json.dumps({"action": "terminate",
+                           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(when))}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_metadata_endpoint_notice_triggers_emergency_checkpoint(three_nodes, dataset_uri, tmp_path):
+    import ray
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeAWSMetadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/{{node_id}}/latest/meta-data/spot/instance-action"
+        head = ray.get_runtime_context().get_node_id()
+        trainer = _trainer(dataset_uri, tmp_path, "imds", watch_ray_drain=False, metadata_url=url)
+        handle = trainer.submit()
+        node = _worker_node(_running_at(handle, 4), head)
+        noticed_at = time.time()
+        _FakeAWSMetadata.notices[node] = int(noticed_at) + 21  # whole seconds, as EC2 reports
+        result = handle.wait(timeout_s=240)
+    finally:
+        server.shutdown()
+        _FakeAWSMetadata.notices.clear()
+    events = _events(tmp_path, "imds")
+    assert next(e for e in events if e["kind"] == "preemption_notice")["source"] == "metadata"
+    _assert_emergency(events, node, result, trainer, noticed_at, noticed_at + 20)
+
+
+def test_notice_too_short_falls_back_to_last_committed(three_nodes, dataset_uri, tmp_path):
+    import ray
+
+    head = ray.get_runtime_context().get_node_id()
+    trainer = _trainer(dataset_uri, tmp_path, "short", every=3)
+    handle = trainer.submit()
+    node = _worker_node(_running_at(handle, 5), head)
+    _drain(three_nodes, node, 1)
+    result = handle.wait(timeout_s=240)
+    events = _events(tmp_path, "short")
+    notice = next(e for e in events if e["kind"] == "preemption_notice")
+    assert notice["action"] == "restore_last_committed"
+    assert "an emergency checkpoint needs" in notice["reason"] and "last committed" in notice["reason"]
+    loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
+    assert loaded and loaded[-1]["step"] % 3 == 0
+    assert not any(e["kind"] == "checkpoint_committed" and e["reason"] == "emergency" for e in events)
+    assert result.status == "finished" and result.steps_completed == STEPS
