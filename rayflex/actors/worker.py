@@ -157,6 +157,7 @@ class TrainWorker:
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=self.rank, world_size=self.plan.world_size,
                                 timeout=timedelta(seconds=knob("COLLECTIVE_TIMEOUT_S")))
+        t_pg = time.time()
         self.mesh = build_device_mesh(self.plan, self.device.type)
         self.pp_index, self.dp_index = self.plan.coords(self.rank)
         self.dp_mesh = self.mesh["dp"]
@@ -184,6 +185,7 @@ class TrainWorker:
         # collectives (on GPU the default group is nccl).
         self.ckpt_group = dist.new_group(backend="gloo")
         restored = None
+        t_build = time.time()
         if self.spec.checkpoint.every_steps or self.spec.checkpoint.resume:
             from rayflex.storage.checkpoint import AsyncCheckpointer
 
@@ -195,8 +197,9 @@ class TrainWorker:
         if restored is not None:
             self._step = self._last_saved_step = restored["step"]
         self._set_phase("idle")
-        return {"rank": self.rank, "setup_s": time.time() - t0, "step": self._step,
-                "restored": restored}
+        t_end = time.time()
+        return {"rank": self.rank, "setup_s": t_end - t0, "step": self._step, "restored": restored,
+                "rendezvous_s": t_pg - t0, "build_s": t_build - t_pg, "restore_s": t_end - t_build}
 
     def _lr_factor(self, step: int) -> float:
         opt, total = self.spec.run.optimizer, self.spec.run.steps

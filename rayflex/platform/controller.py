@@ -237,7 +237,11 @@ class Controller:
                                       reused_workers=len(getattr(self.group, "reused", [])),
                                       fault_time=self._fault_time))
             self._restart_reason = None
-        self._record(ev.WorkersStarted(step=self.step, world_size=world, setup_s=time.time() - t0))
+        self._record(ev.WorkersStarted(step=self.step, world_size=world, setup_s=time.time() - t0,
+                                       spawn_s=getattr(self.group, "spawn_s", 0.0),
+                                       rendezvous_s=max(i.get("rendezvous_s", 0.0) for i in infos),
+                                       build_s=max(i.get("build_s", 0.0) for i in infos),
+                                       restore_s=max(i.get("restore_s", 0.0) for i in infos)))
         from rayflex.platform.health import FaultDetector
 
         self.detector = FaultDetector(world, self.group.node_of)

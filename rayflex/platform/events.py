@@ -74,7 +74,12 @@ class PlanChosen(Event):
 class WorkersStarted(Event):
     kind: ClassVar[str] = "workers_started"
     world_size: int = 0
+    # From the start of placement: spawning processes, rendezvous, building, restoring.
     setup_s: float = 0.0
+    spawn_s: float = 0.0
+    rendezvous_s: float = 0.0
+    build_s: float = 0.0
+    restore_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -71,7 +71,9 @@ class RayWorkerGroup:
         import ray
 
         timeout_s = timeout_s or knob("SETUP_TIMEOUT_S")
+        t0 = time.time()
         infos = ray.get([a.node_info.remote() for a in self.actors], timeout=timeout_s)
+        self.spawn_s = time.time() - t0  # process start + imports (0 for reused workers)
         self.node_of = {i["rank"]: i["node_id"] for i in infos}
         self.pids = {i["rank"]: i["pid"] for i in infos}
         master = infos[0]
