@@ -250,6 +250,16 @@ class OptimizerConfig:
             raise ConfigError(f"{c}.grad_clip", f"must be > 0 or None, got {self.grad_clip!r}",
                               "use e.g. 1.0, or None to disable clipping")
 
+    def lr_factor(self, step: int, total_steps: int) -> float:
+        """Multiplier of ``lr`` after ``step`` optimizer steps: linear warm-up, then cosine
+        decay to ``min_lr_ratio`` at ``total_steps``."""
+        import math
+
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, total_steps - self.warmup_steps)
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
 
 @dataclass(kw_only=True, frozen=True)
 class RunConfig:

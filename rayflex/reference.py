@@ -7,21 +7,11 @@ pp x dp must reproduce these losses (fp32, to rounding).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from rayflex.actors.data import GlobalSampler, TokenDataset
 from rayflex.config import TrainSpec
 from rayflex.models.spec import build_stage
-
-
-def lr_factor(spec: TrainSpec, step: int) -> float:
-    opt, total = spec.run.optimizer, spec.run.steps
-    if step < opt.warmup_steps:
-        return (step + 1) / opt.warmup_steps
-    progress = (step - opt.warmup_steps) / max(1, total - opt.warmup_steps)
-    return opt.min_lr_ratio + (1 - opt.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def single_process_losses(spec: TrainSpec, steps: int, *, start_state: dict | None = None) -> list[float]:
@@ -31,7 +21,7 @@ def single_process_losses(spec: TrainSpec, steps: int, *, start_state: dict | No
     opt_cfg = spec.run.optimizer
     opt = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
                             weight_decay=opt_cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(spec, s))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: opt_cfg.lr_factor(s, spec.run.steps))
     ds = TokenDataset(spec.data.uri)
     sampler = GlobalSampler(len(ds), spec.data.global_batch, spec.data.seed)
     seq = spec.data.seq_len

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from rayflex.config import (CheckpointConfig, DataConfig, ElasticConfig, ParallelConfig, RunConfig,
                             ScalingConfig, TrainSpec)

@@ -73,3 +73,24 @@ def two_node_cluster():
     with loopback_cluster([{"num_cpus": 2, "labels": {"rack": "r0"}},
                            {"num_cpus": 2, "labels": {"rack": "r1"}}]) as c:
         yield c
+
+
+def run_events(tmp_path, name: str) -> list[dict]:
+    """The typed events a run wrote to ``{tmp_path}/runs/{name}/events.jsonl``."""
+    import json
+
+    path = tmp_path / "runs" / name / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_until_running(handle, step: int, timeout_s: float = 120):
+    """Block until the run is RUNNING past ``step``; returns its status."""
+    import time
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        st = handle.status()
+        if st["step"] >= step and st["state"] == "RUNNING":
+            return st
+        time.sleep(0.1)
+    raise AssertionError(f"run not running at step {step} after {timeout_s}s")

@@ -3,7 +3,6 @@ committed with ETag fingerprints, retention applied, resumed with the same losse
 
 import pytest
 
-import rayflex as rf
 from rayflex.reference import single_process_losses
 from rayflex.storage import manifest as mf
 
@@ -24,7 +23,7 @@ def s3_cluster(moto_server, tmp_path_factory):
             mp.setenv(k, v)
         mp.setenv("AWS_ENDPOINT_URL_S3", moto_server)
         boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1").create_bucket(Bucket="rayflex-ckpt")
-        with loopback_cluster([{"num_cpus": 4}]) as c:
+        with loopback_cluster([{"num_cpus": 4}]):
             yield "s3://rayflex-ckpt"
 
 

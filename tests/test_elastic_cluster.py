@@ -2,7 +2,6 @@
 restarts from the last committed checkpoint at the size the cluster allows, and ends with
 the loss of a run that never failed."""
 
-import json
 import os
 import signal
 import time
@@ -12,7 +11,7 @@ import pytest
 import rayflex as rf
 from rayflex.reference import single_process_losses
 
-from conftest import loopback_cluster, small_gpt
+from conftest import loopback_cluster, run_events, small_gpt, wait_until_running
 
 pytestmark = pytest.mark.cluster
 STEPS, GB = 14, 12
@@ -35,18 +34,8 @@ def _trainer(dataset_uri, tmp_path, name, *, workers=4, min_workers=2):
                       elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60))
 
 
-def _events(tmp_path, name):
-    return [json.loads(x) for x in (tmp_path / "runs" / name / "events.jsonl").read_text().splitlines()]
 
 
-def _wait_step(handle, step, timeout_s=120):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        st = handle.status()
-        if st["step"] >= step and st["state"] == "RUNNING":
-            return st
-        time.sleep(0.1)
-    raise AssertionError(f"run did not reach step {step} in {timeout_s}s")
 
 
 def _assert_recovered(result, trainer, events, *, world_size):
@@ -72,12 +61,12 @@ def cluster():
 def test_killed_worker_actor_is_replaced(cluster, dataset_uri, tmp_path):
     trainer = _trainer(dataset_uri, tmp_path, "kill-actor")
     handle = trainer.submit()
-    st = _wait_step(handle, 5)
+    st = wait_until_running(handle, 5)
     victim = next(w for w in st["workers"] if w["rank"] == 1)
     killed_at = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
     result = handle.wait(timeout_s=240)
-    events = _events(tmp_path, "kill-actor")
+    events = run_events(tmp_path, "kill-actor")
     died = next(e for e in events if e["kind"] == "worker_died")
     assert died["rank"] == 1 and died["node_id"] == victim["node_id"]
     assert died["time"] - killed_at < 2.0, "a dead actor is noticed within 2 s"
@@ -91,7 +80,7 @@ def test_killed_worker_actor_is_replaced(cluster, dataset_uri, tmp_path):
 def test_frozen_worker_is_detected_as_hang(cluster, dataset_uri, tmp_path):
     trainer = _trainer(dataset_uri, tmp_path, "sigstop")
     handle = trainer.submit()
-    st = _wait_step(handle, 5)
+    st = wait_until_running(handle, 5)
     victim = next(w for w in st["workers"] if w["rank"] == 2)
     frozen_at = time.time()
     os.kill(victim["pid"], signal.SIGSTOP)
@@ -103,7 +92,7 @@ def test_frozen_worker_is_detected_as_hang(cluster, dataset_uri, tmp_path):
                 os.kill(victim["pid"], sig)
             except ProcessLookupError:
                 pass
-    events = _events(tmp_path, "sigstop")
+    events = run_events(tmp_path, "sigstop")
     hang = next(e for e in events if e["kind"] == "hang_detected")
     assert hang["ranks"] == [2] and hang["phases"]["2"] == "unresponsive"
     assert 3.0 <= hang["time"] - frozen_at < 8.0, "named within seconds of the heartbeat timeout"
@@ -115,7 +104,7 @@ def test_node_loss_shrinks_then_capacity_return_grows_back(dataset_uri, tmp_path
         worker_node = cluster.list_all_nodes()[1]
         trainer = _trainer(dataset_uri, tmp_path, "node-loss")
         handle = trainer.submit()
-        _wait_step(handle, 4)
+        wait_until_running(handle, 4)
         lost_id = worker_node.node_id
         removed_at = time.time()
         cluster.remove_node(worker_node)
@@ -125,7 +114,7 @@ def test_node_loss_shrinks_then_capacity_return_grows_back(dataset_uri, tmp_path
             time.sleep(0.2)
         cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
         result = handle.wait(timeout_s=300)
-    events = _events(tmp_path, "node-loss")
+    events = run_events(tmp_path, "node-loss")
     lost = next(e for e in events if e["kind"] in ("node_lost", "worker_died"))
     assert lost["time"] - removed_at < 5.0
     node_lost = [e for e in events if e["kind"] == "node_lost"]

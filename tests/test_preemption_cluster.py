@@ -12,7 +12,7 @@ import pytest
 import rayflex as rf
 from rayflex.reference import single_process_losses
 
-from conftest import loopback_cluster, small_gpt
+from conftest import loopback_cluster, run_events, small_gpt, wait_until_running
 
 pytestmark = pytest.mark.cluster
 STEPS = 16
@@ -26,18 +26,8 @@ def _trainer(dataset_uri, tmp_path, name, *, every=100, **elastic):
                       elastic=rf.ElasticConfig(**elastic))
 
 
-def _events(tmp_path, name):
-    return [json.loads(x) for x in (tmp_path / "runs" / name / "events.jsonl").read_text().splitlines()]
 
 
-def _running_at(handle, step, timeout_s=120):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        st = handle.status()
-        if st["step"] >= step and st["state"] == "RUNNING":
-            return st
-        time.sleep(0.1)
-    raise AssertionError(f"not running at step {step} after {timeout_s}s")
 
 
 def _worker_node(status, head_id):
@@ -82,7 +72,7 @@ def test_drain_notice_triggers_emergency_checkpoint(three_nodes, dataset_uri, tm
     head = ray.get_runtime_context().get_node_id()
     trainer = _trainer(dataset_uri, tmp_path, "drain")
     handle = trainer.submit()
-    node = _worker_node(_running_at(handle, 4), head)
+    node = _worker_node(wait_until_running(handle, 4), head)
     noticed_at = time.time()
     deadline = noticed_at + 20
     _drain(three_nodes, node, 20)
@@ -94,7 +84,7 @@ def test_drain_notice_triggers_emergency_checkpoint(three_nodes, dataset_uri, tm
         result = handle.wait(timeout_s=240)
     finally:
         timer.join()
-    _assert_emergency(_events(tmp_path, "drain"), node, result, trainer, noticed_at, deadline)
+    _assert_emergency(run_events(tmp_path, "drain"), node, result, trainer, noticed_at, deadline)
 
 
 class _FakeAWSMetadata(BaseHTTPRequestHandler):
@@ -135,14 +125,14 @@ def test_metadata_endpoint_notice_triggers_emergency_checkpoint(three_nodes, dat
         head = ray.get_runtime_context().get_node_id()
         trainer = _trainer(dataset_uri, tmp_path, "imds", watch_ray_drain=False, metadata_url=url)
         handle = trainer.submit()
-        node = _worker_node(_running_at(handle, 4), head)
+        node = _worker_node(wait_until_running(handle, 4), head)
         noticed_at = time.time()
         _FakeAWSMetadata.notices[node] = int(noticed_at) + 21  # whole seconds, as EC2 reports
         result = handle.wait(timeout_s=240)
     finally:
         server.shutdown()
         _FakeAWSMetadata.notices.clear()
-    events = _events(tmp_path, "imds")
+    events = run_events(tmp_path, "imds")
     assert next(e for e in events if e["kind"] == "preemption_notice")["source"] == "metadata"
     _assert_emergency(events, node, result, trainer, noticed_at, noticed_at + 20)
 
@@ -153,10 +143,10 @@ def test_notice_too_short_falls_back_to_last_committed(three_nodes, dataset_uri,
     head = ray.get_runtime_context().get_node_id()
     trainer = _trainer(dataset_uri, tmp_path, "short", every=3)
     handle = trainer.submit()
-    node = _worker_node(_running_at(handle, 5), head)
+    node = _worker_node(wait_until_running(handle, 5), head)
     _drain(three_nodes, node, 1)
     result = handle.wait(timeout_s=240)
-    events = _events(tmp_path, "short")
+    events = run_events(tmp_path, "short")
     notice = next(e for e in events if e["kind"] == "preemption_notice")
     assert notice["action"] == "restore_last_committed"
     assert "an emergency checkpoint needs" in notice["reason"] and "last committed" in notice["reason"]

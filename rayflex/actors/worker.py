@@ -9,7 +9,6 @@ each step, so ranks agree on the step boundary where it happens.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import threading
@@ -202,12 +201,7 @@ class TrainWorker:
                 "rendezvous_s": t_pg - t0, "build_s": t_build - t_pg, "restore_s": t_end - t_build}
 
     def _lr_factor(self, step: int) -> float:
-        opt, total = self.spec.run.optimizer, self.spec.run.steps
-        if step < opt.warmup_steps:
-            return (step + 1) / opt.warmup_steps
-        progress = (step - opt.warmup_steps) / max(1, total - opt.warmup_steps)
-        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        return opt.min_lr_ratio + (1 - opt.min_lr_ratio) * cosine
+        return self.spec.run.optimizer.lr_factor(step, self.spec.run.steps)
 
     def _stateful(self):
         from rayflex.storage.checkpoint import TrainState
