@@ -74,8 +74,6 @@ class ScalingConfig:
             raise ConfigError(f"{c}.num_workers",
                               f"num_workers={self.num_workers} is outside [min_workers={lo}, max_workers={hi}]",
                               "pick num_workers between min_workers and max_workers")
-        object.__setattr__(self, "min_workers", lo)
-        object.__setattr__(self, "max_workers", hi)
         if not isinstance(self.cpus_per_worker, (int, float)) or self.cpus_per_worker <= 0:
             raise ConfigError(f"{c}.cpus_per_worker", f"must be > 0, got {self.cpus_per_worker!r}",
                               "use e.g. 1 (a worker needs CPU time even on a GPU node)")
@@ -86,6 +84,16 @@ class ScalingConfig:
         if not isinstance(self.resources_per_worker, dict):
             raise ConfigError(f"{c}.resources_per_worker", "must be a dict of resource -> amount",
                               "use e.g. {'accelerator_type:H100': 0.001}")
+
+    # Resolved bounds. The fields keep None ("same as num_workers") so that overriding
+    # num_workers alone (`--set scaling.num_workers=2`) moves a fixed-size run's bounds too.
+    @property
+    def min_size(self) -> int:
+        return self.num_workers if self.min_workers is None else self.min_workers
+
+    @property
+    def max_size(self) -> int:
+        return self.num_workers if self.max_workers is None else self.max_workers
 
     def worker_resources(self) -> dict[str, float]:
         res = {"CPU": float(self.cpus_per_worker)}
@@ -288,7 +296,7 @@ class RunConfig:
 def validate_together(*, scaling: ScalingConfig, parallel: ParallelConfig, data: DataConfig,
                       num_blocks: int) -> None:
     """Checks that need several configs at once; same error style, still before any actor."""
-    for size, what in ((scaling.num_workers, "num_workers"), (scaling.min_workers, "min_workers")):
+    for size, what in ((scaling.num_workers, "num_workers"), (scaling.min_size, "min_workers")):
         if size % parallel.pp:
             raise ConfigError(f"ScalingConfig.{what}",
                               f"{what}={size} is not divisible by ParallelConfig.pp={parallel.pp}",

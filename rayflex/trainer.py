@@ -70,7 +70,6 @@ def ensure_ray(min_cpus: float = 0, *, connect_only: bool = False) -> None:
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     address = os.environ.get("RAY_ADDRESS") or _running_cluster_address()
     if address:
         ray.init(address=address, log_to_driver=True)
@@ -174,25 +173,28 @@ class RunHandle:
 
 
 def _show_progress(handle: RunHandle, interval_s: float = 0.5) -> None:
-    """A progress bar (tqdm.auto: a widget in notebooks, a line in terminals)."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        tqdm = None
-    st = handle.status()
-    bar = tqdm(total=st["target_steps"], desc=handle.name, unit="step", file=sys.stderr) if tqdm else None
-    last = 0
+    """A progress bar (tqdm.auto: a widget in notebooks, a line in terminals and job logs).
+
+    Created once the run is RUNNING, starting at the step it resumed from, so a resumed
+    run neither shows 0/N while placing nor a burst of steps/s when it jumps."""
+    from tqdm.auto import tqdm
+
+    bar, last = None, 0
     while not handle.done():
         try:
             st = handle.status()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the controller just exited
             break
+        if bar is None and st["state"] == "RUNNING":
+            last = st["step"]
+            bar = tqdm(total=st["target_steps"], initial=last, desc=handle.name, unit="step", file=sys.stderr,
+                       mininterval=0.5 if sys.stderr.isatty() else 5.0)
         if bar is not None:
             bar.update(max(0, st["step"] - last))
             last = max(last, st["step"])
             loss, tps = st.get("loss"), st.get("tokens_per_s")
-            bar.set_postfix_str(f"loss={loss:.4f} tok/s={tps:,.0f} state={st['state']}"
-                                if loss is not None and tps else f"state={st['state']}")
+            bar.set_postfix_str(f"loss={loss:.4f} tok/s={tps:,.0f} world={st.get('world_size')} state={st['state']}"
+                                if loss is not None and tps else f"state={st['state']}", refresh=False)
         time.sleep(interval_s)
     if bar is not None:
         try:

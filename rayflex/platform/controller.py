@@ -52,8 +52,10 @@ class Controller:
     def __init__(self, spec: TrainSpec, *, group_factory: Optional[Callable] = None,
                  knobs: Optional[dict] = None):
         from rayflex.constants import adopt_knobs
+        from rayflex.platform.metrics_export import MetricsExporter
 
         adopt_knobs(knobs)
+        self._exporter = MetricsExporter(spec.run.name)
         self.spec = spec
         self.state = RunState.INITIALIZING
         self.rundir = RunDirectory(spec.run.run_dir)
@@ -145,6 +147,7 @@ class Controller:
 
     def _record(self, event: ev.Event) -> ev.Event:
         self.timeline.add(event)
+        self._exporter.on_event(event)
         self.rundir.add_line("events.jsonl", event.to_dict())
         log.info("event: %s", event.describe())
         return event
@@ -186,7 +189,7 @@ class Controller:
         world = self._target_world
         if world is None:  # first start: the configured size, or the best that fits if elastic
             world = self.spec.scaling.num_workers
-            if self.spec.scaling.min_workers < world:
+            if self.spec.scaling.min_size < world:
                 world = best_world_size(self.spec, min(world, self._usable_slots(topology))) or world
         self.plan = plan_mesh(self.spec.model, self.spec.parallel, self.spec.data, world)
         placement = plan_for(self.spec, self.plan, topology)  # PlacementError names what is missing
@@ -249,7 +252,7 @@ class Controller:
             return RunState.FINISHED
         self.group.start(self.spec.run.steps)
         self._watch_preemptions()
-        if world < self.spec.scaling.max_workers:
+        if world < self.spec.scaling.max_size:
             _request_capacity(self.spec)
         return RunState.RUNNING
 
@@ -293,7 +296,7 @@ class Controller:
                 self._record(ev.RunStopped(step=self.step, reason=self.reason or "stopped"))
                 return RunState.STOPPED
             if (not stop_sent and self._grow_to is None and self._preempting is None and now - last_capacity > 2.0
-                    and self.plan.world_size < self.spec.scaling.max_workers):
+                    and self.plan.world_size < self.spec.scaling.max_size):
                 last_capacity = now
                 self._check_growth()
                 if self._grow_to is not None:
@@ -490,6 +493,7 @@ class Controller:
             with self._lock:
                 self._metrics.append(line)
             self.rundir.add_line("metrics.jsonl", line)
+            self._exporter.on_metrics(line)
             self.step = r0.step
 
     # ----------------------------------------------------------------- teardown
@@ -499,9 +503,15 @@ class Controller:
         elif self.state is RunState.FAILED:
             self._record(ev.RunFailedEvent(step=self.step, reason=self.reason))
         self._teardown()
+        self.rundir.flush()
         result = self.result()
         self.rundir.write_json("result.json", result)
-        self.rundir.flush()
+        try:  # the report is a convenience: never fail a run over a plot
+            from rayflex.report import write_report
+
+            write_report(self.spec.run.run_dir)
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not write the run report: %s", e)
         return result
 
     def _teardown(self) -> None:
@@ -546,6 +556,9 @@ class Controller:
             "failures": len(self.timeline.of(ev.WorkerFailed)) + len(self.timeline.of(ev.WorkerDied)),
             "last_checkpoint": self._last_ckpt,
             "run_dir": self.spec.run.run_dir,
+            "goodput": _goodput(metrics, self.timeline),
+            "preemptions": len({e.node_id for e in self.timeline.of(ev.PreemptionNotice) if e.ranks}),
+            "lost_steps": sum(e.lost_steps for e in self.timeline.of(ev.Restarted)),
         }
 
 
@@ -557,6 +570,16 @@ def _describe_spec(spec: TrainSpec) -> dict:
         out[name] = dataclasses.asdict(getattr(spec, name))
     out["model"] = {"name": spec.model.name, "num_blocks": spec.model.num_blocks}
     return out
+
+
+def _goodput(metrics: list[dict], timeline) -> Optional[float]:
+    try:
+        from rayflex.platform.goodput import goodput
+
+        return goodput(metrics, [e.to_dict() for e in timeline.events])
+    except Exception as e:  # noqa: BLE001 - a report number must not fail the run
+        log.warning("goodput unavailable: %s", e)
+        return None
 
 
 def _ray_group(spec, plan, members):
@@ -589,6 +612,6 @@ def _request_capacity(spec: TrainSpec) -> None:
     try:
         from ray.autoscaler.sdk import request_resources
 
-        request_resources(bundles=[spec.scaling.worker_resources() for _ in range(spec.scaling.max_workers)])
+        request_resources(bundles=[spec.scaling.worker_resources() for _ in range(spec.scaling.max_size)])
     except Exception as e:  # noqa: BLE001 - clusters without an autoscaler
         log.debug("request_resources unavailable: %s", e)

@@ -42,7 +42,7 @@ def valid_world_sizes(spec: TrainSpec) -> list[int]:
     global batch (and, with a pipeline, leaves a per-rank batch the microbatches divide)."""
     pp = spec.parallel.pp
     out = []
-    for n in range(spec.scaling.max_workers, spec.scaling.min_workers - 1, -1):
+    for n in range(spec.scaling.max_size, spec.scaling.min_size - 1, -1):
         if n % pp:
             continue
         dp = n // pp
@@ -95,7 +95,7 @@ class FailurePolicy:
         size = best_world_size(self.spec, usable_slots)
         if size is None:
             sizes = valid_world_sizes(self.spec)
-            smallest = min(sizes) if sizes else self.spec.scaling.min_workers
+            smallest = min(sizes) if sizes else self.spec.scaling.min_size
             return WaitForResources(min_world_size=smallest, timeout_s=cfg.resource_wait_s,
                                     reason=f"{usable_slots} usable slots, the run needs at least {smallest}")
         return Restart(world_size=size, reason=reason)
