@@ -83,14 +83,16 @@ def run_events(tmp_path, name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def wait_until_running(handle, step: int, timeout_s: float = 120):
-    """Block until the run is RUNNING past ``step``; returns its status."""
+def wait_until_running(handle, step: int, timeout_s: float = 120, committed: int = 0):
+    """Block until the run is RUNNING past ``step`` with a checkpoint of at least
+    ``committed`` committed; returns its status."""
     import time
 
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         st = handle.status()
-        if st["step"] >= step and st["state"] == "RUNNING":
+        last = (st.get("last_checkpoint") or {}).get("step") or 0
+        if st["step"] >= step and st["state"] == "RUNNING" and last >= committed:
             return st
         time.sleep(0.1)
     raise AssertionError(f"run not running at step {step} after {timeout_s}s")

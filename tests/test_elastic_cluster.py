@@ -61,7 +61,7 @@ def cluster():
 def test_killed_worker_actor_is_replaced(cluster, dataset_uri, tmp_path):
     trainer = _trainer(dataset_uri, tmp_path, "kill-actor")
     handle = trainer.submit()
-    st = wait_until_running(handle, 5)
+    st = wait_until_running(handle, 5, committed=3)
     victim = next(w for w in st["workers"] if w["rank"] == 1)
     killed_at = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
@@ -80,7 +80,7 @@ def test_killed_worker_actor_is_replaced(cluster, dataset_uri, tmp_path):
 def test_frozen_worker_is_detected_as_hang(cluster, dataset_uri, tmp_path):
     trainer = _trainer(dataset_uri, tmp_path, "sigstop")
     handle = trainer.submit()
-    st = wait_until_running(handle, 5)
+    st = wait_until_running(handle, 5, committed=3)
     victim = next(w for w in st["workers"] if w["rank"] == 2)
     frozen_at = time.time()
     os.kill(victim["pid"], signal.SIGSTOP)
@@ -104,7 +104,7 @@ def test_node_loss_shrinks_then_capacity_return_grows_back(dataset_uri, tmp_path
         worker_node = cluster.list_all_nodes()[1]
         trainer = _trainer(dataset_uri, tmp_path, "node-loss")
         handle = trainer.submit()
-        wait_until_running(handle, 4)
+        wait_until_running(handle, 4, committed=3)
         lost_id = worker_node.node_id
         removed_at = time.time()
         cluster.remove_node(worker_node)

@@ -416,7 +416,15 @@ class Controller:
         from rayflex.platform.elastic import Fail, Restart, WaitForResources
 
         fault = self._fault
+        node_of = dict(self.group.node_of)
         self._collect_survivors(set(fault.bad_ranks))
+        # Dead actors are seen before Ray declares their node dead; name the lost nodes
+        # now, so the timeline says whether a process or a whole node went.
+        reported = {e.node_id for e in fault.events if isinstance(e, ev.NodeLost)}
+        alive = _alive_nodes()
+        for node in sorted({node_of[r] for r in fault.bad_ranks if r in node_of} - alive - reported):
+            self._record(ev.NodeLost(step=self.step + 1, node_id=node,
+                                     ranks=sorted(r for r, n in node_of.items() if n == node)))
         deadline = None
         while True:
             slots = self._usable_slots(self._usable_topology())
