@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv demo test test-slow test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,13 +23,17 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/rayflex run examples/gpt_small.py --name gpt-demo-$$(date +%Y%m%d-%H%M%S)
 
-# The whole test suite (starts its own Ray clusters and S3 endpoint on loopback).
+# The test suite (starts its own Ray clusters and S3 endpoint on loopback).
 test: venv
-	$(PY) -m pytest -q -x --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -m "not slow" tests
+
+# Long or load-sensitive checks (real-worker memory measurements, long chaos seeds).
+test-slow: venv
+	$(PY) -m pytest -q --durations=15 -m slow tests
 
 # Unit tests only (no Ray cluster).
 test-fast: venv
-	$(PY) -m pytest -q -m "not cluster" tests
+	$(PY) -m pytest -q -m "not cluster and not slow" tests
 
 bench: venv
 	$(PY) benchmarks/overhead.py

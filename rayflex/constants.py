@@ -24,7 +24,7 @@ _DEFAULTS: dict[str, float] = {
     # Waiting for placement groups to be scheduled.
     "PLACEMENT_TIMEOUT_S": 60.0,
     # How long survivors of a fault get to leave the failed attempt before being killed.
-    "RELEASE_TIMEOUT_S": 10.0,
+    "RELEASE_TIMEOUT_S": 6.0,
     # Emergency-checkpoint duration assumed before the run has measured one.
     "EMERGENCY_CHECKPOINT_DEFAULT_S": 10.0,
     # Worker setup (rendezvous, model build, checkpoint load).

@@ -242,8 +242,14 @@ class Trainer:
                                f"stop it first (`rayflex status {self.spec.run.name}`) or pick another name")
         from rayflex.constants import knob_env
 
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # The controller lives on the driver's node (the head under `ray job submit`), never
+        # on a worker node whose loss (a spot preemption) would take the run down with it.
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         remote = ray.remote(num_cpus=0, max_concurrency=8)(Controller)
-        controller = remote.options(name=name, namespace=CONTROLLER_NAMESPACE).remote(self.spec, knobs=knob_env())
+        controller = remote.options(name=name, namespace=CONTROLLER_NAMESPACE, scheduling_strategy=here).remote(
+            self.spec, knobs=knob_env())
         return RunHandle(self.spec.run.name, controller, controller.run.remote())
 
     def fit(self, *, progress: bool = True) -> Result:

@@ -51,7 +51,10 @@ class ActivationCounter:
             self.live += nbytes
             self.peak = max(self.peak, self.live)
         self._refs[key] = self._refs.get(key, 0) + 1
-        holder = _Saved(t)
+        # Hold a detached alias: a saved *output* still carrying its grad_fn would make a
+        # cycle (output -> grad_fn -> saved holder -> output) that outlives the step when no
+        # backward runs (the pipeline's shape-inference forward), leaking its activations.
+        holder = _Saved(t.detach())
         weakref.finalize(holder, self._release, key, nbytes)
         return holder
 

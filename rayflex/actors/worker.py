@@ -327,7 +327,9 @@ class TrainWorker:
             if self._has_last:
                 kwargs = {"target": y, "losses": losses}
             args = (x,) if self._has_first else ()
-            self.schedule.step(*args, **kwargs)
+            # return_outputs=False: the last stage would otherwise keep every microbatch's
+            # logits alive until the next step.
+            self.schedule.step(*args, return_outputs=False, **kwargs)
             # Only last-stage ranks hold a loss; the control all-reduce divides by dp.
             loss_contrib = float(torch.stack(losses).detach().mean()) if self._has_last else 0.0
         return loss_contrib
@@ -394,9 +396,9 @@ class TrainWorker:
                 log.warning("rank %d: training loop still blocked in phase %r after %.0fs", self.rank,
                             self._phase, timeout_s)
                 return False
-        # After a failure an in-flight save cannot complete (its peers are gone): leave at
-        # once, so peers still blocked on this rank's sockets see them close.
-        self.shutdown(checkpoint_grace_s=0.0 if self._state == "failed" else min(4.0, timeout_s))
+        # An in-flight save still commits if every peer process is alive; if one died, DCP's
+        # gather fails fast on the closed connection, so the grace is rarely spent.
+        self.shutdown(checkpoint_grace_s=min(3.0, timeout_s / 2))
         for name in ("stages", "params", "optimizers", "schedulers", "schedule", "mesh", "dp_mesh"):
             self.__dict__.pop(name, None)
         self.checkpointer = None

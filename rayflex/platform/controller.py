@@ -393,23 +393,27 @@ class Controller:
         self._collect_survivors(set())
         return RunState.PLACING
 
-    def _collect_survivors(self, bad_ranks: set[int]) -> None:
-        """Kill the bad ranks; ask the others to leave the attempt, keep those that could."""
-        self.group.kill(sorted(bad_ranks))
-        for r in bad_ranks:
+    def _collect_survivors(self, bad_ranks: set[int], raised: frozenset = frozenset()) -> None:
+        """Kill the dead or frozen ranks; ask the others to leave the attempt and keep the
+        ones that could. Ranks whose loop *raised* are alive: they leave like the others
+        (so a checkpoint they are still uploading can commit) and are then replaced."""
+        kill_now = set(bad_ranks) - set(raised)
+        self.group.kill(sorted(kill_now))
+        for r in kill_now:
             self.run_placement.vacate(_actor_id(self.group.actors[r]))
-        others = [r for r in range(self.plan.world_size) if r not in bad_ranks]
+        others = [r for r in range(self.plan.world_size) if r not in kill_now]
         released = self.group.release(others, timeout_s=knob("RELEASE_TIMEOUT_S")) if others else {}
         self._survivors = {}
         for r in others:
             actor = self.group.actors[r]
-            if released.get(r):
+            if released.get(r) and r not in raised:
                 self._survivors[_actor_id(actor)] = actor
-            else:
+                continue
+            if not released.get(r):
                 log.warning("rank %d did not leave the failed attempt within %.0fs; killing it",
                             r, knob("RELEASE_TIMEOUT_S"))
-                self.group.kill([r])
-                self.run_placement.vacate(_actor_id(actor))
+            self.group.kill([r])
+            self.run_placement.vacate(_actor_id(actor))
         self.group = None
 
     def _restarting(self) -> RunState:
@@ -417,7 +421,8 @@ class Controller:
 
         fault = self._fault
         node_of = dict(self.group.node_of)
-        self._collect_survivors(set(fault.bad_ranks))
+        raised = frozenset(e.rank for e in fault.events if isinstance(e, ev.WorkerFailed))
+        self._collect_survivors(set(fault.bad_ranks), raised)
         # Dead actors are seen before Ray declares their node dead; name the lost nodes
         # now, so the timeline says whether a process or a whole node went.
         reported = {e.node_id for e in fault.events if isinstance(e, ev.NodeLost)}
