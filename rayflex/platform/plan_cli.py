@@ -32,7 +32,27 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--all", action="store_true", help="list every candidate, not the best per mesh shape")
     p.add_argument("--explain", action="store_true", help="explain the choice and show its placement")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--topology", help="placement only: SPEC's mesh on a described topology "
+                   "(YAML/JSON of nodes, slots and labels, e.g. examples/topologies/*.yaml); no cluster needed")
+    p.add_argument("--live", action="store_true", help="placement only: SPEC's mesh on the connected Ray cluster")
     p.set_defaults(func=cmd_plan)
+
+
+def cmd_placement(args) -> int:
+    """Where SPEC's ranks would go and why (the controller's planner, as a dry run)."""
+    from rayflex.cli import load_trainer
+
+    if not args.spec:
+        raise ConfigError("rayflex plan --topology/--live", "needs SPEC", "e.g. `rayflex plan "
+                          "examples/gpt_small.py --topology examples/topologies/two_racks_64gpu.yaml`")
+    trainer = load_trainer(args.spec)
+    plan = trainer.plan(args.topology if args.topology else None, world_size=args.world_size)
+    if args.json:
+        json.dump(plan.to_dict(), sys.stdout, indent=2, default=float)
+        print()
+    else:
+        print(plan.format(ranks=True))
+    return 0
 
 
 def _inputs(args):
@@ -75,6 +95,8 @@ def _inputs(args):
 def cmd_plan(args) -> int:
     from rayflex.platform.capacity_search import explain, search
 
+    if args.topology or args.live:
+        return cmd_placement(args)
     model, cluster, global_batch, world = _inputs(args)
     result = search(model, cluster, global_batch=global_batch, world_size=world)
     placement = _placement(result) if (args.explain and args.cluster) else None
