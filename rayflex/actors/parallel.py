@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from rayflex.config import DataConfig, ParallelConfig
+from rayflex.actors.stage_split import balanced_split  # noqa: F401 - re-exported
 from rayflex.errors import ConfigError
 from rayflex.models.spec import ModelSpec, Stage, build_stage
 
@@ -55,36 +56,6 @@ class MeshPlan:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def balanced_split(costs: list[float], num_stages: int) -> list[list[int]]:
-    """Contiguous split of blocks into ``num_stages`` non-empty slices minimising the max
-    stage cost (classic linear partition, exact by dynamic programming; ties prefer the
-    earlier cut so equal costs give equal-count stages)."""
-    n = len(costs)
-    if not 1 <= num_stages <= n:
-        raise ConfigError("ParallelConfig.pp", f"cannot cut {n} blocks into {num_stages} stages",
-                          f"use pp * stages_per_rank <= {n}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    # best[s][i]: minimal max cost of cutting blocks [0, i) into s stages.
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        for i in range(s, n - (num_stages - s) + 1):
-            for j in range(s - 1, i):
-                v = max(best[s - 1][j], prefix[i] - prefix[j])
-                if v < best[s][i] - 1e-12:
-                    best[s][i], cut[s][i] = v, j
-    bounds, i = [], n
-    for s in range(num_stages, 0, -1):
-        j = cut[s][i]
-        bounds.append(list(range(j, i)))
-        i = j
-    return bounds[::-1]
 
 
 def measured_block_costs(spec: ModelSpec, seq_len: int, micro_batch: int, repeats: int = 3) -> list[float]:

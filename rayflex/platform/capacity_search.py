@@ -267,34 +267,11 @@ def _gb(b: float) -> str:
 
 @functools.lru_cache(maxsize=512)
 def stage_split_cached(costs: tuple, num_stages: int) -> tuple:
-    """``rayflex.actors.parallel.balanced_split`` without torch (the planner runs where torch
-    is not imported); a test keeps the two identical. Contiguous split minimising the max
-    stage cost, ties to the earlier cut."""
-    n = len(costs)
-    if not 1 <= num_stages <= n:
-        raise ConfigError("ParallelConfig.pp", f"cannot cut {n} blocks into {num_stages} stages",
-                          f"use pp * stages_per_rank <= {n}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        prev, row, crow = best[s - 1], best[s], cut[s]
-        for i in range(s, n - (num_stages - s) + 1):
-            pi = prefix[i]
-            for j in range(s - 1, i):
-                v = max(prev[j], pi - prefix[j])
-                if v < row[i] - 1e-12:
-                    row[i], crow[i] = v, j
-    bounds, i = [], n
-    for s in range(num_stages, 0, -1):
-        j = cut[s][i]
-        bounds.append(tuple(range(j, i)))
-        i = j
-    return tuple(bounds[::-1])
+    """The workers' own split (``rayflex.actors.stage_split.balanced_split``), memoised:
+    the search asks for the same split many times."""
+    from rayflex.actors.stage_split import balanced_split
+
+    return tuple(tuple(stage) for stage in balanced_split(list(costs), num_stages))
 
 
 def stage_split(block_params: Sequence[float], num_stages: int) -> tuple:
