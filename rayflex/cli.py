@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="train SPEC on the current Ray cluster (or a local one)")
     r.add_argument("spec", help="a .py file or module:attr defining `trainer`")
     r.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set parallel.pp=2 --set run.steps=50")
+                   help="override a config field, e.g. --set parallel.pp=2 (or =auto) --set run.steps=50")
     r.add_argument("--steps", type=int, help="shorthand for --set run.steps=N")
     r.add_argument("--name", help="shorthand for --set run.name=NAME")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -8,9 +8,10 @@ error names the field and says how to fix it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from rayflex.errors import ConfigError
 
@@ -110,18 +111,44 @@ class ParallelConfig:
     ``pp`` stages (x ``stages_per_rank`` virtual stages for the interleaved schedule),
     ``dp = world_size // pp`` FSDP2 shards per stage. ``microbatches`` defaults to the
     smallest count the schedule allows (``pp`` for gpipe/1f1b, ``pp*stages_per_rank``).
+
+    ``pp="auto"``: the capacity planner (``rayflex.platform.auto_parallel``) picks pp,
+    schedule, microbatches, stages_per_rank (and the pp=1 micro-batch) for the world size
+    at launch and again at every elastic restart. ``cluster`` is a cluster-description
+    YAML (as ``rayflex plan --cluster`` takes) giving the devices and topology; None plans
+    on the live Ray topology with this host's CPUs as the devices. It is only read with
+    ``pp="auto"``.
     """
 
-    pp: int = 1
+    pp: Union[int, str] = 1
     schedule: str = "1f1b"
     microbatches: Optional[int] = None
     stages_per_rank: int = 1
     # How blocks are balanced over stages: "params" (parameter count) or "uniform".
     balance: str = "params"
+    cluster: Optional[str] = None
 
     def __post_init__(self) -> None:
         c = "ParallelConfig"
-        _positive_int(c, "pp", self.pp)
+        if isinstance(self.pp, str):
+            if self.pp != "auto":
+                raise ConfigError(f"{c}.pp", f"unknown value {self.pp!r}",
+                                  "use a positive integer, or 'auto' to let the capacity planner choose")
+            # The planner chooses these; a user value would be silently overridden.
+            for name, default in (("schedule", "1f1b"), ("microbatches", None), ("stages_per_rank", 1)):
+                value = getattr(self, name)
+                if value != default:
+                    raise ConfigError(f"{c}.{name}",
+                                      f"{name}={value!r} is chosen by the capacity planner with pp='auto'",
+                                      f"leave {name} at its default ({default!r}), or set an integer pp")
+        else:
+            _positive_int(c, "pp", self.pp, "use an integer >= 1, or 'auto'")
+        if self.cluster is not None:
+            if not isinstance(self.cluster, (str, os.PathLike)) or not str(self.cluster):
+                raise ConfigError(f"{c}.cluster", f"must be a path to a cluster-description YAML, got "
+                                  f"{self.cluster!r}", "see docs/capacity.md, or use None for the live cluster")
+            # Absolute now: the controller reads it later, possibly from another directory.
+            object.__setattr__(self, "cluster", os.path.abspath(os.fspath(self.cluster)))
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"{c}.schedule", f"unknown schedule {self.schedule!r}",
                               f"use one of {', '.join(SCHEDULES)}")
@@ -145,8 +172,32 @@ class ParallelConfig:
                               "use 'params' or 'uniform'")
 
     @property
-    def num_stages(self) -> int:
+    def is_auto(self) -> bool:
+        return self.pp == "auto"
+
+    @property
+    def num_stages(self) -> Optional[int]:
+        """Pipeline stages; None with pp='auto' (unknown until the planner resolves it)."""
+        if self.is_auto:
+            return None
         return self.pp * self.stages_per_rank
+
+
+def auto_pp_options(world_size: int, global_batch: int, num_blocks: int) -> list[int]:
+    """The pp values ``pp="auto"`` can pick from at ``world_size`` ranks, by arithmetic only
+    (the same rules as the planner's enumeration): pp divides the world size and is at most
+    the number of blocks, dp = world/pp divides the global batch, and a pipeline's per-rank
+    batch can be cut into at least pp microbatches. Whether a mesh also fits in memory is
+    the planner's question."""
+    out = []
+    for pp in range(1, min(world_size, num_blocks) + 1):
+        if world_size % pp:
+            continue
+        dp = world_size // pp
+        if global_batch % dp or (pp > 1 and global_batch // dp < pp):
+            continue
+        out.append(pp)
+    return out
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -296,6 +347,9 @@ class RunConfig:
 def validate_together(*, scaling: ScalingConfig, parallel: ParallelConfig, data: DataConfig,
                       num_blocks: int) -> None:
     """Checks that need several configs at once; same error style, still before any actor."""
+    if parallel.is_auto:
+        _validate_auto(scaling, parallel, data, num_blocks)
+        return
     for size, what in ((scaling.num_workers, "num_workers"), (scaling.min_size, "min_workers")):
         if size % parallel.pp:
             raise ConfigError(f"ScalingConfig.{what}",
@@ -326,6 +380,26 @@ def validate_together(*, scaling: ScalingConfig, parallel: ParallelConfig, data:
             raise ConfigError("ParallelConfig.microbatches",
                               f"interleaved schedule needs microbatches ({m}) divisible by pp ({parallel.pp})",
                               f"use a multiple of {parallel.pp}")
+
+
+def _validate_auto(scaling: ScalingConfig, parallel: ParallelConfig, data: DataConfig, num_blocks: int) -> None:
+    """pp='auto': the mesh is chosen per world size later; check that one can exist now."""
+    if data.micro_batch is not None:
+        raise ConfigError("DataConfig.micro_batch",
+                          f"micro_batch={data.micro_batch} is chosen by the capacity planner with "
+                          "ParallelConfig(pp='auto')", "leave micro_batch=None, or set an integer pp")
+    if scaling.use_gpu and parallel.cluster is None:
+        # Without a description the planner only knows this host's CPUs: a GPU plan would
+        # be sized against host RAM.
+        raise ConfigError("ParallelConfig.cluster", "pp='auto' on GPUs needs the devices' memory and FLOP/s",
+                          "set cluster='cluster.yaml' (a cluster description, see docs/capacity.md)")
+    n, gb = scaling.num_workers, data.global_batch
+    if not auto_pp_options(n, gb, num_blocks):
+        raise ConfigError("ParallelConfig.pp",
+                          f"pp='auto' finds no mesh for num_workers={n}: no pp dividing {n} (and <= "
+                          f"{num_blocks} blocks) leaves a data-parallel size dividing global_batch={gb} "
+                          f"with at least pp samples per rank",
+                          f"use a global_batch that is a multiple of {n} (pp=1 then always works)")
 
 
 def apply_override(obj: Any, dotted: str, raw: str) -> Any:
@@ -385,7 +459,8 @@ class TrainSpec:
         return self.checkpoint.uri or f"{self.run.run_dir}/checkpoints"
 
     def with_overrides(self, overrides: dict[str, str]) -> "TrainSpec":
-        """Apply ``section.field=value`` overrides (``parallel.pp=2``); re-validates."""
+        """Apply ``section.field=value`` overrides (``parallel.pp=2``, ``parallel.pp=auto``);
+        re-validates."""
         spec = self
         for key, raw in overrides.items():
             section, _, rest = key.partition(".")

@@ -25,10 +25,17 @@ _DEFAULTS: dict[str, float] = {
     "PLACEMENT_TIMEOUT_S": 60.0,
     # How long survivors of a fault get to leave the failed attempt before being killed.
     "RELEASE_TIMEOUT_S": 6.0,
+    # Once the ranks that could leave have left, how much longer the others get: a rank
+    # blocked on a peer that left is unblocked when that peer's sockets close (well under a
+    # second); one still blocked after this waits on a frozen or dead process.
+    "RELEASE_SETTLE_S": 1.5,
     # Emergency-checkpoint duration assumed before the run has measured one.
     "EMERGENCY_CHECKPOINT_DEFAULT_S": 10.0,
     # Worker setup (rendezvous, model build, checkpoint load).
     "SETUP_TIMEOUT_S": 300.0,
+    # How long a worker started ahead of a growth restart may take to come up before the
+    # growth is put off (and retried at the next capacity check).
+    "WORKER_START_TIMEOUT_S": 180.0,
 }
 
 

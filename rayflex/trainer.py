@@ -263,8 +263,13 @@ class Trainer:
         ``topology``: a :class:`rayflex.platform.topology.Topology`, a YAML/JSON file
         describing nodes and labels (no cluster needed), or None for the connected (or
         embedded local) cluster. Returns a ``Plan`` (``print(plan.format(ranks=True))``).
+        With ``ParallelConfig(pp="auto")`` the mesh is the capacity planner's choice for this
+        world size, and its reasoning heads the explanation.
         """
+        import dataclasses
+
         from rayflex.actors.parallel import plan_mesh
+        from rayflex.platform.auto_parallel import resolve_parallel
         from rayflex.platform.placement_policy import plan_for
         from rayflex.platform.topology import Topology
 
@@ -272,9 +277,16 @@ class Trainer:
             topology = Topology.from_file(topology)
         elif topology is None:
             ensure_ray(self.spec.scaling.num_workers * self.spec.scaling.cpus_per_worker)
-        mesh = plan_mesh(self.spec.model, self.spec.parallel, self.spec.data,
-                         world_size or self.spec.scaling.num_workers)
-        return plan_for(self.spec, mesh, topology)
+            # the snapshot plan_for would take, taken once so pp="auto" plans on the same one
+            topology = Topology.from_ray(cpus_per_worker=self.spec.scaling.cpus_per_worker or 1.0,
+                                         use_gpu=self.spec.scaling.use_gpu)
+        world = world_size or self.spec.scaling.num_workers
+        resolved = resolve_parallel(self.spec, world, topology)  # as the controller does at launch
+        mesh = plan_mesh(self.spec.model, resolved.parallel, resolved.data, world)
+        plan = plan_for(self.spec, mesh, topology)
+        if resolved.explanation:
+            plan = dataclasses.replace(plan, explanation=f"{resolved.explanation}\n{plan.explanation}")
+        return plan
 
     def _preflight(self) -> None:
         """Checks that touch the outside world, still before any actor: storage, data."""
@@ -294,6 +306,13 @@ class Trainer:
                                   f"resume=False but {self.spec.checkpoint_uri} already holds committed "
                                   f"checkpoints (latest step {latest}); a fresh run would mix two timelines",
                                   "set resume=True to continue it, or use a new RunConfig.name")
+        if self.spec.parallel.is_auto and self.spec.parallel.cluster:
+            # A missing description, or a model that fits nowhere at the requested size, fails
+            # here rather than in the controller. (Without a description the controller plans
+            # on the live topology, which the driver has not seen yet.)
+            from rayflex.platform.auto_parallel import resolve_parallel
+
+            resolve_parallel(self.spec, self.spec.scaling.num_workers)
         from rayflex.actors.data import TokenDataset
 
         ds = TokenDataset(self.spec.data.uri)

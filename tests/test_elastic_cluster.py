@@ -24,10 +24,10 @@ def fast_detection(monkeypatch):
     monkeypatch.setenv("RAYFLEX_HANG_TIMEOUT_FLOOR_S", "15")
 
 
-def _trainer(dataset_uri, tmp_path, name, *, workers=4, min_workers=2):
+def _trainer(dataset_uri, tmp_path, name, *, workers=4, min_workers=2, steps=STEPS):
     return rf.Trainer(model=small_gpt(n_layers=2),
                       data=rf.DataConfig(uri=dataset_uri, seq_len=32, global_batch=GB),
-                      run=rf.RunConfig(name=name, storage=f"file://{tmp_path}/runs", steps=STEPS,
+                      run=rf.RunConfig(name=name, storage=f"file://{tmp_path}/runs", steps=steps,
                                        optimizer=rf.OptimizerConfig(lr=1e-2, warmup_steps=2)),
                       scaling=rf.ScalingConfig(num_workers=workers, min_workers=min_workers, max_workers=workers),
                       checkpoint=rf.CheckpointConfig(every_steps=3, keep=2),
@@ -39,16 +39,17 @@ def _trainer(dataset_uri, tmp_path, name, *, workers=4, min_workers=2):
 
 
 def _assert_recovered(result, trainer, events, *, world_size):
-    assert result.status == "finished" and result.steps_completed == STEPS
+    steps_total = trainer.spec.run.steps
+    assert result.status == "finished" and result.steps_completed == steps_total
     restarted = [e for e in events if e["kind"] == "restarted"]
     loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
     assert restarted and loaded, "the run restarted from a checkpoint"
     assert restarted[0]["lost_steps"] <= 3, "at most one checkpoint interval is lost"
     assert result.metrics[-1]["world_size"] == world_size
     steps = [m["step"] for m in result.metrics]
-    assert steps == list(range(1, STEPS + 1)), "metrics.jsonl: every step once, rolled-back steps replaced"
+    assert steps == list(range(1, steps_total + 1)), "metrics.jsonl: every step once, rolled-back steps replaced"
     # The same data and the same math at any world size: the loss of a run that never failed.
-    reference = single_process_losses(trainer.spec, STEPS)
+    reference = single_process_losses(trainer.spec, steps_total)
     assert result.final_loss == pytest.approx(reference[-1], rel=1e-4)
 
 

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.cluster
 def test_node_loss_shrinks_then_capacity_return_grows_back(dataset_uri, tmp_path):
     with loopback_cluster([{"num_cpus": 2}, {"num_cpus": 2}]) as cluster:
         worker_node = cluster.list_all_nodes()[1]
-        trainer = _trainer(dataset_uri, tmp_path, "node-loss")
+        # Long enough for the newcomers to warm up while the run trains at size 2: the
+        # run grows only once they are up, so it never stalls on process start.
+        trainer = _trainer(dataset_uri, tmp_path, "node-loss", steps=90)
         handle = trainer.submit()
         wait_until_running(handle, 4, committed=3)
         lost_id = worker_node.node_id
@@ -36,5 +38,8 @@ def test_node_loss_shrinks_then_capacity_return_grows_back(dataset_uri, tmp_path
     assert node_lost and node_lost[0]["node_id"] == lost_id and len(node_lost[0]["ranks"]) == 2
     sizes = [e["world_size"] for e in events if e["kind"] == "restarted"]
     assert sizes[0] == 2 and sizes[-1] == 4, f"shrink to 2, grow back to 4: {sizes}"
-    assert any("capacity returned" in e["reason"] for e in events if e["kind"] == "restarted")
+    grow = next(e for e in events if e["kind"] == "restarted" and "capacity returned" in e["reason"])
+    assert grow["lost_steps"] == 0, "growing resumes from the checkpoint of the step it stopped at"
+    started = [e for e in events if e["kind"] == "workers_started"]
+    assert started[-1]["spawn_s"] < 3.0, "the newcomers were warmed before the stop, not after it"
     _assert_recovered(result, trainer, events, world_size=4)

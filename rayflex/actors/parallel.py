@@ -82,6 +82,10 @@ def plan_mesh(spec: ModelSpec, parallel: ParallelConfig, data: DataConfig, world
     The global batch stays fixed whatever the world size; what changes is how many samples
     each dp rank takes and how they are cut into microbatches.
     """
+    if parallel.is_auto:  # a TypeError further down otherwise
+        raise ConfigError("ParallelConfig.pp", "pp='auto' must be resolved to a mesh for a world size first",
+                          "pass rayflex.platform.auto_parallel.resolve_parallel(spec, world_size).parallel "
+                          "(and its .data)")
     pp = parallel.pp
     if world_size % pp:
         raise ConfigError("ScalingConfig.num_workers",

@@ -79,6 +79,23 @@ def _fail_at_from_env(rank: int) -> Optional[tuple[int, str]]:
     return None
 
 
+def _clear_sharding_caches() -> None:
+    """Forget DTensor's cached sharding decisions. DeviceMesh equality ignores which rank
+    a process is, so after an elastic restart renumbers a reused process a cached result
+    would hand back the *old* mesh, whose coordinate places this rank's shard where
+    another rank's is (DCP then refuses the save: "invalid fill tensor-volume")."""
+    try:
+        from torch.distributed.tensor import DTensor
+
+        prop = DTensor._op_dispatcher.sharding_propagator
+        for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+            fn = getattr(prop, name, None)
+            if hasattr(fn, "cache_clear"):
+                fn.cache_clear()
+    except Exception as e:  # noqa: BLE001 - private API; a newer torch may not need this
+        log.debug("could not clear DTensor sharding caches: %s", e)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -381,14 +398,18 @@ class TrainWorker:
             return not self._thread.is_alive()
         return True
 
-    def release(self, timeout_s: float = 10.0) -> bool:
+    def release(self, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0) -> bool:
         """Leave the current attempt so this process can be reused by the next one.
 
         The loop is asked to stop; a loop blocked in a collective errors out only when the
-        peer it waits on closes its connection (gloo has no abort: neither destroying nor
-        shutting down the group unblocks a pending collective). Returns False if the loop is
-        still stuck after ``timeout_s``; the controller then kills this process, which in
-        turn unblocks the peers waiting on it."""
+        peer it waits on closes its connection (gloo has no abort: neither ``abort()`` nor
+        ``shutdown()`` nor destroying a group that is still referenced unblocks a pending
+        collective). So a rank that left frees every object holding its process groups
+        before destroying them: the sockets close and the peers still blocked on it fail
+        at once instead of at the collective timeout. Returns False if the loop is still
+        stuck after ``timeout_s``; the controller then kills this process.
+        ``checkpoint_grace_s``: how long an in-flight save may still commit (0 when a peer
+        died: it cannot commit)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -396,25 +417,33 @@ class TrainWorker:
                 log.warning("rank %d: training loop still blocked in phase %r after %.0fs", self.rank,
                             self._phase, timeout_s)
                 return False
-        # An in-flight save still commits if every peer process is alive; if one died, DCP's
-        # gather fails fast on the closed connection, so the grace is rarely spent.
-        self.shutdown(checkpoint_grace_s=min(3.0, timeout_s / 2))
-        for name in ("stages", "params", "optimizers", "schedulers", "schedule", "mesh", "dp_mesh"):
-            self.__dict__.pop(name, None)
-        self.checkpointer = None
+        self.shutdown(checkpoint_grace_s=min(checkpoint_grace_s, timeout_s / 2))
         self._state = "released"
         return True
+
+    def _drop_training_state(self) -> None:
+        """Forget the model, optimizer, schedule and meshes of this attempt, and collect them:
+        FSDP and DTensor hold the process groups, whose sockets close only when freed."""
+        import gc
+
+        for name in ("stages", "params", "optimizers", "schedulers", "schedule", "mesh", "dp_mesh", "pp_group",
+                     "staging"):
+            self.__dict__.pop(name, None)
+        self.checkpointer = None
+        self._thread = None
+        _clear_sharding_caches()
+        gc.collect()
 
     def shutdown(self, checkpoint_grace_s: float = 4.0) -> None:
         """Give an in-flight checkpoint a moment to commit, then leave the process group."""
         import torch.distributed as dist
 
-        if self.checkpointer is not None:
+        if self.checkpointer is not None and checkpoint_grace_s > 0:
             try:
                 self.checkpointer.wait(timeout_s=checkpoint_grace_s)
             except Exception:  # noqa: BLE001 - a peer died mid-upload: it never commits
                 pass
-
+        self._drop_training_state()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

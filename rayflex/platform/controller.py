@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from rayflex.actors.parallel import MeshPlan, plan_mesh
 from rayflex.config import TrainSpec
-from rayflex.constants import knob
+from rayflex.constants import knob, knob_env
 from rayflex.errors import RayflexError, WorkerError
 from rayflex.platform import events as ev
 from rayflex.storage.rundir import RunDirectory
@@ -71,6 +71,7 @@ class Controller:
         self._target_world: Optional[int] = None
         self._grow_to: Optional[int] = None
         self._survivors: dict[str, Any] = {}
+        self.standby = None  # StandbyPool: workers warmed before a growth restart needs them
         self._fault = None
         self._fault_time: Optional[float] = None
         self._restart_reason: Optional[str] = None
@@ -191,10 +192,17 @@ class Controller:
             world = self.spec.scaling.num_workers
             if self.spec.scaling.min_size < world:
                 world = best_world_size(self.spec, min(world, self._usable_slots(topology))) or world
-        self.plan = plan_mesh(self.spec.model, self.spec.parallel, self.spec.data, world)
+        from rayflex.platform.auto_parallel import resolve_parallel
+
+        # pp="auto": the capacity planner picks the fastest mesh that fits this world size,
+        # at launch and again on every elastic restart.
+        resolved = resolve_parallel(self.spec, world, topology)
+        self.plan = plan_mesh(self.spec.model, resolved.parallel, resolved.data, world)
         placement = plan_for(self.spec, self.plan, topology)  # PlacementError names what is missing
         if self.run_placement is None:
             self.run_placement = RunPlacement(self.spec)
+        if self.standby is not None:
+            self._survivors.update(self.standby.take())
         members, extra = self.run_placement.assign(placement, self._survivors)
         for actor in extra:
             _kill(actor)
@@ -215,7 +223,8 @@ class Controller:
                                    rank_to_node=[self.group.node_of.get(r, "") for r in range(world)],
                                    planned_rank_to_node=list(placement.rank_to_node),
                                    modeled_comm_s=placement.modeled_comm_s, naive_comm_s=placement.naive_comm_s,
-                                   explanation=placement.explanation))
+                                   explanation="\n".join(x for x in (resolved.explanation,
+                                                                     placement.explanation) if x)))
         steps = {i["step"] for i in infos}
         if len(steps) != 1:
             raise RayflexError(f"ranks restored different steps {sorted(steps)}; checkpoint is inconsistent")
@@ -300,9 +309,11 @@ class Controller:
                 last_capacity = now
                 self._check_growth()
                 if self._grow_to is not None:
-                    # Stop at the next step boundary; the stop leaves a checkpoint there.
-                    self.group.broadcast("request_stop")
-                    stop_sent = True
+                    self._warm_standbys(self._grow_to)
+            if not stop_sent and self._grow_to is not None and self._standbys_warm():
+                # Stop at the next step boundary; the stop leaves a checkpoint there.
+                self.group.broadcast("request_stop")
+                stop_sent = True
             if now - last_flush > 1.0:
                 self.rundir.flush()
                 last_flush = now
@@ -385,6 +396,56 @@ class Controller:
             log.info("capacity for %d workers is back (%d usable slots): growing at the next step boundary",
                      target, slots)
 
+    def _warm_standbys(self, target: int) -> None:
+        """Start, on the nodes the plan for ``target`` ranks uses, the workers the current
+        group lacks there, while the run keeps training."""
+        from rayflex.platform.placement_policy import plan_for
+        from rayflex.platform.standby import StandbyPool
+
+        if self._group_factory is not None:
+            return  # a stand-in group (unit tests): nothing to warm
+        if self.standby is None:
+            self.standby = StandbyPool(self._spawn_standby, self.run_placement, _actor_id)
+        from rayflex.platform.auto_parallel import resolve_parallel
+
+        try:
+            topology = self._usable_topology()
+            resolved = resolve_parallel(self.spec, target, topology)
+            placement = plan_for(self.spec, plan_mesh(self.spec.model, resolved.parallel, resolved.data, target),
+                                 topology)
+            current: dict[str, int] = {}
+            for node in self.group.node_of.values():
+                current[node] = current.get(node, 0) + 1
+            for node, ranks in placement.node_ranks().items():
+                need = len(ranks) - current.get(node, 0) - self.standby.count(node)
+                if need > 0:
+                    self.standby.start(node, need)
+        except Exception as e:  # noqa: BLE001 - the node went meanwhile: retry at the next check
+            log.warning("could not warm workers for %d ranks: %s", target, e)
+            self.standby.clear()
+            self._grow_to = None
+
+    def _spawn_standby(self, strategy):
+        from rayflex.platform.worker_group import worker_actor_class
+
+        return worker_actor_class(self.spec).options(scheduling_strategy=strategy).remote(
+            -1, self.spec, self.plan, knobs=knob_env())
+
+    def _standbys_warm(self) -> bool:
+        """True once every standby of the pending growth is up; gives the growth up (to be
+        retried at the next capacity check) if one failed or they take too long."""
+        if self.standby is None:
+            return True
+        errors = self.standby.poll()
+        too_slow = self.standby.oldest_warming_s() > knob("WORKER_START_TIMEOUT_S")
+        if errors or too_slow:
+            log.warning("growth to %d workers put off: %s", self._grow_to,
+                        "; ".join(errors) or f"standby workers not up after {knob('WORKER_START_TIMEOUT_S'):.0f}s")
+            self.standby.clear()
+            self._grow_to = None
+            return False
+        return self.standby.warming == 0
+
     def _begin_growth(self) -> RunState:
         self._restart_reason = f"capacity returned: growing from {self.plan.world_size} to {self._grow_to} workers"
         self._fault_time = time.time()
@@ -402,7 +463,11 @@ class Controller:
         for r in kill_now:
             self.run_placement.vacate(_actor_id(self.group.actors[r]))
         others = [r for r in range(self.plan.world_size) if r not in kill_now]
-        released = self.group.release(others, timeout_s=knob("RELEASE_TIMEOUT_S")) if others else {}
+        # With a peer dead, an in-flight save cannot commit: leave at once, so the sockets
+        # the other survivors are blocked on close now.
+        grace = 0.0 if kill_now else 3.0
+        released = (self.group.release(others, timeout_s=knob("RELEASE_TIMEOUT_S"), checkpoint_grace_s=grace)
+                    if others else {})
         self._survivors = {}
         for r in others:
             actor = self.group.actors[r]
@@ -535,6 +600,8 @@ class Controller:
                 log.warning("worker shutdown failed:\n%s", traceback.format_exc())
         for actor in self._survivors.values():
             _kill(actor)
+        if self.standby is not None:
+            self.standby.clear()
         if self.watcher is not None:
             self.watcher.close()
         if self.run_placement is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from rayflex.config import TrainSpec
+from rayflex.config import TrainSpec, auto_pp_options
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,14 @@ Decision = Union[Restart, WaitForResources, Fail]
 
 def valid_world_sizes(spec: TrainSpec) -> list[int]:
     """World sizes the run can use, largest first: multiples of pp whose dp divides the
-    global batch (and, with a pipeline, leaves a per-rank batch the microbatches divide)."""
+    global batch (and, with a pipeline, leaves a per-rank batch the microbatches divide).
+
+    With ``pp="auto"`` a size is valid when some pp could run there (``auto_pp_options``);
+    whether that mesh fits in memory is decided when the restart re-plans (CapacityError).
+    """
+    if spec.parallel.is_auto:
+        return [n for n in range(spec.scaling.max_size, spec.scaling.min_size - 1, -1)
+                if auto_pp_options(n, spec.data.global_batch, spec.model.num_blocks)]
     pp = spec.parallel.pp
     out = []
     for n in range(spec.scaling.max_size, spec.scaling.min_size - 1, -1):

@@ -9,6 +9,8 @@ bytes per stage (FSDP traffic inside each dp group) and activation bytes per mic
 
 from __future__ import annotations
 
+import time
+
 from typing import Any, Optional
 
 from rayflex.actors.parallel import MeshPlan
@@ -80,7 +82,7 @@ class RunPlacement:
         from rayflex.platform.topology import NODE_ID_LABEL
 
         pg = placement_group([dict(self.resources) for _ in range(count)], strategy="STRICT_PACK",
-                             name=f"rayflex-{self.spec.run.name}-{node[:8]}",
+                             name=f"rayflex-{self.spec.run.name}-{node[:8]}-{len(self._pgs)}-{time.time_ns() % 10**6}",
                              bundle_label_selector=[{NODE_ID_LABEL: node} for _ in range(count)])
         timeout = knob("PLACEMENT_TIMEOUT_S")
         ready, _ = ray.wait([pg.ready()], timeout=timeout)
@@ -151,6 +153,21 @@ class RunPlacement:
                 extra.append(survivors[actor_id])
                 self.vacate(actor_id)
         return members, extra
+
+    def reserve_standby(self, node: str) -> tuple[dict, Any]:
+        """A bundle on ``node`` for a worker started ahead of need: (slot, strategy)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not self._free(node):
+            self._reserve(node, 1)
+        slot = self._free(node)[0]
+        slot["actor"] = ("standby", id(slot))
+        return slot, PlacementGroupSchedulingStrategy(placement_group=slot["pg"],
+                                                      placement_group_bundle_index=slot["bundle"])
+
+    @staticmethod
+    def bind_slot(slot: dict, actor_id: str) -> None:
+        slot["actor"] = actor_id
 
     def bind(self, rank: int, actor_id: str) -> None:
         """Record which actor took the bundle reserved for ``rank``."""

@@ -7,7 +7,9 @@
 SPEC is a Python file or ``module:attr`` defining ``trainer``; its model, seq_len, global
 batch and worker count are planned for. ``--model`` plans a described model instead
 (``7b``, ``70b`` or a YAML file, see docs/capacity.md). Without ``--cluster`` the cluster is
-this host's CPUs, one slot per worker.
+this host's CPUs, one slot per worker, or a ``pp="auto"`` SPEC's own
+``ParallelConfig(cluster=...)``: the choice printed is then the mesh the launcher runs at
+that world size.
 """
 
 from __future__ import annotations
@@ -71,8 +73,9 @@ def _inputs(args):
         model = describe_model(spec.model, seq_len, precision or Precision())
         global_batch = args.global_batch or spec.data.global_batch
         world = args.world_size or spec.scaling.num_workers
-        cluster = (ClusterDescription.from_file(args.cluster) if args.cluster
-                   else ClusterDescription.local_cpu(world))
+        # an auto spec's own description: the table then shows what pp="auto" will pick
+        path = args.cluster or (spec.parallel.cluster if spec.parallel.is_auto else None)
+        cluster = ClusterDescription.from_file(path) if path else ClusterDescription.local_cpu(world)
         return model, cluster, global_batch, world
     if args.model.lower().endswith((".yaml", ".yml", ".json")):
         import yaml

@@ -132,12 +132,21 @@ class RayWorkerGroup:
             except Exception:  # noqa: BLE001 - already dead
                 pass
 
-    def release(self, ranks, timeout_s: float = 10.0) -> dict[int, bool]:
+    def release(self, ranks, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0) -> dict[int, bool]:
         """Ask surviving ranks to leave the attempt; returns rank -> released cleanly."""
         import ray
 
-        refs = {r: self.actors[r].release.remote(timeout_s) for r in ranks}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s + 5)
+        refs = {r: self.actors[r].release.remote(timeout_s, checkpoint_grace_s) for r in ranks}
+        pending, ready = list(refs.values()), []
+        deadline = time.time() + timeout_s + 5
+        last_progress = time.time()
+        while pending and time.time() < deadline:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1)
+            if done:
+                ready += done
+                last_progress = time.time()
+            elif ready and time.time() - last_progress > knob("RELEASE_SETTLE_S"):
+                break  # the rest wait on a frozen or dead peer: the caller kills them
         out = {}
         for r, ref in refs.items():
             try:

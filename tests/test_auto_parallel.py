@@ -1,0 +1,217 @@
+"""``ParallelConfig(pp="auto")``: validation, resolution to a runnable mesh, elastic sizes.
+
+No Ray: the planner runs on described clusters or on this host's CPUs.
+"""
+
+import os
+
+import pytest
+
+import rayflex as rf
+from rayflex.actors.parallel import plan_mesh
+from rayflex.platform.auto_parallel import resolve_parallel
+from rayflex.platform.capacity import CapacityError, Layout, estimate_memory
+from rayflex.platform.capacity_search import ClusterDescription, describe_model
+from rayflex.platform.elastic import FailurePolicy, Restart, best_world_size, valid_world_sizes
+
+from conftest import SEQ_LEN, small_gpt
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+H100_8X8 = os.path.join(ROOT, "examples", "clusters", "h100_8x8.yaml")
+DATA = "file:///nonexistent/rayflex-auto"  # never read: nothing here starts a run
+
+
+def _spec(model=None, *, global_batch=8, seq_len=SEQ_LEN, **over):
+    kw = dict(model=model or small_gpt(), data=rf.DataConfig(uri=DATA, seq_len=seq_len, global_batch=global_batch),
+              run=rf.RunConfig(name="auto", storage="file:///tmp/rayflex-test", steps=3),
+              scaling=rf.ScalingConfig(num_workers=4), parallel=rf.ParallelConfig(pp="auto"))
+    kw.update(over)
+    return rf.Trainer(**kw).spec
+
+
+# ------------------------------------------------------------------------------ validation
+@pytest.mark.parametrize("make, field, hint", [
+    (lambda: rf.ParallelConfig(pp="Auto"), "ParallelConfig.pp", "'auto'"),
+    (lambda: rf.ParallelConfig(pp="2"), "ParallelConfig.pp", "'auto'"),
+    (lambda: rf.ParallelConfig(pp="auto", schedule="gpipe"), "ParallelConfig.schedule", "capacity planner"),
+    (lambda: rf.ParallelConfig(pp="auto", microbatches=8), "ParallelConfig.microbatches", "capacity planner"),
+    (lambda: rf.ParallelConfig(pp="auto", stages_per_rank=2), "ParallelConfig.stages_per_rank", "capacity planner"),
+    (lambda: rf.ParallelConfig(pp="auto", cluster=3), "ParallelConfig.cluster", "docs/capacity.md"),
+    (lambda: _spec(data=rf.DataConfig(uri=DATA, seq_len=SEQ_LEN, global_batch=8, micro_batch=2)),
+     "DataConfig.micro_batch", "micro_batch=None"),
+    (lambda: _spec(scaling=rf.ScalingConfig(num_workers=4, use_gpu=True)), "ParallelConfig.cluster", "cluster="),
+    # 8 ranks, batch 4, 4 blocks: dp=8 does not divide 4; pp=2/4 leave 1/2 samples per rank
+    (lambda: _spec(global_batch=4, scaling=rf.ScalingConfig(num_workers=8)), "ParallelConfig.pp",
+     "multiple of 8"),
+])
+def test_invalid_auto_configs_name_the_field(make, field, hint):
+    with pytest.raises(rf.ConfigError) as info:
+        make()
+    assert info.value.field == field
+    assert hint in str(info.value) and "Fix:" in str(info.value)
+
+
+def test_auto_config_is_valid_and_integer_pp_is_unchanged():
+    spec = _spec(global_batch=6)  # dp=4 does not divide 6, but pp=2 x dp=2 does
+    assert spec.parallel.is_auto and spec.parallel.num_stages is None
+    p = rf.ParallelConfig(pp=2, schedule="interleaved", stages_per_rank=2)
+    assert not p.is_auto and p.num_stages == 4
+    with pytest.raises(rf.ConfigError, match="not divisible by ParallelConfig.pp=3"):
+        _spec(parallel=rf.ParallelConfig(pp=3))
+    # the cluster path is made absolute: the controller reads it from another directory
+    rel = os.path.relpath(H100_8X8)
+    assert rf.ParallelConfig(pp="auto", cluster=rel).cluster == H100_8X8
+
+
+def test_overrides_accept_auto():
+    t = rf.Trainer.from_spec(_spec(parallel=rf.ParallelConfig(pp=2)))
+    t2 = t.with_overrides({"parallel.pp": "auto", "parallel.cluster": H100_8X8})
+    assert t2.spec.parallel.is_auto and t2.spec.parallel.cluster == H100_8X8
+    assert t2.with_overrides({"parallel.pp": "2"}).spec.parallel.pp == 2
+    # a value the planner would override is refused, not dropped
+    t3 = rf.Trainer.from_spec(_spec(parallel=rf.ParallelConfig(pp=2, microbatches=4)))
+    with pytest.raises(rf.ConfigError) as info:
+        t3.with_overrides({"parallel.pp": "auto"})
+    assert info.value.field == "ParallelConfig.microbatches"
+
+
+# ------------------------------------------------------------------------------ resolution
+def test_integer_pp_passes_through():
+    spec = _spec(parallel=rf.ParallelConfig(pp=2, microbatches=2))
+    r = resolve_parallel(spec, 4)
+    assert r.parallel is spec.parallel and r.data is spec.data and r.explanation == "" and r.choice is None
+
+
+def test_small_gpt_resolves_to_a_mesh_the_workers_can_build():
+    spec = _spec(global_batch=8, scaling=rf.ScalingConfig(num_workers=4, min_workers=2))
+    with pytest.raises(rf.ConfigError) as info:  # unresolved: a clear error, not a TypeError
+        plan_mesh(spec.model, spec.parallel, spec.data, 4)
+    assert info.value.field == "ParallelConfig.pp"
+    for world in (4, 2):
+        r = resolve_parallel(spec, world)
+        assert isinstance(r.parallel.pp, int) and not r.parallel.is_auto
+        assert r.explanation.startswith(f"Chose pp={r.parallel.pp} x dp={world // r.parallel.pp}")
+        mesh = plan_mesh(spec.model, r.parallel, r.data, world)
+        assert mesh.pp * mesh.dp == world and mesh.pp == r.choice.candidate.layout.pp
+        assert mesh.per_rank_batch * mesh.dp == 8
+        if mesh.pp == 1:  # the planner's accumulation micro-batch reaches the mesh
+            assert r.data.micro_batch == r.choice.micro_batch == mesh.micro_batch
+        else:
+            assert mesh.microbatches == r.choice.microbatches
+
+
+def test_planner_micro_batch_reaches_the_mesh(tmp_path):
+    # 1.5 MB devices: the whole per-rank batch of 8 (1.96 MB modeled) does not fit, 4 x 2
+    # accumulation passes (1.26 MB) does and is the fastest that fits
+    tiny = tmp_path / "tiny.yaml"
+    tiny.write_text("device: {memory_gb: 0.0015, tflops: 1}\nmemory_margin: 0\noverhead_gb: 0\n"
+                    "uniform: {nodes: 1, devices_per_node: 2}\n")
+    spec = _spec(global_batch=16, scaling=rf.ScalingConfig(num_workers=2),
+                 parallel=rf.ParallelConfig(pp="auto", cluster=str(tiny)))
+    r = resolve_parallel(spec, 2)
+    assert (r.parallel.pp, r.data.micro_batch) == (1, 4) and spec.data.micro_batch is None
+    mesh = plan_mesh(spec.model, r.parallel, r.data, 2)
+    assert (mesh.micro_batch, mesh.accum_steps) == (4, 2)
+
+
+def test_resolve_on_a_live_style_topology():
+    from rayflex.platform.topology import Topology
+
+    topo = Topology.from_dict({"nodes": [{"id": "a", "slots": 2, "labels": {"rack": "r0"}},
+                                         {"id": "b", "slots": 2, "labels": {"rack": "r0"}}]})
+    spec = _spec()
+    r = resolve_parallel(spec, 4, topo)
+    assert plan_mesh(spec.model, r.parallel, r.data, 4).world_size == 4
+    with pytest.raises(CapacityError, match="usable slots"):  # more ranks than the nodes hold
+        resolve_parallel(spec, 8, topo)
+
+
+def test_missing_cluster_file_names_the_field(tmp_path):
+    spec = _spec(parallel=rf.ParallelConfig(pp="auto", cluster=str(tmp_path / "nope.yaml")))
+    with pytest.raises(rf.ConfigError) as info:
+        resolve_parallel(spec, 4)
+    assert info.value.field == "ParallelConfig.cluster" and "nope.yaml" in str(info.value)
+
+
+def _big_spec(**scaling):
+    # rayflex's GPT at the 70B preset's widths (mlp 4x: 65B params), in fp32 like the
+    # workers run today; seq 512 and batch 384 so that it fits on 64 and on 48 H100s
+    from rayflex.models import GPTConfig, gpt
+
+    model = gpt(GPTConfig(vocab_size=32000, seq_len=512, d_model=8192, n_layers=80, n_heads=64))
+    return _spec(model, global_batch=384, seq_len=512, scaling=rf.ScalingConfig(use_gpu=True, **scaling),
+                 parallel=rf.ParallelConfig(pp="auto", cluster=H100_8X8))
+
+
+def test_70b_on_64_h100_picks_a_pipeline_that_fits_and_still_fits_after_a_shrink():
+    spec = _big_spec(num_workers=64, min_workers=40)
+    cluster = ClusterDescription.from_file(H100_8X8)
+    model = describe_model(spec.model, 512)
+    # data parallelism alone cannot hold it: the planner must pipeline
+    dp_only = Layout(pp=1, dp=64, schedule="none", microbatches=1, micro_batch=1, accum_steps=6,
+                     stage_blocks=(tuple(range(model.num_blocks)),))
+    assert estimate_memory(model, dp_only, cluster.runtime).peak_bytes > cluster.usable_bytes
+    policy = FailurePolicy(spec)
+    for usable in (64, 48):  # launch, then a restart after losing two nodes
+        decision = policy.resize(usable_slots=usable)
+        assert isinstance(decision, Restart) and decision.world_size == usable
+        r = resolve_parallel(spec, usable)
+        assert r.parallel.pp > 1 and r.data is spec.data
+        mesh = plan_mesh(spec.model, r.parallel, r.data, usable)
+        assert mesh.pp * mesh.dp == usable
+        # the stages the workers build are the ones the planner modeled, and they fit
+        assert mesh.stage_blocks == r.choice.candidate.layout.stage_blocks
+        peak = estimate_memory(model, Layout.from_plan(mesh), cluster.runtime).peak_bytes
+        assert peak <= cluster.usable_bytes
+        assert f"pp={mesh.pp} x dp={mesh.dp}" in r.explanation
+
+
+def test_70b_that_fits_nowhere_fails_before_ray(tmp_path):
+    import ray
+
+    t = rf.Trainer.from_spec(_big_spec(num_workers=64)).with_overrides(
+        {"data.global_batch": "512", "data.seq_len": "1024", "run.storage": f"file://{tmp_path}/runs"})
+    with pytest.raises(CapacityError, match=r"no mesh of 64 ranks fits .* smallest peak"):
+        t.submit()
+    assert not ray.is_initialized()
+
+
+# ------------------------------------------------------------------------------ elastic
+def test_valid_world_sizes_for_auto():
+    spec = _spec(global_batch=8, scaling=rf.ScalingConfig(num_workers=8, min_workers=1))
+    # 4 blocks: 7 and 5 need pp=7/5 stages (or dp=7/5 of batch 8); 6 runs as pp=3 x dp=2
+    assert valid_world_sizes(spec) == [8, 6, 4, 3, 2, 1]
+    assert best_world_size(spec, 7) == 6 and best_world_size(spec, 5) == 4
+    # every size called valid really resolves to a mesh; the others really have none
+    for n in range(1, 9):
+        if n in valid_world_sizes(spec):
+            r = resolve_parallel(spec, n)
+            assert plan_mesh(spec.model, r.parallel, r.data, n).world_size == n
+        else:
+            with pytest.raises(CapacityError, match=f"no mesh of {n} ranks can take global batch 8"):
+                resolve_parallel(spec, n)
+    # integer pp: as before
+    fixed = _spec(global_batch=8, scaling=rf.ScalingConfig(num_workers=8, min_workers=1),
+                  parallel=rf.ParallelConfig(pp=1))
+    assert valid_world_sizes(fixed) == [8, 4, 2, 1]
+
+
+# ------------------------------------------------------------------------------ dry runs
+def test_trainer_plan_and_cli_show_the_auto_choice(tmp_path, capsys):
+    t = rf.Trainer.from_spec(_spec(global_batch=16, scaling=rf.ScalingConfig(num_workers=16)))
+    plan = t.plan(os.path.join(ROOT, "examples", "topologies", "two_racks_64gpu.yaml"), world_size=16)
+    assert plan.mesh.pp * plan.mesh.dp == 16 and plan.explanation.startswith(f"Chose pp={plan.mesh.pp}")
+
+    from rayflex.cli import main
+
+    job = tmp_path / "job.py"
+    job.write_text(
+        "import rayflex as rf\n"
+        "from rayflex.models import GPTConfig, gpt\n"
+        "trainer = rf.Trainer(model=gpt(GPTConfig(vocab_size=128, seq_len=32, d_model=32, n_layers=4, n_heads=2)),\n"
+        f"    data=rf.DataConfig(uri='{DATA}', seq_len=32, global_batch=64),\n"
+        "    run=rf.RunConfig(name='auto-plan', steps=2), scaling=rf.ScalingConfig(num_workers=8, use_gpu=True),\n"
+        f"    parallel=rf.ParallelConfig(pp='auto', cluster='{H100_8X8}'))\n")
+    assert main(["plan", str(job)]) == 0
+    out = capsys.readouterr().out
+    assert "64 x H100-80GB" in out and "world size 8" in out and "choice:" in out
