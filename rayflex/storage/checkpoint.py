@@ -1,8 +1,9 @@
 """AsyncCheckpointer: sharded, asynchronous, atomically committed checkpoints.
 
-Save: the training thread pays only for staging (a copy of this rank's shards to host
-memory); DCP then writes each rank's own shards through fsspec in a background thread,
-coordinating on a dedicated gloo group. When rank 0's save completes, DCP has written
+Save: the training thread pays only for staging — one ``copy_`` per tensor into host
+buffers kept from the previous save (pinned on GPU hosts), behind a state dict built once
+per attempt. DCP then plans and writes each rank's own shards through fsspec in a
+background thread, coordinating on a dedicated gloo group. When rank 0's save completes, DCP has written
 ``.metadata`` after gathering every rank's write result, so every shard is durable; rank 0
 then writes the commit marker (manifest.commit) — last — and applies retention. At most one
 save is in flight: a new save first waits for the previous one (the "wait" policy).
@@ -58,6 +59,31 @@ class TrainState:
             optim.update(get_optimizer_state_dict(module, opt, options=opts))
         return {"model": model, "optim": optim}
 
+    def identity(self) -> tuple:
+        """Changes when a tensor the checkpoint reads is re-created (an optimizer that
+        gained state, or loaded a state dict); in-place updates keep it."""
+        ids = []
+        for module, opt in zip(self.modules, self.optimizers):
+            ids.append(id(module))
+            ids.append(id(opt.state))
+            for p, st in opt.state.items():
+                ids.append(id(p))
+                ids.extend(id(v) for v in st.values() if isinstance(v, torch.Tensor))
+        return tuple(ids)
+
+    def scalar_refs(self) -> list[tuple[str, dict, str]]:
+        """(flattened key, live param group, field) of every optimizer hyper-parameter in
+        the flattened state dict: a learning-rate schedule changes them between saves."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        out = []
+        for module, opt in zip(self.modules, self.optimizers):
+            nested = get_optimizer_state_dict(module, opt)
+            for group, saved in zip(opt.param_groups, nested["param_groups"]):
+                for fqn in saved["params"]:
+                    out += [(f"param_groups.{fqn}.{k}", group, k) for k in saved if k != "params"]
+        return out
+
     def load_tensor_state(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)
@@ -84,6 +110,63 @@ class TrainState:
         torch.set_rng_state(torch.load(io.BytesIO(base64.b64decode(extra["torch_rng"]))))
 
 
+class HostStaging:
+    """Host copies of one rank's checkpointed tensors, kept from save to save.
+
+    Built once per attempt from the state dict (its DTensors are the live parameters and
+    the optimizer's state tensors, both updated in place by training): the per-save cost
+    is then one ``copy_`` per tensor into buffers that already exist — the memory-copy
+    floor — plus refreshing the few scalars (learning rates) that change between saves.
+    The staged dict wraps the buffers in DTensors with the live mesh and placements, so
+    DCP writes the same shards, with the same keys, as from the live tensors.
+    """
+
+    def __init__(self, state: TrainState, *, pin: bool = False):
+        from torch.distributed.tensor import DTensor
+
+        self._pin = pin
+        self._key = state.identity()
+        live = state.tensor_state()
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host buffer, live local tensor)
+        self.nbytes = 0
+
+        def host_copy(obj):
+            if isinstance(obj, DTensor):
+                local = obj._local_tensor
+                buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+                self._pairs.append((buf, local))
+                self.nbytes += buf.numel() * buf.element_size()
+                return DTensor.from_local(buf, obj.device_mesh, obj.placements, run_check=False,
+                                          shape=obj.shape, stride=obj.stride())
+            if isinstance(obj, torch.Tensor):
+                buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=pin)
+                self._pairs.append((buf, obj))
+                self.nbytes += buf.numel() * buf.element_size()
+                return buf
+            if isinstance(obj, dict):
+                return {k: host_copy(v) for k, v in obj.items()}
+            if isinstance(obj, list):
+                return [host_copy(v) for v in obj]
+            return obj
+
+        self._staged = host_copy(live)
+        self._scalars = state.scalar_refs()
+
+    def matches(self, state: TrainState) -> bool:
+        """Still the same parameter and optimizer-state tensors (nothing was re-created)?"""
+        return state.identity() == self._key
+
+    def stage(self) -> dict[str, Any]:
+        for buf, live in self._pairs:
+            buf.copy_(live, non_blocking=self._pin)
+        if self._pin:
+            torch.cuda.current_stream().synchronize()  # the copies must land before training resumes
+        optim = self._staged["optim"]
+        for key, group, field_name in self._scalars:
+            optim[key] = group[field_name]
+        return self._staged
+
+
 class AsyncCheckpointer:
     def __init__(self, root: str, *, rank: int, group=None, use_async: bool = True, keep: int = 3,
                  mesh: Any = None):
@@ -94,9 +177,10 @@ class AsyncCheckpointer:
         self.keep = keep
         self.mesh = mesh
         self._inflight: Optional[Future] = None
-        self._staging = None
+        self._staging: Optional[HostStaging] = None
         # One background thread finishes (waits for, then commits) one save at a time.
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayflex-ckpt-commit")
+        self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayflex-ckpt-upload")
         self.last_blocked_s = 0.0
 
     # ----------------------------------------------------------------- save
@@ -110,47 +194,40 @@ class AsyncCheckpointer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        reports = self.wait()  # at most one save in flight
+        reports = self.wait()  # at most one save in flight: its buffers are free again
         path = mf.step_dir(self.root, step)
         # No storage round-trip here: leftovers of crashed attempts were cleared when this
         # attempt loaded its checkpoint (clear_after), so the step directory is fresh.
         t0 = time.perf_counter()
-        tensors = state.tensor_state()
+        if self.use_async:
+            if self._staging is None or not self._staging.matches(state):
+                self._staging = HostStaging(state, pin=torch.cuda.is_available())
+            tensors = self._staging.stage()
+        else:
+            tensors = state.tensor_state()
         t_sd = time.perf_counter()
         extra = state.extra_state()
         writer = FsspecWriter(path, single_file_per_rank=True, sync_files=False)
         _maybe_slow_upload(writer, step)
+        group = self.group
         if self.use_async:
-            upload = dcp.async_save(tensors, storage_writer=writer, process_group=self.group,
-                                    async_stager=self._stager())
-            if not isinstance(upload, Future):  # AsyncSaveResponse: staging and upload futures
-                upload.staging_completion.result()
-                upload = upload.upload_completion
+            # Planning (a gather on the checkpoint group) and the upload both run in the
+            # background thread; training only waited for the copy above.
+            upload = self._uploader.submit(lambda: dcp.save(tensors, storage_writer=writer, process_group=group))
         else:
-            dcp.save(tensors, storage_writer=writer, process_group=self.group)
+            dcp.save(tensors, storage_writer=writer, process_group=group)
             upload = Future()
             upload.set_result(None)
         blocked = time.perf_counter() - t0
         self.last_blocked_s = blocked
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(tensors))
+        nbytes = self._staging.nbytes if self.use_async else sum(t.numel() * t.element_size()
+                                                                 for t in _tensors(tensors))
         report = {"step": step, "reason": reason, "blocked_s": blocked, "bytes": nbytes, "uri": path,
                   "state_dict_s": t_sd - t0}
         self._inflight = self._finisher.submit(self._finish, upload, report, extra, time.time())
         if not self.use_async:
             reports += self.wait()
         return reports
-
-    def _stager(self):
-        """A stager that keeps its host buffers between saves, so staging is one copy into
-        memory that already exists (pinned on GPU hosts), not an allocation per save. Safe
-        because a save starts only after the previous upload finished reading them."""
-        if self._staging is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            cuda = torch.cuda.is_available()
-            self._staging = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                         use_async_staging=False, use_non_blocking_copy=cuda))
-        return self._staging
 
     def _finish(self, upload: Future, report: dict, extra: dict, started: float) -> dict:
         try:
@@ -218,6 +295,7 @@ class AsyncCheckpointer:
         if info is None:
             return None
         path = mf.step_dir(self.root, info["step"])
+        self._staging = None  # loading replaces the optimizer's state tensors
         tensors = state.tensor_state()
         dcp.load(tensors, storage_reader=FsspecReader(path), process_group=self.group)
         state.load_tensor_state(tensors)
