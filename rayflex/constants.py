@@ -31,6 +31,9 @@ _DEFAULTS: dict[str, float] = {
     "RELEASE_SETTLE_S": 1.5,
     # Emergency-checkpoint duration assumed before the run has measured one.
     "EMERGENCY_CHECKPOINT_DEFAULT_S": 10.0,
+    # CPU niceness of the checkpoint upload thread (0 = as training): uploads take the
+    # cycles training leaves idle.
+    "UPLOAD_NICE": 10.0,
     # Worker setup (rendezvous, model build, checkpoint load).
     "SETUP_TIMEOUT_S": 300.0,
     # How long a worker started ahead of a growth restart may take to come up before the

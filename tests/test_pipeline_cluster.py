@@ -70,3 +70,22 @@ def test_interleaved_pp2_dp1_two_stages_per_rank(two_node_cluster, dataset_uri, 
     _assert_matches_single_process(trainer, result)
     plan = next(e for e in events if e["kind"] == "plan_chosen")
     assert len(plan["stage_blocks"]) == 4 and plan["microbatches"] == 4
+
+
+def test_auto_parallel_runs_the_planners_choice(two_node_cluster, dataset_uri, tmp_path):
+    """pp="auto": at launch the controller asks the capacity planner for the fastest mesh
+    that fits the live cluster, runs exactly that mesh, and says why in plan_chosen."""
+    from rayflex.platform.auto_parallel import resolve_parallel
+    from rayflex.platform.topology import Topology
+
+    trainer, result, events = _fit(dataset_uri, tmp_path, "auto", workers=4, global_batch=16,
+                                   parallel=rf.ParallelConfig(pp="auto"), n_layers=4)
+    _assert_matches_single_process(trainer, result)
+    plan = next(e for e in events if e["kind"] == "plan_chosen")
+    spec = trainer.spec
+    expected = resolve_parallel(spec, 4, Topology.from_ray(cpus_per_worker=spec.scaling.cpus_per_worker,
+                                                           use_gpu=False))
+    assert (plan["pp"], plan["dp"], plan["schedule"]) == (expected.parallel.pp, 4 // expected.parallel.pp,
+                                                          expected.parallel.schedule)
+    first_line = expected.explanation.strip().splitlines()[0]
+    assert first_line and first_line in plan["explanation"], plan["explanation"]

@@ -213,7 +213,8 @@ class AsyncCheckpointer:
         if self.use_async:
             # Planning (a gather on the checkpoint group) and the upload both run in the
             # background thread; training only waited for the copy above.
-            upload = self._uploader.submit(lambda: dcp.save(tensors, storage_writer=writer, process_group=group))
+            upload = self._uploader.submit(_low_priority(dcp.save), tensors, storage_writer=writer,
+                                           process_group=group)
         else:
             dcp.save(tensors, storage_writer=writer, process_group=group)
             upload = Future()
@@ -302,6 +303,28 @@ class AsyncCheckpointer:
         state.load_extra(json.loads(_read_bytes(fs_join(path, EXTRA_FILE))))
         info["uri"] = path
         return info
+
+
+def _low_priority(fn: Callable) -> Callable:
+    """Run ``fn`` with this thread's CPU priority lowered (``RAYFLEX_UPLOAD_NICE``, Linux):
+    serializing and sending shards then uses the cycles training leaves idle instead of
+    taking them from the step, which waits on nothing the upload produces."""
+    import os
+    import threading
+
+    from rayflex.constants import knob
+
+    def run(*args, **kwargs):
+        nice = int(knob("UPLOAD_NICE"))
+        if nice and hasattr(os, "setpriority"):
+            try:  # per-thread on Linux: the thread id is a process id for setpriority
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
+            except OSError as e:
+                log.debug("could not lower the upload thread's priority: %s", e)
+        return fn(*args, **kwargs)
+
+    return run
 
 
 def _maybe_slow_upload(writer, step: int) -> None:
