@@ -314,15 +314,35 @@ def _low_priority(fn: Callable) -> Callable:
 
     from rayflex.constants import knob
 
+    def renice(tid: Optional[int], value: int) -> Optional[int]:
+        if tid is None or not hasattr(os, "setpriority"):
+            return None
+        try:  # per-thread on Linux: a thread id is a process id for setpriority
+            before = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, value)
+            return before
+        except OSError as e:
+            log.debug("could not change thread %s's priority: %s", tid, e)
+            return None
+
     def run(*args, **kwargs):
         nice = int(knob("UPLOAD_NICE"))
-        if nice and hasattr(os, "setpriority"):
-            try:  # per-thread on Linux: the thread id is a process id for setpriority
-                tid = threading.get_native_id()
-                os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), nice))
-            except OSError as e:
-                log.debug("could not lower the upload thread's priority: %s", e)
-        return fn(*args, **kwargs)
+        if not nice:
+            return fn(*args, **kwargs)
+        renice(threading.get_native_id(), nice)
+        # s3fs sends from fsspec's shared event-loop thread: lowered for this upload only
+        # (an unprivileged process may not raise it back; then it stays low, which only
+        # slows other background I/O of this worker).
+        from fsspec.asyn import get_loop, iothread
+
+        get_loop()
+        io_tid = getattr(iothread[0], "native_id", None)
+        before = renice(io_tid, nice)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if before is not None:
+                renice(io_tid, before)
 
     return run
 
