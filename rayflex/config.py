@@ -266,9 +266,18 @@ class ElasticConfig:
     notice_file: Optional[str] = None
     # Safety margin on top of (a step + an estimated checkpoint) before a notice's deadline.
     emergency_margin_s: float = 2.0
+    # When a restart needs worker processes that are not up yet (a dead one's replacement,
+    # a preempted node's ranks moving elsewhere): True restarts at once with the workers
+    # that are up (if that is a valid size >= min_workers) while the missing ones start,
+    # then grows at a step boundary once they are warm — training never waits for process
+    # start, at the cost of one more (checkpointed) restart. False waits for them.
+    restart_while_warming: bool = True
 
     def __post_init__(self) -> None:
         c = "ElasticConfig"
+        if not isinstance(self.restart_while_warming, bool):
+            raise ConfigError(f"{c}.restart_while_warming", f"must be True or False, got {self.restart_while_warming!r}",
+                              "use True (restart now, grow when warm) or False (wait for the new workers)")
         _non_negative_int(c, "max_failures", self.max_failures)
         _non_negative_int(c, "max_preemptions", self.max_preemptions)
         if not isinstance(self.resource_wait_s, (int, float)) or self.resource_wait_s < 0:

@@ -69,6 +69,7 @@ class Controller:
 
         self.policy = FailurePolicy(spec)
         self._target_world: Optional[int] = None
+        self._restart_slots: Optional[dict[str, int]] = None  # node -> workers up, for a restart now
         self._grow_to: Optional[int] = None
         self._survivors: dict[str, Any] = {}
         self.standby = None  # StandbyPool: workers warmed before a growth restart needs them
@@ -187,6 +188,17 @@ class Controller:
 
         t0 = time.time()
         topology = self._usable_topology()
+        if self._restart_slots is not None:
+            # Restarting with the workers that are up: only their slots are candidates, so
+            # the plan never asks for a bundle the warming newcomers hold.
+            import dataclasses
+
+            from rayflex.platform.topology import Topology
+
+            topology = Topology(tuple(dataclasses.replace(n, slots=self._restart_slots[n.node_id])
+                                      for n in topology.nodes if self._restart_slots.get(n.node_id)),
+                                topology.bandwidths)
+            self._restart_slots = None
         world = self._target_world
         if world is None:  # first start: the configured size, or the best that fits if elastic
             world = self.spec.scaling.num_workers
@@ -202,10 +214,22 @@ class Controller:
         if self.run_placement is None:
             self.run_placement = RunPlacement(self.spec)
         if self.standby is not None:
+            if not self.spec.elastic.restart_while_warming:
+                self.standby.wait(knob("WORKER_START_TIMEOUT_S"))
             self._survivors.update(self.standby.take())
+        slots = {aid: self.run_placement.slot_of(aid) for aid in self._survivors}
         members, extra = self.run_placement.assign(placement, self._survivors)
+        alive = _alive_nodes()
         for actor in extra:
-            _kill(actor)
+            # A warm worker the smaller plan has no rank for waits as a standby for the
+            # growth that follows; one on a departing node goes.
+            aid, slot = _actor_id(actor), slots.get(_actor_id(actor))
+            if (self.standby is not None and world < self.spec.scaling.max_size and slot is not None
+                    and slot["node"] in alive and slot["node"] not in self._excluded):
+                self.run_placement.bind_slot(slot, aid)
+                self.standby.adopt(aid, actor, slot["node"])
+            else:
+                _kill(actor)
         self.run_placement.release_unused()
         factory = self._group_factory or _ray_group
         self.group = factory(self.spec, self.plan, members)
@@ -308,12 +332,16 @@ class Controller:
                     and self.plan.world_size < self.spec.scaling.max_size):
                 last_capacity = now
                 self._check_growth()
-                if self._grow_to is not None:
-                    self._warm_standbys(self._grow_to)
-            if not stop_sent and self._grow_to is not None and self._standbys_warm():
-                # Stop at the next step boundary; the stop leaves a checkpoint there.
-                self.group.broadcast("request_stop")
-                stop_sent = True
+                if self._grow_to is not None and not self._warm_standbys(self._grow_to):
+                    self._grow_to = None  # retried at the next capacity check
+            if not stop_sent and self._grow_to is not None and self._preempting is None:
+                warm = self._standbys_state()
+                if warm == "failed":
+                    self._grow_to = None
+                elif warm == "ready":
+                    # Stop at the next step boundary; the stop leaves a checkpoint there.
+                    self.group.broadcast("request_stop")
+                    stop_sent = True
             if now - last_flush > 1.0:
                 self.rundir.flush()
                 last_flush = now
@@ -366,7 +394,10 @@ class Controller:
                     f"{left:.1f}s left >= {needed:.1f}s needed (a step {step_s:.2f}s + checkpoint "
                     f"{self._checkpoint_estimate_s():.2f}s + margin {self.spec.elastic.emergency_margin_s:.1f}s)")))
                 self._preempting = notice
+                self._grow_to = None  # the restart after the checkpoint picks the size
                 self.group.broadcast("request_stop", "preemption")
+                # The replacements for the node's ranks start while the checkpoint is taken.
+                self._warm_standbys(self._replacement_size())
                 continue
             why = (f"only {left:.1f}s left, an emergency checkpoint needs {needed:.1f}s: restoring the last "
                    f"committed checkpoint (step {self._committed_step}) without node {notice.node_id[:12]}")
@@ -396,14 +427,21 @@ class Controller:
             log.info("capacity for %d workers is back (%d usable slots): growing at the next step boundary",
                      target, slots)
 
-    def _warm_standbys(self, target: int) -> None:
+    def _replacement_size(self) -> int:
+        """The world size a restart would pick with the slots usable now."""
+        from rayflex.platform.elastic import best_world_size
+
+        return best_world_size(self.spec, self._usable_slots(self._usable_topology())) or 0
+
+    def _warm_standbys(self, target: int, current: Optional[dict[str, int]] = None) -> bool:
         """Start, on the nodes the plan for ``target`` ranks uses, the workers the current
-        group lacks there, while the run keeps training."""
+        group lacks there (ranks on excluded nodes do not count), while the run keeps
+        training. False if that plan cannot be made now."""
         from rayflex.platform.placement_policy import plan_for
         from rayflex.platform.standby import StandbyPool
 
-        if self._group_factory is not None:
-            return  # a stand-in group (unit tests): nothing to warm
+        if self._group_factory is not None or target <= 0:
+            return False  # a stand-in group (unit tests), or no size to warm for
         if self.standby is None:
             self.standby = StandbyPool(self._spawn_standby, self.run_placement, _actor_id)
         from rayflex.platform.auto_parallel import resolve_parallel
@@ -413,17 +451,19 @@ class Controller:
             resolved = resolve_parallel(self.spec, target, topology)
             placement = plan_for(self.spec, plan_mesh(self.spec.model, resolved.parallel, resolved.data, target),
                                  topology)
-            current: dict[str, int] = {}
-            for node in self.group.node_of.values():
-                current[node] = current.get(node, 0) + 1
+            if current is None:  # while running: the group's workers, per node
+                current = {}
+                for node in self.group.node_of.values():
+                    current[node] = current.get(node, 0) + 1
             for node, ranks in placement.node_ranks().items():
                 need = len(ranks) - current.get(node, 0) - self.standby.count(node)
                 if need > 0:
                     self.standby.start(node, need)
+            return True
         except Exception as e:  # noqa: BLE001 - the node went meanwhile: retry at the next check
             log.warning("could not warm workers for %d ranks: %s", target, e)
             self.standby.clear()
-            self._grow_to = None
+            return False
 
     def _spawn_standby(self, strategy):
         from rayflex.platform.worker_group import worker_actor_class
@@ -431,20 +471,19 @@ class Controller:
         return worker_actor_class(self.spec).options(scheduling_strategy=strategy).remote(
             -1, self.spec, self.plan, knobs=knob_env())
 
-    def _standbys_warm(self) -> bool:
-        """True once every standby of the pending growth is up; gives the growth up (to be
-        retried at the next capacity check) if one failed or they take too long."""
+    def _standbys_state(self) -> str:
+        """"ready" once every standby is up, "warming" before, "failed" (and the pool is
+        emptied) if one could not start or they take longer than WORKER_START_TIMEOUT_S."""
         if self.standby is None:
-            return True
+            return "ready"
         errors = self.standby.poll()
         too_slow = self.standby.oldest_warming_s() > knob("WORKER_START_TIMEOUT_S")
         if errors or too_slow:
-            log.warning("growth to %d workers put off: %s", self._grow_to,
-                        "; ".join(errors) or f"standby workers not up after {knob('WORKER_START_TIMEOUT_S'):.0f}s")
+            log.warning("standby workers given up: %s",
+                        "; ".join(errors) or f"not up after {knob('WORKER_START_TIMEOUT_S'):.0f}s")
             self.standby.clear()
-            self._grow_to = None
-            return False
-        return self.standby.warming == 0
+            return "failed"
+        return "ready" if self.standby.warming == 0 else "warming"
 
     def _begin_growth(self) -> RunState:
         self._restart_reason = f"capacity returned: growing from {self.plan.world_size} to {self._grow_to} workers"
@@ -508,6 +547,7 @@ class Controller:
             if isinstance(decision, Restart):
                 self._target_world = decision.world_size
                 self._restart_reason = decision.reason
+                self._restart_with_what_is_up(decision.world_size)
                 return RunState.PLACING
             assert isinstance(decision, WaitForResources)
             if deadline is None:
@@ -518,6 +558,37 @@ class Controller:
                 self.reason = f"gave up waiting for resources after {decision.timeout_s:.0f}s: {decision.reason}"
                 return RunState.FAILED
             time.sleep(1.0)
+
+    def _restart_with_what_is_up(self, size: int) -> None:
+        """With ``restart_while_warming``: if ``size`` needs workers that are not up, start
+        them as standbys and restart now at the largest valid size the survivors and warm
+        standbys fill; the run grows to ``size`` once the newcomers are warm."""
+        from rayflex.platform.elastic import best_world_size
+
+        if not self.spec.elastic.restart_while_warming or self._group_factory is not None:
+            return
+        if self.standby is not None:
+            self.standby.poll()
+        up = len(self._survivors) + (self.standby.ready if self.standby is not None else 0)
+        if up >= size:
+            return
+        now = best_world_size(self.spec, up)
+        if now is None or now < self.spec.scaling.min_size:
+            return  # too few to train with: wait for the new workers
+        current: dict[str, int] = {}
+        for actor_id in self._survivors:
+            node = self.run_placement.node_of_actor(actor_id) if self.run_placement else None
+            if node is not None:
+                current[node] = current.get(node, 0) + 1
+        up_slots = dict(current)
+        for node in self.standby.nodes() if self.standby is not None else ():
+            up_slots[node] = up_slots.get(node, 0) + self.standby.count_ready(node)
+        if not self._warm_standbys(size, current):
+            return  # cannot place the newcomers now: restart at ``size`` as usual
+        self._target_world = now
+        self._restart_slots = up_slots
+        self._restart_reason += (f"; restarting at once with the {now} workers that are up, growing to {size} "
+                                 f"when {size - up} more are warm")
 
     def _worker_error(self, fault) -> Optional[BaseException]:
         failed = [e for e in fault.events if isinstance(e, ev.WorkerFailed)]

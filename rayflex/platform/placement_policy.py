@@ -70,6 +70,9 @@ class RunPlacement:
             if s["actor"] == actor_id:
                 s["actor"] = None
 
+    def slot_of(self, actor_id: str) -> Optional[dict]:
+        return next((s for s in self._slots if s["actor"] == actor_id), None)
+
     def node_of_actor(self, actor_id: str) -> Optional[str]:
         return next((s["node"] for s in self._slots if s["actor"] == actor_id), None)
 

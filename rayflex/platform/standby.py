@@ -44,6 +44,12 @@ class StandbyPool:
     def count(self, node_id: Optional[str] = None) -> int:
         return sum(1 for s in self._standbys.values() if node_id is None or s.node_id == node_id)
 
+    def count_ready(self, node_id: str) -> int:
+        return sum(1 for s in self._standbys.values() if s.node_id == node_id and s.ready_at is not None)
+
+    def nodes(self) -> set[str]:
+        return {s.node_id for s in self._standbys.values()}
+
     @property
     def warming(self) -> int:
         return sum(1 for s in self._standbys.values() if s.ready_at is None)
@@ -69,6 +75,11 @@ class StandbyPool:
         if count:
             log.info("warming %d standby worker(s) on node %s", count, node_id[:12])
 
+    def adopt(self, actor_id: str, actor: Any, node_id: str) -> None:
+        """Keep an idle, already-warm worker (a survivor the new plan has no rank for)."""
+        now = time.time()
+        self._standbys[actor_id] = Standby(actor=actor, node_id=node_id, started=now, ready_at=now)
+
     def poll(self) -> list[str]:
         """Mark the standbys whose process is up; drop (and return the errors of) those
         that failed to start."""
@@ -92,13 +103,22 @@ class StandbyPool:
                 self._drop(actor_id)
         return errors
 
+    def wait(self, timeout_s: float) -> list[str]:
+        """Block until every standby is up (or failed), at most ``timeout_s``: one started
+        earlier is never slower than a process the caller would start now."""
+        import ray
+
+        pending = [s.ready_ref for s in self._standbys.values() if s.ready_at is None]
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+        return self.poll()
+
     def take(self) -> dict[str, Any]:
         """Hand the warm standbys over (actor id -> handle), keeping their bundles bound;
-        the ones still warming are killed."""
+        the ones still warming stay in the pool."""
         out = {aid: s.actor for aid, s in self._standbys.items() if s.ready_at is not None}
-        for actor_id in [aid for aid, s in self._standbys.items() if s.ready_at is None]:
-            self._drop(actor_id)
-        self._standbys.clear()
+        for actor_id in out:
+            del self._standbys[actor_id]
         return out
 
     def clear(self) -> None:
