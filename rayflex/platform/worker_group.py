@@ -52,9 +52,11 @@ class RayWorkerGroup:
         remote_cls = None
         self.actors = []
         self.reused: list[int] = []
+        self._reconfigured: list[Any] = []
         for rank, member in enumerate(members):
             if isinstance(member, ActorHandle):
-                member.reconfigure.remote(rank, plan)
+                # Awaited before any other call: a threaded actor does not keep call order.
+                self._reconfigured.append(member.reconfigure.remote(rank, plan))
                 self.actors.append(member)
                 self.reused.append(rank)
             else:
@@ -72,6 +74,7 @@ class RayWorkerGroup:
 
         timeout_s = timeout_s or knob("SETUP_TIMEOUT_S")
         t0 = time.time()
+        ray.get(self._reconfigured, timeout=timeout_s)
         infos = ray.get([a.node_info.remote() for a in self.actors], timeout=timeout_s)
         self.spawn_s = time.time() - t0  # process start + imports (0 for reused workers)
         self.node_of = {i["rank"]: i["node_id"] for i in infos}
