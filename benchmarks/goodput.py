@@ -19,7 +19,6 @@ import os
 import random
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -49,29 +48,35 @@ def run_for(cluster, data: str, storage: str, name: str, minutes: float, period:
     handle = trainer(data, storage, name, steps=100_000, margin=margin).submit()
     t0 = time.time()
     rng = random.Random(0)
-    timers: list[threading.Timer] = []
+    # (when, what, node): removals at the deadline, replacements 30 s later. Done on this
+    # (the main) thread: Cluster.add_node installs signal handlers, which only works here.
+    scheduled: list[tuple[float, str, object]] = []
     next_preemption = t0 + (period or 1e9)
     preemptions = 0
     gcs = ray._raylet.GcsClient(address=cluster.address)
     head = ray.get_runtime_context().get_node_id()
     while time.time() - t0 < minutes * 60:
-        if time.time() >= next_preemption:
+        now = time.time()
+        for item in [x for x in scheduled if x[0] <= now]:
+            scheduled.remove(item)
+            _, what, node = item
+            if what == "remove":
+                cluster.remove_node(node)
+            else:
+                cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+        if now >= next_preemption:
             next_preemption += period
-            nodes = [n for n in cluster.list_all_nodes() if n.node_id != head]
+            gone = {n for _, what, n in scheduled if what == "remove"}
+            nodes = [n for n in cluster.list_all_nodes() if n.node_id != head and n not in gone]
             if nodes:
                 victim = rng.choice(nodes)
                 gcs.drain_node(victim.node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                               "benchmark spot termination", int((time.time() + 20) * 1000))
+                               "benchmark spot termination", int((now + 20) * 1000))
                 preemptions += 1
-                timers.append(threading.Timer(20, cluster.remove_node, args=(victim,)))
-                timers.append(threading.Timer(50, lambda: cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")))
-                for t in timers[-2:]:
-                    t.start()
-        time.sleep(0.5)
+                scheduled += [(now + 20, "remove", victim), (now + 50, "add", None)]
+        time.sleep(0.25)
     result = handle.stop(timeout_s=300)
     wall = time.time() - t0
-    for t in timers:
-        t.cancel()
     raw = result.raw
     return {"wall_s": wall, "steps_committed": (raw.get("last_checkpoint") or {}).get("step", 0),
             "steps_completed": raw["steps_completed"], "goodput": raw.get("goodput"),

@@ -86,10 +86,17 @@ def _clear_sharding_caches() -> None:
     another rank's is (DCP then refuses the save: "invalid fill tensor-volume")."""
     try:
         from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import _redistribute
 
         prop = DTensor._op_dispatcher.sharding_propagator
-        for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-            fn = getattr(prop, name, None)
+        cached = prop.propagate_op_sharding
+        # A thread-local LRU cache: clearing it here would reach only this thread, while
+        # the actor's other call threads (which ran the last attempt's setup) keep theirs.
+        # A new instance empties it for every thread.
+        if hasattr(cached, "cache") and hasattr(prop, "propagate_op_sharding_non_cached"):
+            prop.propagate_op_sharding = type(cached)(prop.propagate_op_sharding_non_cached)
+        for fn in (getattr(prop, "_propagate_tensor_meta_cached", None),
+                   getattr(_redistribute, "_gen_transform_infos", None)):
             if hasattr(fn, "cache_clear"):
                 fn.cache_clear()
     except Exception as e:  # noqa: BLE001 - private API; a newer torch may not need this
@@ -169,6 +176,7 @@ class TrainWorker:
 
         self._set_phase("setup")
         t0 = time.time()
+        _clear_sharding_caches()  # a reused process may hold decisions about its old rank
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=self.rank, world_size=self.plan.world_size,

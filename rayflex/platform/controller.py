@@ -70,6 +70,7 @@ class Controller:
         self.policy = FailurePolicy(spec)
         self._target_world: Optional[int] = None
         self._restart_slots: Optional[dict[str, int]] = None  # node -> workers up, for a restart now
+        self._full_restart_size: Optional[int] = None  # the size that restart stands in for
         self._grow_to: Optional[int] = None
         self._survivors: dict[str, Any] = {}
         self.standby = None  # StandbyPool: workers warmed before a growth restart needs them
@@ -189,16 +190,7 @@ class Controller:
         t0 = time.time()
         topology = self._usable_topology()
         if self._restart_slots is not None:
-            # Restarting with the workers that are up: only their slots are candidates, so
-            # the plan never asks for a bundle the warming newcomers hold.
-            import dataclasses
-
-            from rayflex.platform.topology import Topology
-
-            topology = Topology(tuple(dataclasses.replace(n, slots=self._restart_slots[n.node_id])
-                                      for n in topology.nodes if self._restart_slots.get(n.node_id)),
-                                topology.bandwidths)
-            self._restart_slots = None
+            topology = self._topology_of_workers_up(topology)
         world = self._target_world
         if world is None:  # first start: the configured size, or the best that fits if elastic
             world = self.spec.scaling.num_workers
@@ -208,9 +200,23 @@ class Controller:
 
         # pp="auto": the capacity planner picks the fastest mesh that fits this world size,
         # at launch and again on every elastic restart.
-        resolved = resolve_parallel(self.spec, world, topology)
-        self.plan = plan_mesh(self.spec.model, resolved.parallel, resolved.data, world)
-        placement = plan_for(self.spec, self.plan, topology)  # PlacementError names what is missing
+        try:
+            resolved = resolve_parallel(self.spec, world, topology)
+            self.plan = plan_mesh(self.spec.model, resolved.parallel, resolved.data, world)
+            placement = plan_for(self.spec, self.plan, topology)  # PlacementError names what is missing
+        except RayflexError:
+            if self._full_restart_size is None:
+                raise
+            # The workers that are up cannot form that mesh: restart at full size after all.
+            log.warning("cannot restart on the workers that are up; waiting for the new ones", exc_info=True)
+            world, topology = self._full_restart_size, self._usable_topology()
+            resolved = resolve_parallel(self.spec, world, topology)
+            self.plan = plan_mesh(self.spec.model, resolved.parallel, resolved.data, world)
+            placement = plan_for(self.spec, self.plan, topology)
+            if self.standby is not None:
+                self.standby.wait(knob("WORKER_START_TIMEOUT_S"))
+                self._survivors.update(self.standby.take())
+        self._full_restart_size = None
         if self.run_placement is None:
             self.run_placement = RunPlacement(self.spec)
         if self.standby is not None:
@@ -559,6 +565,17 @@ class Controller:
                 return RunState.FAILED
             time.sleep(1.0)
 
+    def _topology_of_workers_up(self, topology):
+        """Only the slots of the workers that are up, so a restart with them never asks
+        for a bundle the warming newcomers hold."""
+        import dataclasses
+
+        from rayflex.platform.topology import Topology
+
+        slots, self._restart_slots = self._restart_slots, None
+        return Topology(tuple(dataclasses.replace(n, slots=slots[n.node_id])
+                              for n in topology.nodes if slots.get(n.node_id)), topology.bandwidths)
+
     def _restart_with_what_is_up(self, size: int) -> None:
         """With ``restart_while_warming``: if ``size`` needs workers that are not up, start
         them as standbys and restart now at the largest valid size the survivors and warm
@@ -587,6 +604,7 @@ class Controller:
             return  # cannot place the newcomers now: restart at ``size`` as usual
         self._target_world = now
         self._restart_slots = up_slots
+        self._full_restart_size = size
         self._restart_reason += (f"; restarting at once with the {now} workers that are up, growing to {size} "
                                  f"when {size - up} more are warm")
 
