@@ -236,7 +236,10 @@ class AsyncCheckpointer:
             if self.rank == 0:
                 self._commit(report["step"], extra)
             report["committed"] = True
-        except Exception as e:  # noqa: BLE001 - a failed save must not kill training
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException;
+            # a failed save must not kill training: the event says so and the next save retries
             log.error("checkpoint of step %d failed: %s", report["step"], e)
             report["error"] = f"{type(e).__name__}: {e}"
         report["total_s"] = time.time() - started
