@@ -83,7 +83,9 @@ def _clear_sharding_caches() -> None:
     """Forget DTensor's cached sharding decisions. DeviceMesh equality ignores which rank
     a process is, so after an elastic restart renumbers a reused process a cached result
     would hand back the *old* mesh, whose coordinate places this rank's shard where
-    another rank's is (DCP then refuses the save: "invalid fill tensor-volume")."""
+    another rank's is (DCP then refuses the save: "invalid fill tensor-volume"). The cache
+    that bit is the C++ dispatch fast path's (tests/test_worker_reuse.py fails without
+    clearing it); the Python ones are cleared too, for every thread."""
     try:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor import _redistribute
@@ -99,6 +101,10 @@ def _clear_sharding_caches() -> None:
                    getattr(_redistribute, "_gen_transform_infos", None)):
             if hasattr(fn, "cache_clear"):
                 fn.cache_clear()
+        # The C++ dispatch fast path keeps its own copy of the same decisions.
+        native_clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+        if native_clear is not None:
+            native_clear()
     except Exception as e:  # noqa: BLE001 - private API; a newer torch may not need this
         log.debug("could not clear DTensor sharding caches: %s", e)
 
