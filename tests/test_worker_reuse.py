@@ -10,7 +10,6 @@ offsets, and DCP refuses the save ("invalid fill tensor-volume"). Plain processe
 import multiprocessing as mp
 import socket
 
-
 from conftest import SEQ_LEN, small_gpt
 
 
