@@ -21,6 +21,11 @@ For each (system, fault) it measures, from the wall-clock moment of the fault:
 * ``steps_lost``: steps completed before the fault that had to be redone (last step done
   in the failed attempt minus the step the restart resumed from).
 
+With ``restart_while_warming`` (rayflex's default) the recovery restart goes on at once with
+the surviving processes and a later growth restart brings the replacements in at a step
+boundary; that growth is reported separately (``grown_back_to``, ``fault_to_grown_back_s``)
+and is not a redo.
+
 Both systems run with their default timing knobs (rayflex: ``rayflex/constants.py``; Ray
 Train: 2 s health-check interval). Ray Train V2 runs with ``RAY_TRAIN_ENABLE_STATE_TRACKING=1``
 (its only record of when the controller noticed) and its train function calls
@@ -297,7 +302,11 @@ def run_rayflex(lc: LoopbackCluster, fault: str, data: str, storage: str, name: 
         return next((m for m in lines if m["step"] == restart["from_step"] + 1 and m["time"] >= restart["time"]),
                     None)
 
-    first, last = restarts[0], restarts[-1]
+    # A growth restart (capacity returned: the warm replacements join at a checkpointed step
+    # boundary, losing nothing) is not a redo of the recovery; the restart that "stuck" is
+    # the last one caused by the fault.
+    recoveries = [e for e in restarts if "capacity returned" not in e.get("reason", "")] or restarts
+    first, last = recoveries[0], recoveries[-1]
     setup_s = next((e.get("setup_s") for e in after if e["kind"] == "workers_started"
                     and e["time"] >= first["time"]), None)
     resumed = first_step_after(first, live)
@@ -315,6 +324,9 @@ def run_rayflex(lc: LoopbackCluster, fault: str, data: str, storage: str, name: 
         fault_to_workers_started_s=(started["time"] - fault_time) if started else None,
         fault_to_resumed_step_s=(resumed["time"] - fault_time) if resumed else None,
         restarts_after_fault=len(restarts),
+        growth_restarts=len(restarts) - len(recoveries),
+        grown_back_to=restarts[-1]["world_size"] if len(restarts) > len(recoveries) else None,
+        fault_to_grown_back_s=(restarts[-1]["time"] - fault_time) if len(restarts) > len(recoveries) else None,
         fault_to_kept_resumed_step_s=(kept["time"] - fault_time) if kept else None,
         recovered=final["status"] == "finished" and kept is not None)
     if len(restarts) > 1:
