@@ -189,7 +189,8 @@ class Controller:
 
         t0 = time.time()
         topology = self._usable_topology()
-        if self._restart_slots is not None:
+        shrinking = self._restart_slots is not None  # restarting now with the workers that are up
+        if shrinking:
             topology = self._topology_of_workers_up(topology)
         world = self._target_world
         if world is None:  # first start: the configured size, or the best that fits if elastic
@@ -220,7 +221,9 @@ class Controller:
         if self.run_placement is None:
             self.run_placement = RunPlacement(self.spec)
         if self.standby is not None:
-            if not self.spec.elastic.restart_while_warming:
+            if not shrinking:
+                # A restart at full size needs the warming standbys (they hold its bundles):
+                # one started earlier is never slower than a process started now.
                 self.standby.wait(knob("WORKER_START_TIMEOUT_S"))
             self._survivors.update(self.standby.take())
         slots = {aid: self.run_placement.slot_of(aid) for aid in self._survivors}
@@ -435,11 +438,15 @@ class Controller:
 
     def _replacement_size(self) -> int:
         """The world size a restart would pick with the slots usable now."""
+        return self._best_size(self._usable_topology())
+
+    def _best_size(self, topology) -> int:
         from rayflex.platform.elastic import best_world_size
 
-        return best_world_size(self.spec, self._usable_slots(self._usable_topology())) or 0
+        return best_world_size(self.spec, self._usable_slots(topology)) or 0
 
-    def _warm_standbys(self, target: int, current: Optional[dict[str, int]] = None) -> bool:
+    def _warm_standbys(self, target: int, current: Optional[dict[str, int]] = None,
+                       avoid: frozenset | set = frozenset()) -> bool:
         """Start, on the nodes the plan for ``target`` ranks uses, the workers the current
         group lacks there (ranks on excluded nodes do not count), while the run keeps
         training. False if that plan cannot be made now."""
@@ -454,6 +461,13 @@ class Controller:
 
         try:
             topology = self._usable_topology()
+            if avoid:
+                from rayflex.platform.topology import Topology
+
+                topology = Topology(tuple(n for n in topology.nodes if n.node_id not in avoid), topology.bandwidths)
+                target = min(target, self._best_size(topology))
+                if target <= 0:
+                    return False
             resolved = resolve_parallel(self.spec, target, topology)
             placement = plan_for(self.spec, plan_mesh(self.spec.model, resolved.parallel, resolved.data, target),
                                  topology)
@@ -532,6 +546,7 @@ class Controller:
         fault = self._fault
         node_of = dict(self.group.node_of)
         raised = frozenset(e.rank for e in fault.events if isinstance(e, ev.WorkerFailed))
+        self._warm_replacements(node_of, set(fault.bad_ranks))
         self._collect_survivors(set(fault.bad_ranks), raised)
         # Dead actors are seen before Ray declares their node dead; name the lost nodes
         # now, so the timeline says whether a process or a whole node went.
@@ -564,6 +579,21 @@ class Controller:
                 self.reason = f"gave up waiting for resources after {decision.timeout_s:.0f}s: {decision.reason}"
                 return RunState.FAILED
             time.sleep(1.0)
+
+    def _warm_replacements(self, node_of: dict[int, str], bad_ranks: set[int]) -> None:
+        """Start the replacements for the ranks that are gone now, while the survivors leave
+        (seconds, when one is blocked on a dead peer): the restart then finds them warm or
+        nearly so. Never on a node that lost all its ranks: it is probably on its way out,
+        before Ray has noticed."""
+        if not self.spec.elastic.restart_while_warming or self._group_factory is not None:
+            return
+        avoid = {node for node in set(node_of.values())
+                 if all(r in bad_ranks for r, n in node_of.items() if n == node)}
+        current: dict[str, int] = {}
+        for rank, node in node_of.items():
+            if rank not in bad_ranks:
+                current[node] = current.get(node, 0) + 1
+        self._warm_standbys(self._replacement_size(), current, avoid=avoid)
 
     def _topology_of_workers_up(self, topology):
         """Only the slots of the workers that are up, so a restart with them never asks
