@@ -513,7 +513,8 @@ class Controller:
         self._collect_survivors(set())
         return RunState.PLACING
 
-    def _collect_survivors(self, bad_ranks: set[int], raised: frozenset = frozenset()) -> None:
+    def _collect_survivors(self, bad_ranks: set[int], raised: frozenset = frozenset(),
+                           warm: Optional[Callable[[], None]] = None) -> None:
         """Kill the dead or frozen ranks; ask the others to leave the attempt and keep the
         ones that could. Ranks whose loop *raised* are alive: they leave like the others
         (so a checkpoint they are still uploading can commit) and are then replaced."""
@@ -521,6 +522,8 @@ class Controller:
         self.group.kill(sorted(kill_now))
         for r in kill_now:
             self.run_placement.vacate(_actor_id(self.group.actors[r]))
+        if warm is not None:
+            warm()  # the dead ranks' bundles are free now; the survivors may take seconds to leave
         others = [r for r in range(self.plan.world_size) if r not in kill_now]
         # With a peer dead, an in-flight save cannot commit: leave at once, so the sockets
         # the other survivors are blocked on close now.
@@ -546,8 +549,8 @@ class Controller:
         fault = self._fault
         node_of = dict(self.group.node_of)
         raised = frozenset(e.rank for e in fault.events if isinstance(e, ev.WorkerFailed))
-        self._warm_replacements(node_of, set(fault.bad_ranks))
-        self._collect_survivors(set(fault.bad_ranks), raised)
+        self._collect_survivors(set(fault.bad_ranks), raised, warm=lambda: self._warm_replacements(
+            node_of, set(fault.bad_ranks)))
         # Dead actors are seen before Ray declares their node dead; name the lost nodes
         # now, so the timeline says whether a process or a whole node went.
         reported = {e.node_id for e in fault.events if isinstance(e, ev.NodeLost)}

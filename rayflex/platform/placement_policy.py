@@ -76,7 +76,7 @@ class RunPlacement:
     def node_of_actor(self, actor_id: str) -> Optional[str]:
         return next((s["node"] for s in self._slots if s["actor"] == actor_id), None)
 
-    def _reserve(self, node: str, count: int) -> None:
+    def _reserve(self, node: str, count: int, timeout_s: Optional[float] = None) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -87,7 +87,7 @@ class RunPlacement:
         pg = placement_group([dict(self.resources) for _ in range(count)], strategy="STRICT_PACK",
                              name=f"rayflex-{self.spec.run.name}-{node[:8]}-{len(self._pgs)}-{time.time_ns() % 10**6}",
                              bundle_label_selector=[{NODE_ID_LABEL: node} for _ in range(count)])
-        timeout = knob("PLACEMENT_TIMEOUT_S")
+        timeout = knob("PLACEMENT_TIMEOUT_S") if timeout_s is None else timeout_s
         ready, _ = ray.wait([pg.ready()], timeout=timeout)
         if not ready:
             remove_placement_group(pg)
@@ -162,7 +162,8 @@ class RunPlacement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not self._free(node):
-            self._reserve(node, 1)
+            # Short: a standby is an optimization, and the controller's loop waits on this.
+            self._reserve(node, 1, timeout_s=5.0)
         slot = self._free(node)[0]
         slot["actor"] = ("standby", id(slot))
         return slot, PlacementGroupSchedulingStrategy(placement_group=slot["pg"],
