@@ -201,19 +201,20 @@ class Controller:
 
         # pp="auto": the capacity planner picks the fastest mesh that fits this world size,
         # at launch and again on every elastic restart.
+        def plan_at(size: int, topo):
+            resolved = resolve_parallel(self.spec, size, topo)
+            self.plan = plan_mesh(self.spec.model, resolved.parallel, resolved.data, size)
+            return resolved, plan_for(self.spec, self.plan, topo)  # PlacementError names what is missing
+
         try:
-            resolved = resolve_parallel(self.spec, world, topology)
-            self.plan = plan_mesh(self.spec.model, resolved.parallel, resolved.data, world)
-            placement = plan_for(self.spec, self.plan, topology)  # PlacementError names what is missing
+            resolved, placement = plan_at(world, topology)
         except RayflexError:
             if self._full_restart_size is None:
                 raise
             # The workers that are up cannot form that mesh: restart at full size after all.
             log.warning("cannot restart on the workers that are up; waiting for the new ones", exc_info=True)
-            world, topology = self._full_restart_size, self._usable_topology()
-            resolved = resolve_parallel(self.spec, world, topology)
-            self.plan = plan_mesh(self.spec.model, resolved.parallel, resolved.data, world)
-            placement = plan_for(self.spec, self.plan, topology)
+            world = self._full_restart_size
+            resolved, placement = plan_at(world, self._usable_topology())
             if self.standby is not None:
                 self.standby.wait(knob("WORKER_START_TIMEOUT_S"))
                 self._survivors.update(self.standby.take())
