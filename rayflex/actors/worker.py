@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from rayflex.actors.data import GlobalSampler, TokenDataset
+from rayflex.actors.gloo_abort import GlooSockets
 from rayflex.actors.instrument import ActivationCounter, pipeline_wait_timer
 from rayflex.actors.parallel import (MeshPlan, build_device_mesh, build_local_stages, build_schedule,
                                      clip_grads_, shard_stage)
@@ -184,6 +185,9 @@ class TrainWorker:
         t0 = time.time()
         _clear_sharding_caches()  # a reused process may hold decisions about its old rank
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        # Sockets that exist now are not this attempt's; on GPU only the checkpoint group is
+        # gloo (nccl has a real abort), so the snapshot is taken just before it.
+        self._gloo = GlooSockets() if backend == "gloo" else None
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=self.rank, world_size=self.plan.world_size,
                                 timeout=timedelta(seconds=knob("COLLECTIVE_TIMEOUT_S")))
@@ -213,7 +217,10 @@ class TrainWorker:
         self._has_last = (self.plan.num_stages - 1) in [s for s, _ in self.stages]
         # Checkpointing runs on its own gloo group so uploads never interleave with training
         # collectives (on GPU the default group is nccl).
+        if self._gloo is None:
+            self._gloo = GlooSockets()
         self.ckpt_group = dist.new_group(backend="gloo")
+        self._gloo.register(dist.distributed_c10d._get_default_store(), self.rank, self.plan.world_size)
         restored = None
         t_build = time.time()
         if self.spec.checkpoint.every_steps or self.spec.checkpoint.resume:
@@ -412,19 +419,19 @@ class TrainWorker:
             return not self._thread.is_alive()
         return True
 
-    def release(self, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0) -> bool:
+    def release(self, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0, abort: bool = False) -> bool:
         """Leave the current attempt so this process can be reused by the next one.
 
-        The loop is asked to stop; a loop blocked in a collective errors out only when the
-        peer it waits on closes its connection (gloo has no abort: neither ``abort()`` nor
-        ``shutdown()`` nor destroying a group that is still referenced unblocks a pending
-        collective). So a rank that left frees every object holding its process groups
-        before destroying them: the sockets close and the peers still blocked on it fail
-        at once instead of at the collective timeout. Returns False if the loop is still
-        stuck after ``timeout_s``; the controller then kills this process.
-        ``checkpoint_grace_s``: how long an in-flight save may still commit (0 when a peer
-        died: it cannot commit)."""
+        The loop is asked to stop. ``abort`` (a peer died: the attempt is broken)
+        first shuts down this rank's process-group connections, so a collective blocked
+        here or in a peer waiting on this rank fails now instead of at the collective
+        timeout (see ``gloo_abort``). Then the groups and every object holding them are
+        freed. Returns False if the loop is still stuck after ``timeout_s``; the controller
+        then kills this process. ``checkpoint_grace_s``: how long an in-flight save may
+        still commit (0 when a peer died: it cannot commit)."""
         self._stop.set()
+        if abort:
+            self._abort_collectives()
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -435,13 +442,26 @@ class TrainWorker:
         self._state = "released"
         return True
 
+    def _abort_collectives(self) -> None:
+        import torch.distributed as dist
+
+        if self.device.type == "cuda" and dist.is_initialized():
+            try:
+                dist.distributed_c10d._abort_process_group()  # nccl: ncclCommAbort
+            except Exception:  # noqa: BLE001 - best effort, the sockets below still go
+                log.warning("rank %d: nccl abort failed", self.rank, exc_info=True)
+        gloo = getattr(self, "_gloo", None)
+        if gloo is not None:
+            n = gloo.abort()
+            log.info("rank %d: shut down %d process-group connections", self.rank, n)
+
     def _drop_training_state(self) -> None:
         """Forget the model, optimizer, schedule and meshes of this attempt, and collect them:
         FSDP and DTensor hold the process groups, whose sockets close only when freed."""
         import gc
 
         for name in ("stages", "params", "optimizers", "schedulers", "schedule", "mesh", "dp_mesh", "pp_group",
-                     "staging"):
+                     "staging", "_gloo"):
             self.__dict__.pop(name, None)
         self.checkpointer = None
         self._thread = None

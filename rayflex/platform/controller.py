@@ -529,8 +529,11 @@ class Controller:
         # With a peer dead, an in-flight save cannot commit: leave at once, so the sockets
         # the other survivors are blocked on close now.
         grace = 0.0 if kill_now else 3.0
-        released = (self.group.release(others, timeout_s=knob("RELEASE_TIMEOUT_S"), checkpoint_grace_s=grace)
-                    if others else {})
+        # A dead peer leaves the others in collectives that cannot complete: abort them.
+        # A growth stop (at a step boundary) and a rank that raised (its peers may still
+        # commit a save it uploads) leave gracefully.
+        released = (self.group.release(others, timeout_s=knob("RELEASE_TIMEOUT_S"), checkpoint_grace_s=grace,
+                                       abort=bool(kill_now)) if others else {})
         self._survivors = {}
         for r in others:
             actor = self.group.actors[r]

@@ -135,11 +135,13 @@ class RayWorkerGroup:
             except Exception:  # noqa: BLE001 - already dead
                 pass
 
-    def release(self, ranks, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0) -> dict[int, bool]:
-        """Ask surviving ranks to leave the attempt; returns rank -> released cleanly."""
+    def release(self, ranks, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0,
+                abort: bool = False) -> dict[int, bool]:
+        """Ask surviving ranks to leave the attempt (``abort``: the attempt is broken, fail
+        its pending collectives); returns rank -> released cleanly."""
         import ray
 
-        refs = {r: self.actors[r].release.remote(timeout_s, checkpoint_grace_s) for r in ranks}
+        refs = {r: self.actors[r].release.remote(timeout_s, checkpoint_grace_s, abort) for r in ranks}
         pending, ready = list(refs.values()), []
         deadline = time.time() + timeout_s + 5
         last_progress = time.time()
