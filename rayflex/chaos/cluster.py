@@ -1,0 +1,78 @@
+"""A Ray cluster of several loopback "nodes" on this machine, for chaos runs.
+
+Nodes are removed and added from the caller's (main) thread: ``Cluster.add_node``
+installs signal handlers, which only the main thread may do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Optional
+
+
+class LocalCluster:
+    def __init__(self, nodes: int, cpus_per_node: int):
+        self.nodes, self.cpus = nodes, cpus_per_node
+        self.cluster = None
+
+    def __enter__(self) -> "LocalCluster":
+        import ray
+        from ray.cluster_utils import Cluster
+
+        try:
+            self.cluster = Cluster(initialize_head=True, head_node_args={
+                "node_ip_address": "127.0.0.1", "num_cpus": self.cpus, "include_dashboard": False})
+            for _ in range(self.nodes - 1):
+                self.add_node()
+            self.cluster.wait_for_nodes()
+            ray.init(address=self.cluster.address)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        if self.cluster is not None:
+            with contextlib.suppress(Exception):
+                self.cluster.shutdown()
+            self.cluster = None
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    @property
+    def head_id(self) -> str:
+        return self.cluster.head_node.node_id
+
+    def worker_node_ids(self) -> list[str]:
+        return [n.node_id for n in self.cluster.worker_nodes]
+
+    def add_node(self) -> str:
+        node = self.cluster.add_node(node_ip_address="127.0.0.1", num_cpus=self.cpus)
+        return node.node_id
+
+    def remove_node(self, node_id: str) -> bool:
+        node = next((n for n in self.cluster.worker_nodes if n.node_id == node_id), None)
+        if node is None:
+            return False
+        self.cluster.remove_node(node)
+        return True
+
+    def drain(self, node_id: str, deadline_s: float, reason: str = "spot termination (chaos)") -> float:
+        """A spot notice the way Ray's autoscaler sends one; returns the deadline (epoch s)."""
+        import ray
+        from ray.core.generated import autoscaler_pb2
+
+        deadline = time.time() + deadline_s
+        gcs = ray._raylet.GcsClient(address=self.address)
+        ok, why = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                 reason, int(deadline * 1000))
+        if not ok:
+            raise RuntimeError(f"drain of node {node_id[:8]} refused: {why}")
+        return deadline

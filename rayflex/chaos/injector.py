@@ -1,0 +1,219 @@
+"""Injects a planned sequence of faults into a live run, one at a time.
+
+The next fault goes in once the run has recovered from the previous one: it is running
+at full size again, nothing is still scheduled (a node's return, the object store coming
+back), and a checkpoint has committed since — so every fault hits a healthy run and a
+failure never repeats without progress. Node additions and removals happen on the
+calling (main) thread; ``tick()`` is called from its loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Injected:
+    index: int
+    kind: str
+    time: float  # when the fault happened (epoch seconds)
+    step: int  # the run's step then
+    rank: Optional[int] = None
+    node_id: Optional[str] = None
+    detail: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class FaultTiming:
+    long_notice_s: float = 15.0
+    short_notice_s: float = 1.0
+    node_return_s: float = 2.0  # a replacement node joins this long after one went
+    # Longer than the storage retries ride out (a 4 s outage only delays a save), so a
+    # save fails, is reported, and the next one must succeed.
+    s3_down_s: float = 12.0
+    min_steps_between: int = 10
+
+
+class Injector:
+    def __init__(self, cluster, handle, gate, kinds: list[str], seed: int, *, workers: int,
+                 checkpoint_root: str, timing: FaultTiming = FaultTiming(),
+                 corrupt: Optional[Callable[[str, int], str]] = None):
+        self.cluster, self.handle, self.gate = cluster, handle, gate
+        self.kinds = list(kinds)
+        self.rng = random.Random(seed * 7919 + 1)  # targets: independent of the kind order
+        self.workers = workers
+        self.checkpoint_root = checkpoint_root
+        self.timing = timing
+        self._corrupt = corrupt
+        self.injected: list[Injected] = []
+        self.stopped_pids: list[int] = []  # SIGSTOPped: continued and killed at the end
+        self._actions: list[tuple[float, str, Optional[str]]] = []  # (when, what, node)
+        self._quiet_since = 0.0  # time of the last disturbance (fault, node change, s3 back)
+        self._last_step_injected = 0
+
+    @property
+    def done(self) -> bool:
+        return len(self.injected) == len(self.kinds) and not self._actions
+
+    # ----------------------------------------------------------------- loop
+    def tick(self) -> None:
+        now = time.time()
+        for action in [a for a in self._actions if a[0] <= now]:
+            self._actions.remove(action)
+            self._act(action[1], action[2])
+        if len(self.injected) < len(self.kinds) and not self._actions:
+            status = self.handle.status()
+            if self._healthy(status):
+                self._inject(self.kinds[len(self.injected)], status)
+
+    def _healthy(self, status: dict) -> bool:
+        if status.get("state") != "RUNNING" or status.get("world_size") != self.workers:
+            return False
+        if len(status.get("workers") or []) != self.workers or status["step"] < self._last_step_injected + \
+                self.timing.min_steps_between:
+            return False
+        events = self.handle.events()
+        last_restart = max((e["time"] for e in events if e["kind"] == "restarted"), default=0.0)
+        committed = [e["time"] for e in events if e["kind"] == "checkpoint_committed"]
+        return any(t > max(last_restart, self._quiet_since) for t in committed)
+
+    def _act(self, what: str, node: Optional[str]) -> None:
+        if what == "remove":
+            self.cluster.remove_node(node)
+        elif what == "add":
+            self.cluster.add_node()
+        elif what == "s3_up":
+            self.gate.up()
+        log.info("chaos: %s %s", what, (node or "")[:8])
+        self._quiet_since = time.time()
+
+    # ----------------------------------------------------------------- faults
+    def _inject(self, kind: str, status: dict) -> None:
+        workers = sorted(status["workers"], key=lambda w: w["rank"])
+        fault = Injected(index=len(self.injected), kind=kind, time=0.0, step=status["step"])
+        getattr(self, f"_{kind}")(fault, workers)
+        if not fault.time:
+            fault.time = time.time()
+        self._quiet_since = max(self._quiet_since, fault.time)
+        self._last_step_injected = status["step"]
+        self.injected.append(fault)
+        log.warning("chaos fault %d/%d at step %d: %s rank=%s node=%s %s", fault.index + 1, len(self.kinds),
+                    fault.step, kind, fault.rank, (fault.node_id or "")[:8], fault.detail or "")
+
+    def _victim(self, fault: Injected, workers: list[dict]) -> dict:
+        w = self.rng.choice(workers)
+        fault.rank, fault.node_id = w["rank"], w["node_id"]
+        return w
+
+    def _victim_node(self, fault: Injected, workers: list[dict]) -> str:
+        """A node (not the head: it hosts the driver) that runs at least one rank."""
+        head = self.cluster.head_id
+        nodes = sorted({w["node_id"] for w in workers} - {head}) or sorted(self.cluster.worker_node_ids())
+        fault.node_id = self.rng.choice(nodes)
+        fault.detail["ranks"] = [w["rank"] for w in workers if w["node_id"] == fault.node_id]
+        return fault.node_id
+
+    def _kill_actor(self, fault: Injected, workers: list[dict]) -> None:
+        os.kill(self._victim(fault, workers)["pid"], signal.SIGKILL)
+
+    def _sigstop(self, fault: Injected, workers: list[dict]) -> None:
+        pid = self._victim(fault, workers)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        self.stopped_pids.append(pid)
+
+    def _remove_node(self, fault: Injected, workers: list[dict]) -> None:
+        node = self._victim_node(fault, workers)
+        fault.time = time.time()
+        self.cluster.remove_node(node)
+        self._actions.append((time.time() + self.timing.node_return_s, "add", None))
+
+    def _preempt(self, fault: Injected, workers: list[dict], notice_s: float) -> None:
+        node = self._victim_node(fault, workers)
+        fault.time = time.time()
+        deadline = self.cluster.drain(node, notice_s)
+        fault.detail["deadline_s"] = notice_s
+        self._actions += [(deadline, "remove", node), (deadline + self.timing.node_return_s, "add", None)]
+
+    def _preempt_long(self, fault: Injected, workers: list[dict]) -> None:
+        self._preempt(fault, workers, self.timing.long_notice_s)
+
+    def _preempt_short(self, fault: Injected, workers: list[dict]) -> None:
+        self._preempt(fault, workers, self.timing.short_notice_s)
+
+    def _s3_down(self, fault: Injected, workers: list[dict]) -> None:
+        fault.time = time.time()
+        self.gate.down()
+        fault.detail["down_s"] = self.timing.s3_down_s
+        self._actions.append((time.time() + self.timing.s3_down_s, "s3_up", None))
+
+    def _raise_once(self, fault: Injected, workers: list[dict]) -> None:
+        import ray
+
+        w = self._victim(fault, workers)
+        at = fault.step + 2
+        fault.detail.update(at_step=at, message=f"chaos: injected failure {fault.index}")
+        ray.get(self.handle.controller.inject_failure.remote(w["rank"], at, fault.detail["message"]))
+
+    def _corrupt_checkpoint(self, fault: Injected, workers: list[dict]) -> None:
+        """Kill a worker, then flip a byte in the newest committed checkpoint before the
+        restart loads it (killing first: a broken attempt commits nothing newer)."""
+        os.kill(self._victim(fault, workers)["pid"], signal.SIGKILL)
+        fault.time = time.time()
+        deadline = time.time() + 5
+        while time.time() < deadline and not any(e["kind"] == "worker_died" and e["time"] >= fault.time - 0.5
+                                                  for e in self.handle.events()):
+            time.sleep(0.02)
+        from rayflex.storage import manifest as mf
+
+        step = mf.latest_committed(self.checkpoint_root)
+        fault.detail["step"] = step
+        fault.detail["file"] = self._corrupt(self.checkpoint_root, step)
+
+    # ----------------------------------------------------------------- cleanup
+    def cleanup(self) -> None:
+        for pid in self.stopped_pids:
+            if not _is_ray_worker(pid):  # already gone (the controller killed it); the pid may be reused
+                continue
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    break
+        if self.gate is not None and not self.gate.is_up:
+            self.gate.up()
+
+
+def _is_ray_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"ray" in f.read()
+    except OSError:
+        return False
+
+
+def corrupt_newest_file(root: str, step: int) -> str:
+    """Flip one byte in the middle of the largest data file of checkpoint ``step``."""
+    from rayflex.storage import fs as rfs
+    from rayflex.storage.manifest import step_dir
+
+    fs, path = rfs.resolve(step_dir(root, step))
+    fs.invalidate_cache()
+    files = [f for f in fs.find(path, detail=True).values() if f["name"].endswith(".distcp")]
+    target = max(files, key=lambda f: f["size"])["name"]
+    with fs.open(target, "rb") as f:
+        data = bytearray(f.read())
+    data[len(data) // 2] ^= 0xFF
+    with fs.open(target, "wb") as f:
+        f.write(bytes(data))
+    return target

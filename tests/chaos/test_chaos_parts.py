@@ -1,0 +1,81 @@
+"""The chaos harness's own parts, without a cluster: the plan, the S3 gate, the replay's
+segments and the invariants — each shown to catch what it exists to catch."""
+
+import http.server
+import threading
+import urllib.request
+
+import pytest
+
+from rayflex.chaos import KINDS, plan_faults
+from rayflex.chaos import invariants as inv
+from rayflex.chaos.replay import Segment, segments_from_events
+
+
+def test_plan_is_seeded_and_has_every_kind():
+    a, b, c = plan_faults(1, 12), plan_faults(1, 12), plan_faults(2, 12)
+    assert a == b and a != c
+    assert len(a) == 12 and set(a) == set(KINDS)
+    with pytest.raises(ValueError, match="at least 8 faults"):
+        plan_faults(0, 5)
+
+
+def test_gate_refuses_while_down_and_keeps_the_data():
+    from rayflex.chaos.s3_gate import S3Gate
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"still here")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    gate = S3Gate(*server.server_address).start()
+    try:
+        assert urllib.request.urlopen(gate.url, timeout=5).read() == b"still here"
+        gate.down()
+        with pytest.raises(OSError):  # connection refused, as from a dead endpoint
+            urllib.request.urlopen(gate.url, timeout=5)
+        gate.up()
+        assert urllib.request.urlopen(gate.url, timeout=5).read() == b"still here"
+    finally:
+        gate.close()
+        server.shutdown()
+
+
+def test_segments_follow_the_loaded_checkpoints():
+    events = [{"kind": "plan_chosen", "world_size": 4, "time": 0},
+              {"kind": "checkpoint_loaded", "step": 10, "world_size": 3, "time": 1},
+              {"kind": "checkpoint_loaded", "step": 10, "world_size": 2, "time": 2},  # failed again at once
+              {"kind": "checkpoint_loaded", "step": 25, "world_size": 4, "time": 3}]
+    assert segments_from_events(events, 40) == [Segment(4, 0, 10), Segment(2, 10, 25), Segment(4, 25, 40)]
+
+
+def test_samples_invariant_catches_a_skip_and_a_repeat():
+    from rayflex.actors.data import GlobalSampler
+
+    sampler = GlobalSampler(num_samples=20, global_batch=4, seed=3)
+    good = [{"step": s, "indices": sampler.indices(s - 1).tolist()} for s in range(1, 11)]
+    assert inv.samples_exact(good, sampler, 10)[0]
+    skipped = [dict(line) for line in good]
+    skipped[5]["indices"] = sampler.indices(6).tolist()  # step 6 consumed step 7's rows
+    ok, why = inv.samples_exact(skipped, sampler, 10)
+    assert not ok and "6" in why
+    assert not inv.samples_exact(good[:-1], sampler, 10)[0]  # a step never ran
+
+
+def test_every_fault_needs_its_detection_in_time():
+    faults = [{"index": 0, "kind": "kill_actor", "time": 100.0, "rank": 2, "node_id": "n1", "detail": {}},
+              {"index": 1, "kind": "sigstop", "time": 200.0, "rank": 1, "node_id": "n2", "detail": {}}]
+    events = [{"kind": "worker_died", "time": 100.2, "rank": 2, "node_id": "n1"},
+              {"kind": "hang_detected", "time": 203.5, "ranks": [1]}]
+    ok, rows = inv.faults_accounted(faults, events, heartbeat_s=3.0)
+    assert ok and [r["detected_by"] for r in rows] == ["worker_died", "hang_detected"]
+    late = [dict(events[0], time=104.0), events[1]]
+    ok, rows = inv.faults_accounted(faults, late, heartbeat_s=3.0)
+    assert not ok and rows[0]["after_s"] == 4.0
+    assert not inv.faults_accounted(faults, events[:1], heartbeat_s=3.0)[0]
