@@ -135,6 +135,13 @@ class Controller:
     def events(self) -> list[dict]:
         return [e.to_dict() for e in self.timeline.events]
 
+    def inject_failure(self, rank: int, at_step: int, message: str) -> None:
+        """Fault injection (chaos runs, tests): rank ``rank`` raises ``message`` when it
+        starts ``at_step``, once."""
+        import ray
+
+        ray.get(self.group.actors[rank].set_fail_at.remote(at_step, message), timeout=30)
+
     def request_stop(self, reason: str = "stop requested") -> None:
         self.reason = reason
         self._stop.set()
