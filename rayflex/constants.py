@@ -29,6 +29,9 @@ _DEFAULTS: dict[str, float] = {
     # blocked on a peer that left is unblocked when that peer's sockets close (well under a
     # second); one still blocked after this waits on a frozen or dead process.
     "RELEASE_SETTLE_S": 1.5,
+    # At the end of a run, how long to keep retrying to store the run directory (metrics,
+    # events, result) while the object store is unreachable.
+    "STORAGE_FINAL_WAIT_S": 120.0,
     # Emergency-checkpoint duration assumed before the run has measured one.
     "EMERGENCY_CHECKPOINT_DEFAULT_S": 10.0,
     # CPU niceness of the checkpoint upload thread (0 = as training): uploads take the

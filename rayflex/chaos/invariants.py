@@ -84,9 +84,10 @@ def _match(fault: dict, events: list[dict], heartbeat_s: float) -> Optional[dict
         action = "emergency_checkpoint" if kind == "preempt_long" else "restore_last_committed"
         return next((e for e in after if e["kind"] == "preemption_notice" and e["node_id"] == fault["node_id"]
                      and e["action"] == action), None)
-    if kind == "s3_down":
+    if kind == "s3_down":  # whichever notices first: the controller's run-directory writes or a save
         up = t + fault["detail"]["down_s"]
-        return next((e for e in after if e["kind"] == "checkpoint_failed" and e["time"] <= up + 30), None)
+        return next((e for e in after if e["kind"] in ("storage_unavailable", "checkpoint_failed")
+                     and e["time"] <= up + 30), None)
     if kind == "raise_once":
         return next((e for e in after if e["kind"] == "worker_failed" and e["rank"] == fault["rank"]
                      and fault["detail"]["message"] in e["error"]), None)

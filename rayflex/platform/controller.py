@@ -74,6 +74,7 @@ class Controller:
         self._grow_to: Optional[int] = None
         self._survivors: dict[str, Any] = {}
         self.standby = None  # StandbyPool: workers warmed before a growth restart needs them
+        self._storage_down_since: Optional[float] = None
         self._fault = None
         self._fault_time: Optional[float] = None
         self._restart_reason: Optional[str] = None
@@ -154,6 +155,18 @@ class Controller:
     def _transition(self, nxt: RunState) -> None:
         log.info("run %s: %s -> %s", self.spec.run.name, self.state.value, nxt.value)
         self.state = nxt
+
+    def _flush_rundir(self) -> None:
+        """Store the run directory's new lines; an outage is an event, not a failure."""
+        error = self.rundir.flush()
+        if error is not None and self._storage_down_since is None:
+            self._storage_down_since = time.time()
+            self._record(ev.StorageUnavailable(step=self.step, uri=self.spec.run.run_dir, error=error))
+            log.warning("run directory unavailable, keeping its lines in memory: %s", error)
+        elif error is None and self._storage_down_since is not None:
+            down = time.time() - self._storage_down_since
+            self._storage_down_since = None
+            self._record(ev.StorageRecovered(step=self.step, uri=self.spec.run.run_dir, down_s=down))
 
     def _record(self, event: ev.Event) -> ev.Event:
         self.timeline.add(event)
@@ -336,7 +349,7 @@ class Controller:
                 return RunState.RESTARTING
             states = {st.state for st in result.statuses.values()}
             if len(result.statuses) == self.plan.world_size and states <= {"done", "stopped"}:
-                self.rundir.flush()
+                self._flush_rundir()
                 if states == {"done"} and self.step >= self.spec.run.steps:
                     return RunState.FINISHED
                 if self._preempting is not None:
@@ -360,7 +373,7 @@ class Controller:
                     self.group.broadcast("request_stop")
                     stop_sent = True
             if now - last_flush > 1.0:
-                self.rundir.flush()
+                self._flush_rundir()
                 last_flush = now
             time.sleep(max(0.0, interval - (time.time() - cycle_start)))
 
@@ -714,7 +727,7 @@ class Controller:
         elif self.state is RunState.FAILED:
             self._record(ev.RunFailedEvent(step=self.step, reason=self.reason))
         self._teardown()
-        self.rundir.flush()
+        self.rundir.flush_until_stored(knob("STORAGE_FINAL_WAIT_S"))
         result = self.result()
         self.rundir.write_json("result.json", result)
         try:  # the report is a convenience: never fail a run over a plot

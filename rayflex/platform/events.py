@@ -179,6 +179,23 @@ class Restarted(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class StorageUnavailable(Event):
+    """The run directory could not be written (the object store is down or unreachable);
+    its lines are kept and written when storage is back."""
+
+    kind: ClassVar[str] = "storage_unavailable"
+    uri: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageRecovered(Event):
+    kind: ClassVar[str] = "storage_recovered"
+    uri: str = ""
+    down_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunStopped(Event):
     kind: ClassVar[str] = "run_stopped"
     reason: str = ""

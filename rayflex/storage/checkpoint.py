@@ -194,7 +194,9 @@ class AsyncCheckpointer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
+        t_wait = time.perf_counter()
         reports = self.wait()  # at most one save in flight: its buffers are free again
+        waited = time.perf_counter() - t_wait
         path = mf.step_dir(self.root, step)
         # No storage round-trip here: leftovers of crashed attempts were cleared when this
         # attempt loaded its checkpoint (clear_after), so the step directory is fresh.
@@ -219,12 +221,14 @@ class AsyncCheckpointer:
             dcp.save(tensors, storage_writer=writer, process_group=group)
             upload = Future()
             upload.set_result(None)
-        blocked = time.perf_counter() - t0
+        # Blocked: everything training waited for here, including a previous save that was
+        # still uploading (checkpoints more often than uploads can keep up show up here).
+        blocked = waited + time.perf_counter() - t0
         self.last_blocked_s = blocked
         nbytes = self._staging.nbytes if self.use_async else sum(t.numel() * t.element_size()
                                                                  for t in _tensors(tensors))
         report = {"step": step, "reason": reason, "blocked_s": blocked, "bytes": nbytes, "uri": path,
-                  "state_dict_s": t_sd - t0}
+                  "state_dict_s": t_sd - t0, "waited_for_previous_s": waited}
         self._inflight = self._finisher.submit(self._finish, upload, report, extra, time.time())
         if not self.use_async:
             reports += self.wait()

@@ -2,15 +2,21 @@
 
 Line files are appended where the filesystem can append (local disk, memory) and
 rewritten whole where it cannot (object stores have no append); the controller keeps the
-lines in memory either way, so a rewrite never loses data.
+lines in memory either way, so a rewrite never loses data. For the same reason a write
+that fails (the object store is down for a while) does not fail the run: ``flush``
+reports the error, and the next flush writes everything that is still missing.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from typing import Any, Optional
 
 import fsspec
+
+log = logging.getLogger(__name__)
 
 
 class RunDirectory:
@@ -21,6 +27,7 @@ class RunDirectory:
             (isinstance(self.fs.protocol, tuple) and set(self.fs.protocol) & {"file", "local", "memory"})
         self._lines: dict[str, list[str]] = {}
         self._flushed: dict[str, int] = {}
+        self._stale: set[str] = set()  # a write failed: the stored file must be rewritten whole
 
     def ensure(self) -> None:
         self.fs.makedirs(self.path, exist_ok=True)
@@ -62,27 +69,50 @@ class RunDirectory:
     def add_line(self, name: str, obj: Any) -> None:
         self._lines.setdefault(name, []).append(json.dumps(obj, default=str))
 
-    def rewrite(self, name: str, keep) -> None:
+    def rewrite(self, name: str, keep) -> Optional[str]:
         """Keep only the lines whose parsed JSON satisfies ``keep`` and rewrite the file
-        (a restart rolls back the steps after its checkpoint; they are re-run)."""
-        lines = [line for line in self._lines.get(name, []) if keep(json.loads(line))]
-        self._lines[name] = lines
-        with self.fs.open(self.file(name), "w") as f:
-            f.write("".join(line + "\n" for line in lines))
-        self._flushed[name] = len(lines)
+        (a restart rolls back the steps after its checkpoint; they are re-run). Returns
+        the storage error if the file could not be written (it is rewritten at a flush)."""
+        self._lines[name] = [line for line in self._lines.get(name, []) if keep(json.loads(line))]
+        self._stale.add(name)
+        return self.flush()
 
     def lines(self, name: str) -> list[str]:
         return list(self._lines.get(name, []))
 
-    def flush(self) -> None:
+    def flush(self) -> Optional[str]:
+        """Write the lines not yet stored. Never raises for a storage failure: returns its
+        text (None when everything is stored), and the next flush tries again."""
+        error = None
         for name, lines in self._lines.items():
             done = self._flushed.get(name, 0)
-            if done == len(lines):
+            if done == len(lines) and name not in self._stale:
                 continue
-            if self._can_append and self.fs.exists(self.file(name)):
-                with self.fs.open(self.file(name), "a") as f:
-                    f.write("".join(line + "\n" for line in lines[done:]))
-            else:
-                with self.fs.open(self.file(name), "w") as f:
-                    f.write("".join(line + "\n" for line in lines))
+            try:
+                if self._can_append and name not in self._stale and self.fs.exists(self.file(name)):
+                    with self.fs.open(self.file(name), "a") as f:
+                        f.write("".join(line + "\n" for line in lines[done:]))
+                else:
+                    with self.fs.open(self.file(name), "w") as f:
+                        f.write("".join(line + "\n" for line in lines))
+            except Exception as e:  # noqa: BLE001 - the lines stay in memory for the next flush
+                self._stale.add(name)
+                error = error or f"writing {self.uri}/{name}: {type(e).__name__}: {e}"
+                continue
             self._flushed[name] = len(lines)
+            self._stale.discard(name)
+        return error
+
+    def flush_until_stored(self, timeout_s: float, interval_s: float = 2.0) -> None:
+        """Flush, retrying for up to ``timeout_s`` (the end of a run: nothing may be lost to
+        a short outage); raises OSError naming the problem if storage never came back."""
+        deadline = time.time() + timeout_s
+        while True:
+            error = self.flush()
+            if error is None:
+                return
+            if time.time() >= deadline:
+                raise OSError(f"{error}. Fix: check that the storage endpoint is up; the run's "
+                              f"lines could not be stored for {timeout_s:.0f}s")
+            log.warning("run directory not stored yet (%s); retrying in %.0fs", error, interval_s)
+            time.sleep(interval_s)
