@@ -24,12 +24,15 @@ def _assert_passed(report):
                                                      "corrupt_checkpoint"}
 
 
+@pytest.mark.timeout(1200)
 def test_chaos_short_seed(tmp_path):
     report = run_chaos(ChaosConfig(seed=0, faults=8, steps_per_fault=20, workdir=str(tmp_path)))
+    print(json.dumps({k: report[k] for k in ("run_s", "wall_s", "restarts", "world_sizes")}))
     _assert_passed(report)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_chaos_long_seeds(seed, tmp_path):
     _assert_passed(run_chaos(ChaosConfig(seed=seed, faults=12, workdir=str(tmp_path))))
