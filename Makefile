@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: venv demo test test-slow test-fast bench clean
+.PHONY: venv demo test test-slow test-fast bench chaos compare clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,14 @@ test-fast: venv
 
 bench: venv
 	$(PY) benchmarks/overhead.py
+
+# Three long chaos runs (12 faults each); the report is benchmarks/results/chaos.json.
+chaos: venv
+	$(PY) -m rayflex.chaos --seed 1 2 3 --faults 12 --out benchmarks/results/chaos.json
+
+# rayflex vs Ray Train vs torchrun on the same workload (the README's comparison table).
+compare: venv
+	$(PY) benchmarks/compare.py --markdown > benchmarks/results/compare.json
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache

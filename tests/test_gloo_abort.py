@@ -9,15 +9,9 @@ import multiprocessing as mp
 import socket
 import time
 
-import pytest
+from rayflex.actors.worker import free_port
 
 TIMEOUT_S = 60  # the collective timeout: an abort that does not work shows as a wait this long
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, abort_after_s, results):
@@ -61,7 +55,7 @@ def _rank(rank: int, world: int, port: int, abort_after_s, results):
 def test_abort_unblocks_both_ends_of_a_deadlocked_pair():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port, world, abort_after = _free_port(), 3, 3.0
+    port, world, abort_after = free_port(), 3, 3.0
     procs = [ctx.Process(target=_rank, args=(r, world, port, abort_after, results)) for r in range(world)]
     for p in procs:
         p.start()

@@ -422,15 +422,18 @@ class TrainWorker:
     def release(self, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0, abort: bool = False) -> bool:
         """Leave the current attempt so this process can be reused by the next one.
 
-        The loop is asked to stop. ``abort`` (a peer died: the attempt is broken)
-        first shuts down this rank's process-group connections, so a collective blocked
-        here or in a peer waiting on this rank fails now instead of at the collective
-        timeout (see ``gloo_abort``). Then the groups and every object holding them are
-        freed. Returns False if the loop is still stuck after ``timeout_s``; the controller
-        then kills this process. ``checkpoint_grace_s``: how long an in-flight save may
-        still commit (0 when a peer died: it cannot commit)."""
+        The loop is asked to stop. ``abort`` (a peer died or raised: the attempt is broken):
+        once an in-flight save had ``checkpoint_grace_s`` to commit (0 when a peer died: it
+        cannot), this rank's process-group connections are shut down, so a collective
+        blocked here or in a peer waiting on this rank fails now instead of at the
+        collective timeout (see ``gloo_abort``). Then the groups and every object holding
+        them are freed. Returns False if the loop is still stuck after ``timeout_s``; the
+        controller then kills this process."""
         self._stop.set()
+        grace = min(checkpoint_grace_s, timeout_s / 2)
         if abort:
+            if self.checkpointer is not None and grace > 0:
+                self.checkpointer.settle(grace)  # the loop thread may be blocked: do not race it
             self._abort_collectives()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -438,9 +441,16 @@ class TrainWorker:
                 log.warning("rank %d: training loop still blocked in phase %r after %.0fs", self.rank,
                             self._phase, timeout_s)
                 return False
-        self.shutdown(checkpoint_grace_s=min(checkpoint_grace_s, timeout_s / 2))
+        self.shutdown(checkpoint_grace_s=grace)
         self._state = "released"
         return True
+
+    def _wait_for_save(self, timeout_s: float) -> None:
+        if self.checkpointer is not None and timeout_s > 0:
+            try:
+                self.checkpointer.wait(timeout_s=timeout_s)
+            except Exception:  # noqa: BLE001 - a peer died mid-upload: it never commits
+                pass
 
     def _abort_collectives(self) -> None:
         import torch.distributed as dist
@@ -472,11 +482,7 @@ class TrainWorker:
         """Give an in-flight checkpoint a moment to commit, then leave the process group."""
         import torch.distributed as dist
 
-        if self.checkpointer is not None and checkpoint_grace_s > 0:
-            try:
-                self.checkpointer.wait(timeout_s=checkpoint_grace_s)
-            except Exception:  # noqa: BLE001 - a peer died mid-upload: it never commits
-                pass
+        self._wait_for_save(checkpoint_grace_s)
         self._drop_training_state()
         if dist.is_initialized():
             try:

@@ -8,15 +8,10 @@ elastic controller reuses surviving actors.
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import traceback
 from typing import Any, Callable, Sequence
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rayflex.actors.worker import free_port
 
 
 def _serve(commands, answers) -> None:

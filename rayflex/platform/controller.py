@@ -549,11 +549,11 @@ class Controller:
         # With a peer dead, an in-flight save cannot commit: leave at once, so the sockets
         # the other survivors are blocked on close now.
         grace = 0.0 if kill_now else 3.0
-        # A dead peer leaves the others in collectives that cannot complete: abort them.
-        # A growth stop (at a step boundary) and a rank that raised (its peers may still
-        # commit a save it uploads) leave gracefully.
+        # A dead or raising peer leaves the others in collectives that cannot complete:
+        # abort them (after the checkpoint grace, so a save in flight can still commit). A
+        # growth stop is at a step boundary and leaves gracefully.
         released = (self.group.release(others, timeout_s=knob("RELEASE_TIMEOUT_S"), checkpoint_grace_s=grace,
-                                       abort=bool(kill_now)) if others else {})
+                                       abort=bool(kill_now or raised)) if others else {})
         self._survivors = {}
         for r in others:
             actor = self.group.actors[r]

@@ -263,6 +263,15 @@ class AsyncCheckpointer:
         self._inflight = None
         return [report]
 
+    def settle(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the in-flight save to end, without collecting its
+        report: safe from another thread while the training thread may call ``wait``."""
+        from concurrent.futures import wait as wait_futures
+
+        inflight = self._inflight
+        if inflight is not None:
+            wait_futures([inflight], timeout=timeout_s)
+
     def _commit(self, step: int, extra: dict) -> None:
         # Written before the marker so the manifest's checksums cover it too.
         _write_bytes(fs_join(mf.step_dir(self.root, step), EXTRA_FILE), json.dumps(extra).encode())
