@@ -28,11 +28,11 @@ def main(argv=None) -> int:
                                              workdir=workdir)))
         print(f"seed {seed}: {'PASSED' if reports[-1]['passed'] else 'FAILED'} in {reports[-1]['wall_s']:.0f}s",
               file=sys.stderr)
-    text = json.dumps({"runs": reports, "passed": all(r["passed"] for r in reports)}, indent=2, default=str)
+        text = json.dumps({"runs": reports, "passed": all(r["passed"] for r in reports)}, indent=2, default=str)
+        if args.out:  # after every seed: a later one that crashes does not lose the earlier reports
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
     return 0 if all(r["passed"] for r in reports) else 1
 
 

@@ -63,7 +63,12 @@ def load_full(step_uri: str) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    nested = _load_state_dict_from_keys(checkpoint_id=step_uri, storage_reader=FsspecReader(step_uri))
+    from rayflex.storage.fs import fsspec_kwargs
+
+    # Explicit storage options (endpoint included): fsspec caches filesystems by their
+    # arguments, and one made for an earlier endpoint must not be reused.
+    reader = FsspecReader(step_uri, **fsspec_kwargs(step_uri))
+    nested = _load_state_dict_from_keys(checkpoint_id=step_uri, storage_reader=reader)
     flat: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, obj) -> None:
