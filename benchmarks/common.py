@@ -22,11 +22,14 @@ def machine() -> dict:
             "torch": torch.__version__.split("+")[0], "ray": ray_version}
 
 
-def emit(obj: dict) -> None:
-    """The one JSON object on stdout; everything else goes to stderr."""
-    json.dump(obj, sys.stdout, indent=2, default=float)
-    sys.stdout.write("\n")
+def emit(obj: dict, out: str | None = None) -> None:
+    """The one JSON object on stdout (and in ``out``); everything else goes to stderr."""
+    text = json.dumps(obj, indent=2, default=float)
+    sys.stdout.write(text + "\n")
     sys.stdout.flush()
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
 
 
 def setup_logging() -> None:

@@ -290,6 +290,7 @@ def main() -> None:
                          "rayflex and Ray Train workers run at (matters only on a busy machine)")
     ap.add_argument("--keep-dir", action="store_true", help="keep the temporary data, logs and checkpoints")
     ap.add_argument("--markdown", action="store_true", help="also print the markdown table to stderr")
+    ap.add_argument("--out", help="also write the JSON here (Ray's driver log lines can share stdout)")
     args = ap.parse_args()
     args.fault_at = args.fault_at if args.fault_at is not None else args.every + args.every // 2
     args.rt_report_every_step = False  # recovery.run_ray_train reads it
@@ -389,7 +390,7 @@ def main() -> None:
                        "torchrun": {"command": torchrun_command(args.torchrun_nice),
                                     "env": TORCHRUN_ENV, "checkpoint": "sync dcp.save to a local dir, keep 2"},
                        "wall_s": time.time() - t_start},
-          "results": results, "ratios_vs_rayflex": ratios})
+          "results": results, "ratios_vs_rayflex": ratios}, out=args.out)
     if args.markdown:
         print(markdown({s: results[s] for s in systems}, ratios), file=sys.stderr)
 
