@@ -34,7 +34,11 @@ _STORE_PREFIX = "rayflex/gloo_listeners/"
 def _socket_fds() -> dict[int, int]:
     """inode -> fd for this process's sockets."""
     out: dict[int, int] = {}
-    for name in os.listdir("/proc/self/fd"):
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no /proc (not Linux): nothing to abort, collectives end at their timeout
+        return out
+    for name in names:
         try:
             target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:  # closed while listing
