@@ -29,6 +29,9 @@ _DEFAULTS: dict[str, float] = {
     # blocked on a peer that left is unblocked when that peer's sockets close (well under a
     # second); one still blocked after this waits on a frozen or dead process.
     "RELEASE_SETTLE_S": 1.5,
+    # A run-directory write still unfinished after this long counts as the store being
+    # unavailable (a storage_unavailable event; the lines stay in memory).
+    "STORAGE_STALL_S": 5.0,
     # At the end of a run, how long to keep retrying to store the run directory (metrics,
     # events, result) while the object store is unreachable.
     "STORAGE_FINAL_WAIT_S": 120.0,

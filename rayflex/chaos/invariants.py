@@ -8,7 +8,7 @@ from typing import Optional
 # the heartbeat timeout, which is added by the caller).
 DETECTION_BOUND_S = {"kill_actor": 2.0, "remove_node": 5.0, "sigstop": 6.0, "preempt_long": 3.0,
                      "preempt_short": 3.0, "raise_once": 10.0, "corrupt_checkpoint": 60.0,
-                     "s3_down": 30.0}
+                     "s3_down": 10.0}  # RAYFLEX_STORAGE_STALL_S (5 s) + a flush interval
 
 
 def all_steps_finished(result, steps: int) -> tuple[bool, str]:

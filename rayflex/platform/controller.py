@@ -16,6 +16,7 @@ import statistics
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from rayflex.actors.parallel import MeshPlan, plan_mesh
@@ -75,6 +76,9 @@ class Controller:
         self._survivors: dict[str, Any] = {}
         self.standby = None  # StandbyPool: workers warmed before a growth restart needs them
         self._storage_down_since: Optional[float] = None
+        self._flusher = ThreadPoolExecutor(1, thread_name_prefix="rundir")
+        self._flush_future = None
+        self._flush_started = 0.0
         self._fault = None
         self._fault_time: Optional[float] = None
         self._restart_reason: Optional[str] = None
@@ -157,13 +161,39 @@ class Controller:
         self.state = nxt
 
     def _flush_rundir(self) -> None:
-        """Store the run directory's new lines; an outage is an event, not a failure."""
-        error = self.rundir.flush()
-        if error is not None and self._storage_down_since is None:
+        """Store the run directory's new lines in the background (a slow or unreachable
+        store must not stall fault detection); an outage is an event, not a failure."""
+        now = time.time()
+        if self._flush_future is not None:
+            if not self._flush_future.done():
+                if now - self._flush_started > knob("STORAGE_STALL_S"):
+                    self._storage_trouble(f"a write of the run directory has not finished after "
+                                          f"{now - self._flush_started:.0f}s")
+                return
+            error = self._flush_future.result()
+            if error is not None:
+                self._storage_trouble(error)
+            else:
+                self._storage_ok()
+        self._flush_started = now
+        self._flush_future = self._flusher.submit(self.rundir.flush)
+
+    def _finish_flushes(self) -> None:
+        """Wait for the background flush, then store everything (retrying through an outage)."""
+        if self._flush_future is not None:
+            self._flush_future.result()
+            self._flush_future = None
+        self.rundir.flush_until_stored(knob("STORAGE_FINAL_WAIT_S"))
+        self._flusher.shutdown(wait=False)
+
+    def _storage_trouble(self, error: str) -> None:
+        if self._storage_down_since is None:
             self._storage_down_since = time.time()
             self._record(ev.StorageUnavailable(step=self.step, uri=self.spec.run.run_dir, error=error))
             log.warning("run directory unavailable, keeping its lines in memory: %s", error)
-        elif error is None and self._storage_down_since is not None:
+
+    def _storage_ok(self) -> None:
+        if self._storage_down_since is not None:
             down = time.time() - self._storage_down_since
             self._storage_down_since = None
             self._record(ev.StorageRecovered(step=self.step, uri=self.spec.run.run_dir, down_s=down))
@@ -727,7 +757,7 @@ class Controller:
         elif self.state is RunState.FAILED:
             self._record(ev.RunFailedEvent(step=self.step, reason=self.reason))
         self._teardown()
-        self.rundir.flush_until_stored(knob("STORAGE_FINAL_WAIT_S"))
+        self._finish_flushes()
         result = self.result()
         self.rundir.write_json("result.json", result)
         try:  # the report is a convenience: never fail a run over a plot

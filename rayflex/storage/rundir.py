@@ -4,13 +4,16 @@ Line files are appended where the filesystem can append (local disk, memory) and
 rewritten whole where it cannot (object stores have no append); the controller keeps the
 lines in memory either way, so a rewrite never loses data. For the same reason a write
 that fails (the object store is down for a while) does not fail the run: ``flush``
-reports the error, and the next flush writes everything that is still missing.
+reports the error, and the next flush writes everything that is still missing. Lines may
+be added from one thread while another flushes (the controller flushes in the background,
+so a slow store never stalls fault detection).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from typing import Any, Optional
 
@@ -27,7 +30,9 @@ class RunDirectory:
             (isinstance(self.fs.protocol, tuple) and set(self.fs.protocol) & {"file", "local", "memory"})
         self._lines: dict[str, list[str]] = {}
         self._flushed: dict[str, int] = {}
-        self._stale: set[str] = set()  # a write failed: the stored file must be rewritten whole
+        self._stale: set[str] = set()  # the stored file must be rewritten whole
+        self._generation: dict[str, int] = {}  # bumped by rewrite(): a flush in flight is outdated
+        self._lock = threading.Lock()
 
     def ensure(self) -> None:
         self.fs.makedirs(self.path, exist_ok=True)
@@ -63,44 +68,52 @@ class RunDirectory:
     def load_lines(self, name: str) -> None:
         """Adopt the existing lines of a file (a resumed run continues its files)."""
         text = self.read_text(name) or ""
-        self._lines[name] = [line for line in text.splitlines() if line.strip()]
-        self._flushed[name] = len(self._lines[name])
+        with self._lock:
+            self._lines[name] = [line for line in text.splitlines() if line.strip()]
+            self._flushed[name] = len(self._lines[name])
 
     def add_line(self, name: str, obj: Any) -> None:
-        self._lines.setdefault(name, []).append(json.dumps(obj, default=str))
+        line = json.dumps(obj, default=str)
+        with self._lock:
+            self._lines.setdefault(name, []).append(line)
 
-    def rewrite(self, name: str, keep) -> Optional[str]:
-        """Keep only the lines whose parsed JSON satisfies ``keep`` and rewrite the file
-        (a restart rolls back the steps after its checkpoint; they are re-run). Returns
-        the storage error if the file could not be written (it is rewritten at a flush)."""
-        self._lines[name] = [line for line in self._lines.get(name, []) if keep(json.loads(line))]
-        self._stale.add(name)
-        return self.flush()
+    def rewrite(self, name: str, keep) -> None:
+        """Keep only the lines whose parsed JSON satisfies ``keep``; the next flush
+        rewrites the file (a restart rolls back the steps after its checkpoint)."""
+        with self._lock:
+            self._lines[name] = [line for line in self._lines.get(name, []) if keep(json.loads(line))]
+            self._stale.add(name)
+            self._generation[name] = self._generation.get(name, 0) + 1
 
     def lines(self, name: str) -> list[str]:
-        return list(self._lines.get(name, []))
+        with self._lock:
+            return list(self._lines.get(name, []))
 
     def flush(self) -> Optional[str]:
         """Write the lines not yet stored. Never raises for a storage failure: returns its
         text (None when everything is stored), and the next flush tries again."""
+        with self._lock:
+            pending = [(name, list(lines), self._flushed.get(name, 0), name in self._stale,
+                        self._generation.get(name, 0)) for name, lines in self._lines.items()
+                       if self._flushed.get(name, 0) != len(lines) or name in self._stale]
         error = None
-        for name, lines in self._lines.items():
-            done = self._flushed.get(name, 0)
-            if done == len(lines) and name not in self._stale:
-                continue
+        for name, lines, done, stale, generation in pending:
             try:
-                if self._can_append and name not in self._stale and self.fs.exists(self.file(name)):
+                if self._can_append and not stale and self.fs.exists(self.file(name)):
                     with self.fs.open(self.file(name), "a") as f:
                         f.write("".join(line + "\n" for line in lines[done:]))
                 else:
                     with self.fs.open(self.file(name), "w") as f:
                         f.write("".join(line + "\n" for line in lines))
             except Exception as e:  # noqa: BLE001 - the lines stay in memory for the next flush
-                self._stale.add(name)
+                with self._lock:
+                    self._stale.add(name)
                 error = error or f"writing {self.uri}/{name}: {type(e).__name__}: {e}"
                 continue
-            self._flushed[name] = len(lines)
-            self._stale.discard(name)
+            with self._lock:
+                if self._generation.get(name, 0) == generation:  # not rolled back meanwhile
+                    self._flushed[name] = len(lines)
+                    self._stale.discard(name)
         return error
 
     def flush_until_stored(self, timeout_s: float, interval_s: float = 2.0) -> None:
