@@ -66,9 +66,10 @@ def load_full(step_uri: str) -> dict[str, torch.Tensor]:
     from rayflex.storage.fs import fsspec_kwargs
 
     # Explicit storage options (endpoint included): fsspec caches filesystems by their
-    # arguments, and one made for an earlier endpoint must not be reused.
-    reader = FsspecReader(step_uri, **fsspec_kwargs(step_uri))
-    nested = _load_state_dict_from_keys(checkpoint_id=step_uri, storage_reader=reader)
+    # arguments, and one made for an earlier endpoint must not be reused. No checkpoint_id:
+    # DCP would reset the reader to it through a filesystem built without these options.
+    reader = FsspecReader(step_uri, **fsspec_kwargs(step_uri), skip_instance_cache=True)
+    nested = _load_state_dict_from_keys(storage_reader=reader)
     flat: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, obj) -> None:
