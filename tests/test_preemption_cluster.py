@@ -150,7 +150,11 @@ def test_notice_too_short_falls_back_to_last_committed(three_nodes, dataset_uri,
     notice = next(e for e in events if e["kind"] == "preemption_notice")
     assert notice["action"] == "restore_last_committed"
     assert "an emergency checkpoint needs" in notice["reason"] and "last committed" in notice["reason"]
-    loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
-    assert loaded and loaded[-1]["step"] % 3 == 0
+    committed_before = [e["step"] for e in events
+                        if e["kind"] == "checkpoint_committed" and e["time"] < notice["time"]]
+    # The restore that answers the notice (a later one may follow: the run grows back
+    # onto the surviving nodes' free slots once the preempted ranks' resources are free).
+    restore = next(e for e in events if e["kind"] == "checkpoint_loaded" and e["time"] > notice["time"])
+    assert restore["step"] == max(committed_before), "the last committed checkpoint is restored"
     assert not any(e["kind"] == "checkpoint_committed" and e["reason"] == "emergency" for e in events)
     assert result.status == "finished" and result.steps_completed == STEPS

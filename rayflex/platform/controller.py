@@ -603,8 +603,11 @@ class Controller:
         fault = self._fault
         node_of = dict(self.group.node_of)
         raised = frozenset(e.rank for e in fault.events if isinstance(e, ev.WorkerFailed))
-        self._collect_survivors(set(fault.bad_ranks), raised, warm=lambda: self._warm_replacements(
-            node_of, set(fault.bad_ranks)))
+        # Replacements are warmed only for the ranks killed now: a rank that raised still
+        # holds its slot until it has left, so a bundle reserved there would only time out.
+        gone = set(fault.bad_ranks) - raised
+        self._collect_survivors(set(fault.bad_ranks), raised,
+                                warm=(lambda: self._warm_replacements(node_of, gone)) if gone else None)
         # Dead actors are seen before Ray declares their node dead; name the lost nodes
         # now, so the timeline says whether a process or a whole node went.
         reported = {e.node_id for e in fault.events if isinstance(e, ev.NodeLost)}
