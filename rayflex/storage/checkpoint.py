@@ -29,6 +29,7 @@ from torch import nn
 
 from rayflex.errors import CheckpointError
 from rayflex.storage import manifest as mf
+from rayflex.storage.fs import fsspec_kwargs
 from rayflex.storage.fs import join as fs_join
 from rayflex.storage.fs import resolve, with_retries
 
@@ -209,7 +210,9 @@ class AsyncCheckpointer:
             tensors = state.tensor_state()
         t_sd = time.perf_counter()
         extra = state.extra_state()
-        writer = FsspecWriter(path, single_file_per_rank=True, sync_files=False)
+        # The same filesystem options as the rest of rayflex (endpoint, region, timeouts):
+        # a dead endpoint fails the upload after bounded retries instead of hanging it.
+        writer = FsspecWriter(path, single_file_per_rank=True, sync_files=False, **fsspec_kwargs(path))
         _maybe_slow_upload(writer, step)
         group = self.group
         if self.use_async:
@@ -314,7 +317,7 @@ class AsyncCheckpointer:
         path = mf.step_dir(self.root, info["step"])
         self._staging = None  # loading replaces the optimizer's state tensors
         tensors = state.tensor_state()
-        dcp.load(tensors, storage_reader=FsspecReader(path), process_group=self.group)
+        dcp.load(tensors, storage_reader=FsspecReader(path, **fsspec_kwargs(path)), process_group=self.group)
         state.load_tensor_state(tensors)
         state.load_extra(json.loads(_read_bytes(fs_join(path, EXTRA_FILE))))
         info["uri"] = path
