@@ -60,10 +60,24 @@ def _assert_emergency(events, node_id, result, trainer, notice_time, deadline):
     assert result.final_loss == pytest.approx(single_process_losses(trainer.spec, STEPS)[-1], rel=1e-4)
 
 
-@pytest.fixture
-def three_nodes():
+@pytest.fixture(scope="module")
+def _cluster():
     with loopback_cluster([{"num_cpus": 2}, {"num_cpus": 2}, {"num_cpus": 2}]) as c:
         yield c
+
+
+@pytest.fixture
+def three_nodes(_cluster):
+    """A head and two fresh worker nodes: a test's preempted (draining or removed) node is
+    replaced afterwards, which is quicker than a new cluster per test."""
+    yield _cluster
+    head = _cluster.head_node
+    for node in list(_cluster.worker_nodes):
+        _cluster.remove_node(node)
+    for _ in range(2):
+        _cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+    _cluster.wait_for_nodes()
+    assert _cluster.head_node is head
 
 
 def test_drain_notice_triggers_emergency_checkpoint(three_nodes, dataset_uri, tmp_path):

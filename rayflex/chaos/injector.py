@@ -48,7 +48,7 @@ class FaultTiming:
 class Injector:
     def __init__(self, cluster, handle, gate, kinds: list[str], seed: int, *, workers: int,
                  checkpoint_root: str, timing: FaultTiming = FaultTiming(),
-                 corrupt: Optional[Callable[[str, int], str]] = None):
+                 corrupt: Optional[Callable[[str, int], str]] = None, steps: Optional[int] = None):
         self.cluster, self.handle, self.gate = cluster, handle, gate
         self.kinds = list(kinds)
         self.rng = random.Random(seed * 7919 + 1)  # targets: independent of the kind order
@@ -61,6 +61,10 @@ class Injector:
         self._actions: list[tuple[float, str, Optional[str]]] = []  # (when, what, node)
         self._quiet_since = 0.0  # time of the last disturbance (fault, node change, s3 back)
         self._last_step_injected = 0
+        # A fault this close to the end could not be recovered from and checked before the
+        # run finishes (a corrupted checkpoint would stay the newest): it is left out, and
+        # the report says how many went in.
+        self.last_step = (steps - timing.min_steps_between) if steps else None
 
     @property
     def done(self) -> bool:
@@ -82,6 +86,8 @@ class Injector:
             return False
         if len(status.get("workers") or []) != self.workers or status["step"] < self._last_step_injected + \
                 self.timing.min_steps_between:
+            return False
+        if self.last_step is not None and status["step"] > self.last_step:
             return False
         events = self.handle.events()
         last_restart = max((e["time"] for e in events if e["kind"] == "restarted"), default=0.0)

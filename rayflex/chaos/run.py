@@ -143,7 +143,8 @@ def run_chaos(cfg: ChaosConfig) -> dict:
         with LocalCluster(cfg.nodes, cfg.cpus_per_node) as cluster:
             handle = trainer.submit()
             injector = Injector(cluster, handle, gate, kinds, cfg.seed, workers=cfg.workers,
-                                checkpoint_root=root, timing=cfg.timing, corrupt=corrupt_newest_file)
+                                checkpoint_root=root, timing=cfg.timing, corrupt=corrupt_newest_file,
+                                steps=cfg.steps)
             try:
                 deadline = time.time() + cfg.timeout_s
                 while not handle.done() and time.time() < deadline:
@@ -163,6 +164,9 @@ def run_chaos(cfg: ChaosConfig) -> dict:
         checks: dict = {}
 
         ok, detail = len(faults) == len(kinds), f"{len(faults)} of {len(kinds)} planned faults injected"
+        if not ok:
+            detail += (f": the run reached step {injector.last_step} (the last that leaves room to recover) "
+                       f"first; raise steps_per_fault ({cfg.steps_per_fault}) or use a less loaded machine")
         checks["every_fault_injected"] = {"ok": ok, "detail": detail}
         ok, detail = inv.all_steps_finished(result, cfg.steps)
         checks["finished_every_step"] = {"ok": ok, "detail": detail}

@@ -79,3 +79,28 @@ def test_every_fault_needs_its_detection_in_time():
     ok, rows = inv.faults_accounted(faults, late, heartbeat_s=3.0)
     assert not ok and rows[0]["after_s"] == 4.0
     assert not inv.faults_accounted(faults, events[:1], heartbeat_s=3.0)[0]
+
+
+def test_injector_leaves_out_faults_too_close_to_the_end():
+    from rayflex.chaos.injector import FaultTiming, Injector
+
+    class Handle:
+        step = 0
+
+        def status(self):
+            workers = [{"rank": r, "node_id": f"n{r}", "pid": -1} for r in range(2)]
+            return {"state": "RUNNING", "world_size": 2, "workers": workers, "step": self.step}
+
+        def events(self):
+            return [{"kind": "checkpoint_committed", "time": 1e18}]
+
+    handle = Handle()
+    injector = Injector(None, handle, None, ["raise_once"], seed=0, workers=2, checkpoint_root="memory://x",
+                        timing=FaultTiming(min_steps_between=10), steps=40)
+    injector._raise_once = lambda fault, workers: None  # record the decision only
+    handle.step = 31  # 9 steps left: no room for the recovery and its checks
+    injector.tick()
+    assert injector.injected == []
+    handle.step = 30
+    injector.tick()
+    assert [f.kind for f in injector.injected] == ["raise_once"]
