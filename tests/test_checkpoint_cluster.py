@@ -19,14 +19,15 @@ pytestmark = pytest.mark.cluster
 STEPS, GB = 8, 12
 
 
-def _trainer(dataset_uri, storage, name, *, workers, pp=1):
+def _trainer(dataset_uri, storage, name, *, workers, pp=1, max_failures=3):
     return rf.Trainer(model=small_gpt(n_layers=2),
                       data=rf.DataConfig(uri=dataset_uri, seq_len=32, global_batch=GB, log_samples=True),
                       run=rf.RunConfig(name=name, storage=storage, steps=STEPS,
                                        optimizer=rf.OptimizerConfig(lr=1e-2, warmup_steps=2)),
                       scaling=rf.ScalingConfig(num_workers=workers),
                       parallel=rf.ParallelConfig(pp=pp),
-                      checkpoint=rf.CheckpointConfig(every_steps=2, keep=2))
+                      checkpoint=rf.CheckpointConfig(every_steps=2, keep=2),
+                      elastic=rf.ElasticConfig(max_failures=max_failures))
 
 
 def _lines(path):
@@ -37,7 +38,8 @@ def _crash_at_step_4(dataset_uri, storage, name, monkeypatch, *, workers, pp=1):
     """A run that commits step 2, then dies at step 4 (rank 1 raises)."""
     monkeypatch.setenv("RAYFLEX_FAIL_AT", "1:4")
     with pytest.raises(rf.WorkerError):
-        _trainer(dataset_uri, storage, name, workers=workers, pp=pp).submit().wait(timeout_s=180)
+        # No retries: the run stops at the first failure, as a job without a failure budget would.
+        _trainer(dataset_uri, storage, name, workers=workers, pp=pp, max_failures=0).submit().wait(timeout_s=180)
     monkeypatch.delenv("RAYFLEX_FAIL_AT")
 
 
