@@ -367,15 +367,17 @@ def _low_priority(fn: Callable) -> Callable:
 
 
 def _maybe_slow_upload(writer, step: int) -> None:
-    """Fault injection for crash tests: ``RAYFLEX_SLOW_UPLOAD="FROM_STEP:SECONDS"`` delays
-    the background upload of every save from that step on (staging is not delayed)."""
+    """Fault injection for crash tests: ``RAYFLEX_SLOW_UPLOAD="FROM_STEP:SECONDS[:TO_STEP]"``
+    delays the background upload of every save from ``FROM_STEP`` on (up to ``TO_STEP``
+    inclusive when given; staging is not delayed). Worker processes keep the variable
+    across restarts, so a bound keeps the saves after a recovery fast."""
     import os
 
     raw = os.environ.get("RAYFLEX_SLOW_UPLOAD")
     if not raw:
         return
-    from_step, _, seconds = raw.partition(":")
-    if step < int(from_step):
+    from_step, seconds, *to_step = raw.split(":")
+    if step < int(from_step) or (to_step and step > int(to_step[0])):
         return
     original = writer.write_data
 
