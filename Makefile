@@ -31,9 +31,9 @@ test: venv
 test-slow: venv
 	$(PY) -m pytest -q --durations=15 -m slow tests
 
-# Unit tests only (no Ray cluster).
+# The inner loop (under a minute): no Ray cluster, no spawned worker processes.
 test-fast: venv
-	$(PY) -m pytest -q -m "not cluster and not slow" tests
+	$(PY) -m pytest -q --durations=5 -m "not cluster and not slow and not multiproc" tests
 
 bench: venv
 	$(PY) benchmarks/overhead.py

@@ -95,14 +95,14 @@ def main() -> None:
     from ray.cluster_utils import Cluster
 
     from rayflex.actors.data import write_synthetic_dataset
+    from rayflex.local_ray import head_node_args
 
     tmp = tempfile.mkdtemp(prefix="rayflex-bench-")
     data = write_synthetic_dataset(f"file://{tmp}/data", num_samples=4096, seq_len=64)
     results = {}
     for label, period, margin in (("no_preemptions", None, 2.0), ("rayflex", args.period, 2.0),
                                   ("restore_last_periodic", args.period, 1e9)):
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "node_ip_address": "127.0.0.1",
-                                                                "include_dashboard": False})
+        cluster = Cluster(initialize_head=True, head_node_args=head_node_args(2))
         try:
             for _ in range(3):
                 cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")

@@ -82,16 +82,15 @@ class LoopbackCluster:
         import ray
         from ray.cluster_utils import Cluster
 
-        from rayflex.actors.worker import free_port
+        from rayflex.local_ray import head_node_args
 
         self.cpus = cpus
         # Every process of this cluster inherits RAY_ADDRESS: Ray Train's helper actors that
         # call ray.init() without an address would otherwise pick another cluster running on
         # this (shared) machine.
-        port = free_port()
-        os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "node_ip_address": "127.0.0.1", "num_cpus": cpus, "include_dashboard": False, "gcs_server_port": port})
+        head = head_node_args(cpus)  # every port with a Ray default chosen free
+        os.environ["RAY_ADDRESS"] = f"127.0.0.1:{head['gcs_server_port']}"
+        self.cluster = Cluster(initialize_head=True, head_node_args=head)
         for _ in range(nodes - 1):
             self.cluster.add_node(node_ip_address="127.0.0.1", num_cpus=cpus)
         self.cluster.wait_for_nodes()

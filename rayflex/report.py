@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from rayflex.platform.goodput import final_history, goodput_breakdown, sessions
+from rayflex.storage.fs import ensure_dir
 
 # Event kinds drawn on the timeline: label, colour, marker. Bookkeeping events
 # (run_started, plan_chosen, workers_started, run_finished) are not markers.
@@ -280,7 +281,7 @@ def write_report(run_dir_uri: str, out_dir: Optional[str] = None) -> tuple[str, 
     if "://" not in out:
         out = "file://" + os.path.abspath(out)
     fs, path = fsspec.core.url_to_fs(out)
-    fs.makedirs(path, exist_ok=True)
+    ensure_dir(fs, path)
     uris = {name: f"{out}/{name}" for name in FILES}
     summary.update({"png": uris["report.png"], "html": uris["report.html"]})
     payloads = {"report.png": png, "report.html": _html(png, summary, data.events).encode(),

@@ -78,9 +78,9 @@ def ensure_ray(min_cpus: float = 0, *, connect_only: bool = False) -> None:
         raise ConnectionError("no running Ray cluster on this machine and RAY_ADDRESS is not set")
     # The embedded default: a single-node Ray on loopback with at least one logical CPU
     # per worker (workers mostly wait on collectives; OMP threads are pinned to 1).
-    cpus = max(os.cpu_count() or 1, int(min_cpus + 0.999))
-    ray.init(address="local", num_cpus=cpus, _node_ip_address="127.0.0.1", include_dashboard=False,
-             log_to_driver=True)
+    from rayflex.local_ray import init_local
+
+    init_local(max(os.cpu_count() or 1, int(min_cpus + 0.999)))
 
 
 class RunHandle:

@@ -12,8 +12,6 @@ os.environ.setdefault("RAYFLEX_POLL_INTERVAL_S", "0.05")
 os.environ.setdefault("RAYFLEX_PLACEMENT_TIMEOUT_S", "30")
 os.environ.setdefault("RAYFLEX_COLLECTIVE_TIMEOUT_S", "60")
 
-import contextlib  # noqa: E402
-
 import pytest  # noqa: E402
 
 pytest_plugins = ["s3_fixture"]
@@ -36,43 +34,88 @@ def small_gpt(n_layers: int = 2):
     return gpt(GPTConfig(vocab_size=128, seq_len=SEQ_LEN, d_model=32, n_layers=n_layers, n_heads=2))
 
 
-@contextlib.contextmanager
+TWO_NODES = [{"num_cpus": 2, "labels": {"rack": "r0"}}, {"num_cpus": 2, "labels": {"rack": "r1"}}]
+
+
+class SharedCluster:
+    """One loopback cluster kept for the whole session by every module that asks for the
+    same nodes (``two_node_cluster``): starting one costs ~6 s of this machine's 2 cores.
+    A test that starts a cluster of its own, or a Ray of its own in this process, gets
+    the shared one shut down first (one Ray connection per process). Tests are ordered
+    so that this happens once (``pytest_collection_modifyitems``)."""
+
+    def __init__(self):
+        self._context = None
+        self.cluster = None
+
+    def get(self, nodes: list[dict]):
+        if self.cluster is not None and not self._idle():
+            self.close()  # a failed test left actors or placement groups behind: start clean
+        if self.cluster is None:
+            from rayflex.local_ray import loopback_cluster as start
+
+            self._context = start(nodes)
+            self.cluster = self._context.__enter__()
+        return self.cluster
+
+    def _idle(self, timeout_s: float = 30) -> bool:
+        """Every CPU free again (the previous run's actors and placement groups are gone)."""
+        import time
+
+        import ray
+
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0) > 0:
+                return True
+            time.sleep(0.2)
+        return False
+
+    def close(self):
+        context, self._context, self.cluster = self._context, None, None
+        if context is not None:
+            context.__exit__(None, None, None)
+
+
+SHARED = SharedCluster()
+
+
 def loopback_cluster(nodes: list[dict]):
-    """Start a ray.cluster_utils.Cluster on 127.0.0.1, connect, and always tear it down.
+    """A connected ``ray.cluster_utils.Cluster`` of the test's own on 127.0.0.1, always
+    torn down; every port with a Ray default is chosen free (``rayflex.local_ray``).
 
     ``nodes``: one dict per node with ``num_cpus`` and optional ``labels``/``resources``;
     the first is the head.
     """
-    import ray
-    from ray.cluster_utils import Cluster
+    from rayflex.local_ray import loopback_cluster as start
 
-    cluster = None
-    try:
-        head = dict(nodes[0])
-        head.setdefault("node_ip_address", "127.0.0.1")
-        head.setdefault("include_dashboard", False)
-        cluster = Cluster(initialize_head=True, head_node_args=head)
-        for spec in nodes[1:]:
-            spec = dict(spec)
-            spec.setdefault("node_ip_address", "127.0.0.1")
-            cluster.add_node(**spec)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address)
-        yield cluster
-    finally:
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        if cluster is not None:
-            with contextlib.suppress(Exception):
-                cluster.shutdown()
+    SHARED.close()
+    return start(nodes)
 
 
 @pytest.fixture(scope="module")
 def two_node_cluster():
-    """2 nodes x 2 CPUs, labelled with racks: reused by the tests of one module."""
-    with loopback_cluster([{"num_cpus": 2, "labels": {"rack": "r0"}},
-                           {"num_cpus": 2, "labels": {"rack": "r1"}}]) as c:
-        yield c
+    """2 nodes x 2 CPUs labelled with racks r0/r1, shared by every module that uses it."""
+    return SHARED.get(TWO_NODES)
+
+
+def pytest_collection_modifyitems(items):
+    """Unit tests first (fast feedback), then every test on the shared cluster, then the
+    tests that bring their own: the shared cluster starts once."""
+    def group(item):
+        if "two_node_cluster" in item.fixturenames:
+            return 1
+        return 2 if item.get_closest_marker("cluster") else 0
+    items.sort(key=group)  # stable: the file order stays within a group
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("cluster") and "two_node_cluster" not in item.fixturenames:
+        SHARED.close()  # it may start a Ray of its own in this process
+
+
+def pytest_sessionfinish(session, exitstatus):
+    SHARED.close()
 
 
 def run_events(tmp_path, name: str) -> list[dict]:

@@ -64,6 +64,7 @@ def test_memory_model_within_15_percent_of_real_workers(measured, capsys):
     assert all(r["file_growth_bytes"] < 0.05 * r["measured_peak_bytes"] for r in measured)
 
 
+@pytest.mark.multiproc
 def test_sharded_state_is_exact(measured):
     """Parameter, gradient and AdamW shards after a step: the model's arithmetic, exactly
     (up to FSDP's uneven last shard)."""
@@ -71,6 +72,7 @@ def test_sharded_state_is_exact(measured):
         assert r["measured_state_bytes"] == pytest.approx(r["predicted_state_bytes"], rel=0.02), r
 
 
+@pytest.mark.multiproc
 def test_gpipe_holds_more_than_1f1b_on_stage_0(measured):
     peak = {r["config"]: r["measured_peak_bytes"] for r in measured if r["pp_index"] == 0}
     assert peak["pp2-dp2-gpipe"] > peak["pp2-dp2-1f1b"]

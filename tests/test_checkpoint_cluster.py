@@ -3,7 +3,6 @@ and pipeline split with the same losses and the same samples as a run that never
 on local disk and on a real S3 endpoint (moto on loopback)."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from rayflex.actors.data import GlobalSampler, TokenDataset
 from rayflex.reference import single_process_losses
 from rayflex.storage import manifest as mf
 
-from conftest import loopback_cluster, small_gpt
+from conftest import small_gpt
 
 pytestmark = pytest.mark.cluster
 STEPS, GB = 8, 12
@@ -59,29 +58,20 @@ def _assert_resumed_like_uninterrupted(trainer, run_dir, resumed_from):
         np.testing.assert_array_equal(samples[step], sampler.indices(step - 1, 0, 1))
 
 
-@pytest.fixture(scope="module")
-def cluster3():
-    with loopback_cluster([{"num_cpus": 2}, {"num_cpus": 2}]) as c:
-        yield c
-
-
-def test_save_dp4_resume_at_dp2_and_dp3(cluster3, dataset_uri, tmp_path, monkeypatch):
+def test_save_dp4_resume_at_dp2(two_node_cluster, dataset_uri, tmp_path, monkeypatch):
+    # An uneven reshard (to dp=3, each rank a different shard size) is the pp2 test's.
     storage = f"file://{tmp_path}/runs"
     _crash_at_step_4(dataset_uri, storage, "dp4", monkeypatch, workers=4)
     root = f"{storage}/dp4/checkpoints"
     assert mf.list_committed(root) == [2], "only the step before the crash is committed"
-    for workers in (2, 3):
-        name = f"dp4-to-dp{workers}"
-        shutil.copytree(tmp_path / "runs" / "dp4", tmp_path / "runs" / name)
-        trainer = _trainer(dataset_uri, storage, name, workers=workers)
-        result = trainer.fit(progress=False)
-        assert result.status == "finished" and result.steps_completed == STEPS
-        _assert_resumed_like_uninterrupted(trainer, tmp_path / "runs" / name, resumed_from=2)
-        manifest = mf.verify(f"{storage}/{name}/checkpoints", STEPS)
-        assert manifest.world_size == workers
+    trainer = _trainer(dataset_uri, storage, "dp4", workers=2)
+    result = trainer.fit(progress=False)
+    assert result.status == "finished" and result.steps_completed == STEPS
+    _assert_resumed_like_uninterrupted(trainer, tmp_path / "runs" / "dp4", resumed_from=2)
+    assert mf.verify(root, STEPS).world_size == 2
 
 
-def test_save_pp2_dp2_resume_at_pp1_dp3(cluster3, dataset_uri, tmp_path, monkeypatch):
+def test_save_pp2_dp2_resume_at_pp1_dp3(two_node_cluster, dataset_uri, tmp_path, monkeypatch):
     storage = f"file://{tmp_path}/runs"
     _crash_at_step_4(dataset_uri, storage, "pp2", monkeypatch, workers=4, pp=2)
     m = mf.read_manifest(f"{storage}/pp2/checkpoints", 2)

@@ -12,15 +12,9 @@ import rayflex as rf
 from rayflex.cli import main as cli_main
 from rayflex.storage import manifest as mf
 
-from conftest import loopback_cluster, small_gpt
+from conftest import small_gpt
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with loopback_cluster([{"num_cpus": 4}]) as c:
-        yield c
 
 
 def _trainer(dataset_uri, storage, name, steps):
@@ -44,7 +38,7 @@ def _wait_for(pred, timeout_s, what):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def test_worker_killed_mid_upload_leaves_previous_checkpoint(cluster, dataset_uri, tmp_path, monkeypatch):
+def test_worker_killed_mid_upload_leaves_previous_checkpoint(two_node_cluster, dataset_uri, tmp_path, monkeypatch):
     storage, name = f"file://{tmp_path}/runs", "killed"
     root = f"{storage}/{name}/checkpoints"
     monkeypatch.setenv("RAYFLEX_SLOW_UPLOAD", "4:8:4")  # step 4's upload takes 8 s
@@ -70,7 +64,7 @@ def test_worker_killed_mid_upload_leaves_previous_checkpoint(cluster, dataset_ur
         mf.verify(root, step)
 
 
-def test_flipped_byte_is_detected_and_previous_step_loaded(cluster, dataset_uri, tmp_path, capsys):
+def test_flipped_byte_is_detected_and_previous_step_loaded(two_node_cluster, dataset_uri, tmp_path, capsys):
     storage, name = f"file://{tmp_path}/runs", "corrupt"
     root = f"{storage}/{name}/checkpoints"
     assert _trainer(dataset_uri, storage, name, steps=6).fit(progress=False).status == "finished"

@@ -48,16 +48,17 @@ def test_fsdp_over_ray_matches_single_process(two_node_cluster, dataset_uri, tmp
 
 def test_worker_exception_fails_the_run_with_its_traceback(two_node_cluster, dataset_uri, tmp_path,
                                                            monkeypatch):
-    monkeypatch.setenv("RAYFLEX_FAIL_AT", "2:3")
-    handle = _trainer(dataset_uri, f"file://{tmp_path}/runs", "boom").submit()
+    monkeypatch.setenv("RAYFLEX_FAIL_AT", "1:3")
+    handle = _trainer(dataset_uri, f"file://{tmp_path}/runs", "boom",
+                      scaling=rf.ScalingConfig(num_workers=2)).submit()
     t0 = time.time()
     with pytest.raises(rf.WorkerError) as info:
         handle.wait(timeout_s=120)
     assert time.time() - t0 < 120
     err = info.value
-    assert err.rank == 2
-    assert "injected failure (RAYFLEX_FAIL_AT) at rank 2 step 3" in err.traceback
+    assert err.rank == 1
+    assert "injected failure (RAYFLEX_FAIL_AT) at rank 1 step 3" in err.traceback
     assert "Traceback (most recent call last)" in err.traceback
     saved = json.loads((tmp_path / "runs" / "boom" / "result.json").read_text())
     assert saved["status"] == "failed" and saved["steps_completed"] == 2
-    assert "rank 2" in saved["reason"]
+    assert "rank 1" in saved["reason"]

@@ -11,7 +11,7 @@ import pytest
 import rayflex as rf
 from rayflex.reference import single_process_losses
 
-from conftest import loopback_cluster, run_events, small_gpt, wait_until_running
+from conftest import run_events, small_gpt, wait_until_running
 
 pytestmark = pytest.mark.cluster
 STEPS, GB = 14, 12
@@ -34,10 +34,6 @@ def _trainer(dataset_uri, tmp_path, name, *, workers=4, min_workers=2, steps=STE
                       elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60, **elastic))
 
 
-
-
-
-
 def _assert_recovered(result, trainer, events, *, world_size):
     steps_total = trainer.spec.run.steps
     assert result.status == "finished" and result.steps_completed == steps_total
@@ -53,13 +49,7 @@ def _assert_recovered(result, trainer, events, *, world_size):
     assert result.final_loss == pytest.approx(reference[-1], rel=1e-4)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with loopback_cluster([{"num_cpus": 2}, {"num_cpus": 2}]) as c:
-        yield c
-
-
-def test_killed_worker_actor_is_replaced(cluster, dataset_uri, tmp_path):
+def test_killed_worker_actor_is_replaced(two_node_cluster, dataset_uri, tmp_path):
     # restart_while_warming (the default): the run restarts at once with the processes
     # that survived, and grows back to 4 once the replacement is warm — long enough a run
     # for that to happen before the end.
@@ -86,7 +76,7 @@ def test_killed_worker_actor_is_replaced(cluster, dataset_uri, tmp_path):
     _assert_recovered(result, trainer, events, world_size=4)
 
 
-def test_frozen_worker_is_detected_as_hang(cluster, dataset_uri, tmp_path):
+def test_frozen_worker_is_detected_as_hang(two_node_cluster, dataset_uri, tmp_path):
     # restart_while_warming=False: the restart waits for the frozen rank's replacement.
     trainer = _trainer(dataset_uri, tmp_path, "sigstop", restart_while_warming=False)
     handle = trainer.submit()

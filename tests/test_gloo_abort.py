@@ -9,6 +9,8 @@ import multiprocessing as mp
 import socket
 import time
 
+import pytest
+
 from rayflex.actors.worker import free_port
 
 TIMEOUT_S = 60  # the collective timeout: an abort that does not work shows as a wait this long
@@ -52,6 +54,7 @@ def _rank(rank: int, world: int, port: int, abort_after_s, results):
     results.put((rank, out))
 
 
+@pytest.mark.multiproc
 def test_abort_unblocks_both_ends_of_a_deadlocked_pair():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -87,6 +90,7 @@ class _DictStore:
         return self.data[key]
 
 
+@pytest.mark.multiproc
 def test_other_connections_are_left_alone():
     """Connections that are not a group's (Ray's gRPC, here a plain server and client) are
     never shut down, even when opened while the groups are being created."""

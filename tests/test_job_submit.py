@@ -1,7 +1,7 @@
 """`ray job submit` against a real Ray head with its job server, on loopback.
 
 The head is started with ``ray start --head --block`` in its own session, in an isolated
-temp dir, with every port chosen free and bound to 127.0.0.1, and with token
+temp dir, with every port chosen free (none of Ray's fixed defaults) and bound to 127.0.0.1, and with token
 authentication (Ray 2.60) using a token of its own, so nothing else on the machine joins
 it and it joins nothing. Teardown stops exactly the processes it started (never a bare
 ``ray stop``, which would stop every Ray on the machine).
@@ -13,7 +13,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,26 +23,13 @@ from pathlib import Path
 import pytest
 
 from rayflex.cli import main as rayflex_main
+from rayflex.local_ray import free_ports
 
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 WORKERS = 2  # two FSDP ranks: quick to start on a 2-core machine
-
-
-def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
 
 
 def _wait_for(cond, timeout_s: float, what: str, interval_s: float = 0.5):
@@ -80,7 +66,7 @@ class RayHead:
     def __init__(self, root: Path):
         self.root = root
         self.temp_dir = root / "ray"
-        (gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om) = _free_ports(9)
+        (gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om) = free_ports(9)
         self.gcs_address = f"127.0.0.1:{gcs}"
         self.dashboard_url = f"http://127.0.0.1:{dash}"
         self.token_path = root / "auth_token"
@@ -213,24 +199,10 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def test_job_submit_runs_the_example_to_the_end(ray_head, job_src, demo_env):
-    env, root = demo_env
-    job = ray_head.submit(job_src, _entrypoint("jobtest", 20), env, "rayflex-jobtest")
-    state = ray_head.wait_job(job, 150)
-    logs = ray_head.logs(job)
-    assert state == "SUCCEEDED", logs[-4000:]
-
-    run_dir = root / "runs" / "jobtest"
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["status"] == "finished" and result["steps_completed"] == 20
-    metrics = _jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, 21))
-    assert metrics[-1]["loss"] < metrics[0]["loss"]
-    assert "run 'jobtest' -> run directory" in logs and '"status": "finished"' in logs
-    assert "jobtest: 100%" in logs and "20/20" in logs  # the progress bar, in the job's logs
-
-
-def test_job_stop_then_resubmit_resumes(ray_head, job_src, demo_env, capsys):
+def test_job_submit_stop_resubmit_runs_to_the_end(ray_head, job_src, demo_env, capsys):
+    """A user's whole job lifecycle: submit, watch with `rayflex status`, `ray job stop`
+    (a clean stop with a final checkpoint), resubmit the same name: it resumes and runs
+    to the end, with its progress and result in the job's logs."""
     env, root = demo_env
     t0 = time.monotonic()
 
@@ -284,14 +256,19 @@ def test_job_stop_then_resubmit_resumes(ray_head, job_src, demo_env, capsys):
     phase("resubmitted")
     state = ray_head.wait_job(job2, 150)
     phase(f"resubmitted job {state}")
-    assert state == "SUCCEEDED", ray_head.logs(job2)[-4000:]
+    logs = ray_head.logs(job2)
+    assert state == "SUCCEEDED", logs[-4000:]
+    assert f"run '{name}' -> run directory" in logs and '"status": "finished"' in logs
+    total = stopped_at + 3
+    assert f"{name}: 100%" in logs and f"{total}/{total}" in logs  # the progress bar, in the job's logs
     events = _jsonl(run_dir / "events.jsonl")
     loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
     assert loaded and loaded[-1]["step"] == stopped_at
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "finished" and result["steps_completed"] == stopped_at + 3
-    steps = [m["step"] for m in _jsonl(run_dir / "metrics.jsonl")]
-    assert steps[-3:] == list(range(stopped_at + 1, stopped_at + 4))
+    metrics = _jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, total + 1)), "every step once, across both jobs"
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
 
 
 def _leftovers(head: RayHead) -> dict:

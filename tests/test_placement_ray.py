@@ -18,23 +18,6 @@ from rayflex.platform.placement import CommProfile, MeshShape, Plan, PlacementMa
 from rayflex.platform.topology import Topology  # noqa: E402
 
 
-@pytest.fixture
-def two_node_cluster():
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "node_ip_address": "127.0.0.1", "num_cpus": 2, "labels": {"rack": "r0"}})
-    try:
-        cluster.add_node(node_ip_address="127.0.0.1", num_cpus=2, labels={"rack": "r1"})
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address)
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
 @pytest.mark.cluster
 def test_actors_run_on_their_planned_nodes(two_node_cluster):
     import ray
@@ -76,3 +59,16 @@ def test_actors_run_on_their_planned_nodes(two_node_cluster):
     from ray.util import placement_group_table
 
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())
+
+
+@pytest.mark.cluster
+def test_loopback_cluster_takes_no_fixed_default_port(two_node_cluster):
+    """Ray's head would put its dashboard agent on 52365 and let the GCS draw any port,
+    52365 included (then Ray refuses to start); rayflex pins both to free non-defaults."""
+    from rayflex.local_ray import RAY_DEFAULT_PORTS
+
+    head = two_node_cluster.head_node
+    gcs_port = int(head.gcs_address.rsplit(":", 1)[1])
+    agent_port = head.dashboard_agent_listen_port
+    assert gcs_port != agent_port
+    assert not {gcs_port, agent_port} & RAY_DEFAULT_PORTS

@@ -7,6 +7,8 @@ now rank 1 of an equal-looking mesh gets the old mesh back, its shards claim ran
 offsets, and DCP refuses the save ("invalid fill tensor-volume"). Plain processes, no Ray.
 """
 
+import pytest
+
 from conftest import SEQ_LEN, small_gpt
 
 from rayflex.chaos.local_workers import LocalWorkerPool
@@ -15,6 +17,7 @@ from rayflex.chaos.local_workers import LocalWorkerPool
 ATTEMPTS = [[0, 1, 2, 3], [4, 5, 0, 1]]
 
 
+@pytest.mark.multiproc
 def test_renumbered_process_checkpoints_its_own_shards(dataset_uri, tmp_path):
     import rayflex as rf
 

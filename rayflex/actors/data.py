@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rayflex.storage.fs import ensure_dir
+
 log = logging.getLogger(__name__)
 
 TOKENS_COLUMN = "tokens"
@@ -129,7 +131,7 @@ def write_synthetic_dataset(uri: str, *, num_samples: int = 4096, seq_len: int =
     import pyarrow.parquet as pq
 
     fs, root = _fs(uri)
-    fs.makedirs(root, exist_ok=True)
+    ensure_dir(fs, root)
     rng = np.random.default_rng(seed)
     successors = rng.integers(0, vocab_size, size=(vocab_size, branching))
     probs = rng.dirichlet(np.ones(branching) * 2.0, size=vocab_size)

@@ -8,6 +8,7 @@ each step, so ranks agree on the step boundary where it happens.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -70,14 +71,46 @@ class WorkerStatus:
     checkpoints: list = field(default_factory=list)
 
 
-def _fail_at_from_env(rank: int) -> Optional[tuple[int, str]]:
-    """Fault injection (tests, chaos runs): ``RAYFLEX_FAIL_AT="RANK:STEP[,RANK:STEP...]"``
-    makes that rank raise when it starts that step."""
+@dataclass(frozen=True)
+class InjectedFailure:
+    """A failure this rank raises on purpose (tests, chaos runs).
+
+    ``or_later``: raise at the first step started at or after ``step``. An injector that
+    arms a live run reads the step from the controller, which lags the workers by a poll
+    or two; "exactly at step s" would then silently never fire if the rank was already
+    past s when the call arrived.
+    """
+
+    step: int
+    message: str
+    or_later: bool = False
+
+    def due(self, step: int) -> bool:
+        return step >= self.step if self.or_later else step == self.step
+
+
+def _fail_at_from_env(rank: int) -> Optional[InjectedFailure]:
+    """Fault injection (tests): ``RAYFLEX_FAIL_AT="RANK:STEP[,RANK:STEP...]"`` makes that
+    rank raise when it starts that step (in every attempt that reaches it)."""
     for item in filter(None, os.environ.get("RAYFLEX_FAIL_AT", "").split(",")):
         r, _, s = item.partition(":")
         if int(r) == rank:
-            return int(s), f"injected failure (RAYFLEX_FAIL_AT) at rank {rank} step {int(s)}"
+            return InjectedFailure(int(s), f"injected failure (RAYFLEX_FAIL_AT) at rank {rank} step {int(s)}")
     return None
+
+
+def _log_injected_failure(rank: int, step: int, message: str) -> None:
+    """Append that an injected failure fired to ``RAYFLEX_FAULT_LOG`` (if set): the chaos
+    harness's ground truth, independent of whether the controller noticed."""
+    path = os.environ.get("RAYFLEX_FAULT_LOG")
+    if not path:
+        return
+    line = json.dumps({"time": time.time(), "rank": rank, "step": step, "message": message, "pid": os.getpid()})
+    try:
+        with open(path, "a") as f:  # one short O_APPEND write: lines of several ranks never interleave
+            f.write(line + "\n")
+    except OSError as e:
+        log.warning("could not record the injected failure in %s: %s", path, e)
 
 
 def _clear_sharding_caches() -> None:
@@ -146,7 +179,8 @@ class TrainWorker:
         self._stop = threading.Event()
         self._stop_reason = "stop"
         self._checkpoint_request: Optional[str] = None
-        self.fail_at: Optional[tuple[int, str]] = _fail_at_from_env(rank)
+        # An armed injected failure belongs to this attempt: a reused process forgets it.
+        self.fail_at: Optional[InjectedFailure] = _fail_at_from_env(rank)
         self.checkpointer = None
         self._last_saved_step: Optional[int] = None
         self.activations = ActivationCounter()
@@ -271,8 +305,12 @@ class TrainWorker:
             stop_agreed = False
             while self._step < end_step and not stop_agreed:
                 step = self._step + 1
-                if self.fail_at is not None and self.fail_at[0] == step:
-                    raise RuntimeError(self.fail_at[1])
+                if self.fail_at is not None and self.fail_at.due(step):
+                    failure = self.fail_at
+                    if failure.or_later:
+                        self.fail_at = None  # once
+                    _log_injected_failure(self.rank, step, failure.message)
+                    raise RuntimeError(failure.message)
                 t0 = time.perf_counter()
                 loss_sum, grad_norm, probe = self._train_step(step)
                 # One tiny all-reduce carries the loss and the control flags, so every rank
@@ -409,9 +447,11 @@ class TrainWorker:
         self._stop_reason = reason
         self._stop.set()
 
-    def set_fail_at(self, step: int, message: str = "injected failure") -> None:
-        """Test hook: raise ``message`` when starting ``step``."""
-        self.fail_at = (step, message)
+    def set_fail_at(self, step: int, message: str = "injected failure") -> int:
+        """Test hook: raise ``message`` once, at the first step this attempt starts at or
+        after ``step``. Returns the last step this rank finished."""
+        self.fail_at = InjectedFailure(step, message, or_later=True)
+        return self._step
 
     def join(self, timeout_s: float) -> bool:
         if self._thread is not None:

@@ -19,9 +19,10 @@ class LocalCluster:
         import ray
         from ray.cluster_utils import Cluster
 
+        from rayflex.local_ray import head_node_args
+
         try:
-            self.cluster = Cluster(initialize_head=True, head_node_args={
-                "node_ip_address": "127.0.0.1", "num_cpus": self.cpus, "include_dashboard": False})
+            self.cluster = Cluster(initialize_head=True, head_node_args=head_node_args(self.cpus))
             for _ in range(self.nodes - 1):
                 self.add_node()
             self.cluster.wait_for_nodes()

@@ -48,7 +48,8 @@ class FaultTiming:
 class Injector:
     def __init__(self, cluster, handle, gate, kinds: list[str], seed: int, *, workers: int,
                  checkpoint_root: str, timing: FaultTiming = FaultTiming(),
-                 corrupt: Optional[Callable[[str, int], str]] = None, steps: Optional[int] = None):
+                 corrupt: Optional[Callable[[str, int], str]] = None, steps: Optional[int] = None,
+                 fault_log: Optional[str] = None, arm: Optional[Callable[[int, int, str], int]] = None):
         self.cluster, self.handle, self.gate = cluster, handle, gate
         self.kinds = list(kinds)
         self.rng = random.Random(seed * 7919 + 1)  # targets: independent of the kind order
@@ -65,10 +66,16 @@ class Injector:
         # run finishes (a corrupted checkpoint would stay the newest): it is left out, and
         # the report says how many went in.
         self.last_step = (steps - timing.min_steps_between) if steps else None
+        # Where workers record an injected failure the moment they raise it
+        # (RAYFLEX_FAULT_LOG): the ground truth of whether a raise_once took effect.
+        self.fault_log = fault_log
+        self._armed: Optional[Injected] = None  # a raise_once that has not fired yet
+        self._arm_call = arm or self._arm_through_controller
+        self._armed_at = 0.0
 
     @property
     def done(self) -> bool:
-        return len(self.injected) == len(self.kinds) and not self._actions
+        return len(self.injected) == len(self.kinds) and not self._actions and self._armed is None
 
     # ----------------------------------------------------------------- loop
     def tick(self) -> None:
@@ -76,23 +83,72 @@ class Injector:
         for action in [a for a in self._actions if a[0] <= now]:
             self._actions.remove(action)
             self._act(action[1], action[2])
-        if len(self.injected) < len(self.kinds) and not self._actions:
+        if self._armed is not None:
+            self._follow_armed()
+        elif len(self.injected) < len(self.kinds) and not self._actions:
             status = self.handle.status()
             if self._healthy(status):
                 self._inject(self.kinds[len(self.injected)], status)
 
-    def _healthy(self, status: dict) -> bool:
+    def settled(self) -> bool:
+        """Every planned fault is in, has taken effect, and the run has recovered from the
+        last one (full size, a commit since, ``min_steps_between`` steps on): nothing is
+        left to learn from training further."""
+        return self.done and len(self.kinds) > 0 and self._healthy(self.handle.status())
+
+    def _follow_armed(self) -> None:
+        """An armed raise_once either fired (the fault's time becomes the moment the rank
+        raised, so detection is timed from the real fault), or a restart renumbered the
+        ranks first and took the arming with it: then it is armed again, on the new
+        attempt, once the run is healthy. Only the workers' own record says it fired, so
+        a raise the controller missed still shows as undetected."""
+        fault = self._armed
+        fired = self._fired(fault.detail["message"])
+        if fired is not None:
+            fault.time, fault.step, fault.rank = fired["time"], fired["step"], fired["rank"]
+            fault.detail["fired_at_step"] = fired["step"]
+            self._quiet_since = max(self._quiet_since, fired["time"])
+            self._armed = None
+            log.warning("chaos fault %d: rank %d raised at step %d", fault.index + 1, fired["rank"], fired["step"])
+            return
+        events = self.handle.events()
+        lost = fault.detail.get("arm_failed") or any(e["kind"] == "restarted" and e["time"] > self._armed_at
+                                                     for e in events)
+        if not lost:
+            return
+        status = self.handle.status()
+        if self._healthy(status, after=self._armed_at):
+            fault.detail["rearmed"] = fault.detail.get("rearmed", 0) + 1
+            log.warning("chaos fault %d: raise_once did not take (a restart came first, or arming failed: %s); "
+                        "arming it again", fault.index + 1, fault.detail.get("arm_failed", "restarted"))
+            self._arm(fault, sorted(status["workers"], key=lambda w: w["rank"]), status["step"])
+
+    def _fired(self, message: str) -> Optional[dict]:
+        import json
+
+        try:
+            with open(self.fault_log) as f:
+                lines = [json.loads(line) for line in f if line.strip()]
+        except FileNotFoundError:
+            return None
+        return next((r for r in lines if r["message"] == message), None)
+
+    def _healthy(self, status: dict, after: Optional[float] = None) -> bool:
+        """Running at full size, far enough from the last fault and from the end, with a
+        checkpoint committed since the last restart. ``after`` (re-arming): only that."""
         if status.get("state") != "RUNNING" or status.get("world_size") != self.workers:
             return False
-        if len(status.get("workers") or []) != self.workers or status["step"] < self._last_step_injected + \
-                self.timing.min_steps_between:
+        if len(status.get("workers") or []) != self.workers:
             return False
         if self.last_step is not None and status["step"] > self.last_step:
+            return False
+        if after is None and status["step"] < self._last_step_injected + self.timing.min_steps_between:
             return False
         events = self.handle.events()
         last_restart = max((e["time"] for e in events if e["kind"] == "restarted"), default=0.0)
         committed = [e["time"] for e in events if e["kind"] == "checkpoint_committed"]
-        return any(t > max(last_restart, self._quiet_since) for t in committed)
+        since = max(last_restart, self._quiet_since if after is None else after)
+        return any(t > since for t in committed)
 
     def _act(self, what: str, node: Optional[str]) -> None:
         if what == "remove":
@@ -164,12 +220,28 @@ class Injector:
         self._actions.append((time.time() + self.timing.s3_down_s, "s3_up", None))
 
     def _raise_once(self, fault: Injected, workers: list[dict]) -> None:
+        fault.detail["message"] = f"chaos: injected failure {fault.index}"
+        self._arm(fault, workers, fault.step)
+
+    def _arm_through_controller(self, rank: int, at_step: int, message: str) -> int:
         import ray
 
+        return ray.get(self.handle.controller.inject_failure.remote(rank, at_step, message), timeout=60)
+
+    def _arm(self, fault: Injected, workers: list[dict], step: int) -> None:
+        """Arm the victim to raise at the next step it starts. If the call does not get
+        through (a restart began meanwhile), the next tick sees the restart and re-arms."""
         w = self._victim(fault, workers)
-        at = fault.step + 2
-        fault.detail.update(at_step=at, message=f"chaos: injected failure {fault.index}")
-        ray.get(self.handle.controller.inject_failure.remote(w["rank"], at, fault.detail["message"]))
+        fault.step, fault.time = step, time.time()
+        fault.detail["at_step"] = step + 1
+        self._armed, self._armed_at = fault, time.time()
+        fault.detail.pop("arm_failed", None)
+        try:
+            fault.detail["rank_step"] = self._arm_call(w["rank"], step + 1, fault.detail["message"])
+        except Exception as e:  # noqa: BLE001 - the attempt ended under the call: re-armed
+            fault.detail["arm_failed"] = f"{type(e).__name__}: {e}"[:200]
+            log.warning("chaos: arming raise_once on rank %d failed (%s); it is armed again after the restart",
+                        w["rank"], e)
 
     def _corrupt_checkpoint(self, fault: Injected, workers: list[dict]) -> None:
         """Kill a worker, then flip a byte in the newest committed checkpoint before the

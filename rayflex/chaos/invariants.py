@@ -11,10 +11,13 @@ DETECTION_BOUND_S = {"kill_actor": 2.0, "remove_node": 5.0, "sigstop": 6.0, "pre
                      "s3_down": 10.0}  # RAYFLEX_STORAGE_STALL_S (5 s) + a flush interval
 
 
-def all_steps_finished(result, steps: int) -> tuple[bool, str]:
+def all_steps_finished(result, steps: int, *, stopped: bool = False) -> tuple[bool, str]:
+    """The run ended at ``steps`` with every step in its metrics once: ``finished`` at its
+    target, or ``stopped`` there when the harness ended it (``stopped=True``)."""
     got = [m["step"] for m in result.metrics]
-    ok = result.status == "finished" and result.steps_completed == steps and got == list(range(1, steps + 1))
-    return ok, f"status={result.status} steps_completed={result.steps_completed}/{steps}, " \
+    status = "stopped" if stopped else "finished"
+    ok = result.status == status and result.steps_completed == steps and got == list(range(1, steps + 1))
+    return ok, f"status={result.status} (expected {status}) steps_completed={result.steps_completed}/{steps}, " \
                f"metrics steps {'1..%d once each' % steps if got == list(range(1, steps + 1)) else 'NOT 1..%d' % steps}"
 
 

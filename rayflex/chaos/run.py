@@ -32,7 +32,9 @@ class ChaosConfig:
     workers: int = 4
     nodes: int = 4
     cpus_per_node: int = 2
-    steps_per_fault: int = 40  # the run is long enough for every fault and its recovery
+    # The step budget per fault: the run ends once every fault is in and recovered from
+    # (it is stopped then), so this only caps a run whose recoveries take many steps.
+    steps_per_fault: int = 40
     checkpoint_every: int = 5
     heartbeat_timeout_s: float = 3.0
     timing: FaultTiming = field(default_factory=FaultTiming)
@@ -46,6 +48,7 @@ class ChaosConfig:
 
     @property
     def steps(self) -> int:
+        """The run's target (and the LR schedule's length); it is usually stopped earlier."""
         return 20 + self.faults * self.steps_per_fault
 
 
@@ -129,8 +132,10 @@ def run_chaos(cfg: ChaosConfig) -> dict:
     report: dict = {"seed": cfg.seed, "planned": kinds, "steps": cfg.steps, "workers": cfg.workers,
                     "nodes": cfg.nodes, "config": {k: v for k, v in asdict(cfg).items() if k != "workdir"}}
     t0 = time.time()
+    fault_log = os.path.join(workdir, "injected_failures.jsonl")
     with _s3_endpoint() as gate, _env({**AWS_TEST_ENV, "AWS_ENDPOINT_URL_S3": gate.url,
-                                       "RAYFLEX_HEARTBEAT_TIMEOUT_S": str(cfg.heartbeat_timeout_s), **KNOBS}):
+                                       "RAYFLEX_HEARTBEAT_TIMEOUT_S": str(cfg.heartbeat_timeout_s),
+                                       "RAYFLEX_FAULT_LOG": fault_log, **KNOBS}):
         import boto3
 
         boto3.client("s3", endpoint_url=gate.url).create_bucket(Bucket="chaos")
@@ -144,11 +149,19 @@ def run_chaos(cfg: ChaosConfig) -> dict:
             handle = trainer.submit()
             injector = Injector(cluster, handle, gate, kinds, cfg.seed, workers=cfg.workers,
                                 checkpoint_root=root, timing=cfg.timing, corrupt=corrupt_newest_file,
-                                steps=cfg.steps)
+                                steps=cfg.steps, fault_log=fault_log)
+            stopped = False
             try:
                 deadline = time.time() + cfg.timeout_s
                 while not handle.done() and time.time() < deadline:
                     injector.tick()
+                    if not stopped and injector.settled():
+                        # Training on to a fixed step count would either waste minutes or,
+                        # when recoveries take more steps than planned (a quiet machine steps
+                        # faster), run out before the last fault: end the run here instead.
+                        log.info("chaos: every fault recovered from; stopping the run")
+                        handle.stop(wait=False)
+                        stopped = True
                     time.sleep(0.1)
                 result = handle.wait(timeout_s=max(1.0, deadline - time.time()), raise_on_failure=False)
             finally:
@@ -157,6 +170,8 @@ def run_chaos(cfg: ChaosConfig) -> dict:
                     if not handle.done():
                         handle.stop(timeout_s=30)
         report["run_s"] = time.time() - t0
+        last = result.steps_completed if stopped else cfg.steps  # where the run ended (the replay's end)
+        report["steps"] = last
         faults = [f.to_dict() for f in injector.injected]
         report["faults"] = faults
         events = _read_lines(f"{spec.run.run_dir}/events.jsonl")
@@ -168,13 +183,13 @@ def run_chaos(cfg: ChaosConfig) -> dict:
             detail += (f": the run reached step {injector.last_step} (the last that leaves room to recover) "
                        f"first; raise steps_per_fault ({cfg.steps_per_fault}) or use a less loaded machine")
         checks["every_fault_injected"] = {"ok": ok, "detail": detail}
-        ok, detail = inv.all_steps_finished(result, cfg.steps)
+        ok, detail = inv.all_steps_finished(result, last, stopped=stopped)
         checks["finished_every_step"] = {"ok": ok, "detail": detail}
         corrupted = {f["detail"]["step"] for f in faults if f["kind"] == "corrupt_checkpoint"}
         ok, detail = inv.checkpoints_verify(root, corrupted)
         checks["committed_checkpoints_verify"] = {"ok": ok, "detail": detail}
         sampler = GlobalSampler(len(TokenDataset(data_uri)), spec.data.global_batch, spec.data.seed)
-        ok, detail = inv.samples_exact(samples, sampler, cfg.steps)
+        ok, detail = inv.samples_exact(samples, sampler, last)
         checks["samples_once_per_epoch"] = {"ok": ok, "detail": detail}
         ok, rows = inv.faults_accounted(faults, events, cfg.heartbeat_timeout_s)
         checks["faults_accounted"] = {"ok": ok, "detail": rows}
@@ -182,9 +197,9 @@ def run_chaos(cfg: ChaosConfig) -> dict:
         report["restarts"] = sum(1 for e in events if e["kind"] == "restarted")
         if checks["finished_every_step"]["ok"]:
             t1 = time.time()
-            segments = segments_from_events(events, cfg.steps)
+            segments = segments_from_events(events, last)
             replay_root = replay(spec, segments, f"file://{workdir}/replay")
-            cmp = compare(step_dir(root, cfg.steps), step_dir(replay_root, cfg.steps))
+            cmp = compare(step_dir(root, last), step_dir(replay_root, last))
             ok = cmp.get("bitwise_equal", False)
             checks["equals_fault_free_replay"] = {
                 "ok": ok, "detail": {**cmp, "segments": [asdict(s) for s in segments],

@@ -140,12 +140,13 @@ class Controller:
     def events(self) -> list[dict]:
         return [e.to_dict() for e in self.timeline.events]
 
-    def inject_failure(self, rank: int, at_step: int, message: str) -> None:
-        """Fault injection (chaos runs, tests): rank ``rank`` raises ``message`` when it
-        starts ``at_step``, once."""
+    def inject_failure(self, rank: int, at_step: int, message: str) -> int:
+        """Fault injection (chaos runs, tests): rank ``rank`` of the current attempt raises
+        ``message`` once, at the first step it starts at or after ``at_step``. A restart
+        before then disarms it (the injector re-arms). Returns the rank's last finished step."""
         import ray
 
-        ray.get(self.group.actors[rank].set_fail_at.remote(at_step, message), timeout=30)
+        return ray.get(self.group.actors[rank].set_fail_at.remote(at_step, message), timeout=30)
 
     def request_stop(self, reason: str = "stop requested") -> None:
         self.reason = reason

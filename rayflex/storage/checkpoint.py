@@ -193,7 +193,8 @@ class AsyncCheckpointer:
         later does not lose a checkpoint that was already written.
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        from rayflex.storage.dcp_io import CheckpointWriter
 
         t_wait = time.perf_counter()
         reports = self.wait()  # at most one save in flight: its buffers are free again
@@ -212,7 +213,8 @@ class AsyncCheckpointer:
         extra = state.extra_state()
         # The same filesystem options as the rest of rayflex (endpoint, region, timeouts):
         # a dead endpoint fails the upload after bounded retries instead of hanging it.
-        writer = FsspecWriter(path, single_file_per_rank=True, sync_files=False, **fsspec_kwargs(path))
+        # Object-store directories are prefixes: the writer never makes (or creates) a bucket.
+        writer = CheckpointWriter(path, single_file_per_rank=True, sync_files=False, **fsspec_kwargs(path))
         _maybe_slow_upload(writer, step)
         group = self.group
         if self.use_async:

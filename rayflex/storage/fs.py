@@ -200,6 +200,21 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in _protocols(fs) or "local" in _protocols(fs)
 
 
+def has_directories(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs`` has real directories that must exist before a file is written in
+    them. Object stores have none (a "directory" is a key prefix), and asking one to make
+    it is worse than useless: s3fs answers a ``makedirs`` of a bucket it cannot see
+    (no ListBucket permission, or the endpoint briefly down) with ``CreateBucket``.
+    ``memory://`` keeps its pseudo-directories (an empty one still lists)."""
+    return is_local(fs) or "memory" in _protocols(fs)
+
+
+def ensure_dir(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Make directory ``path`` where directories exist; never a bucket-level call."""
+    if has_directories(fs):
+        fs.makedirs(path, exist_ok=True)
+
+
 # --------------------------------------------------------------------------- retries
 
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",

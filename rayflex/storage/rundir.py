@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import fsspec
 
+from rayflex.storage.fs import ensure_dir
+
 log = logging.getLogger(__name__)
 
 
@@ -35,7 +37,7 @@ class RunDirectory:
         self._lock = threading.Lock()
 
     def ensure(self) -> None:
-        self.fs.makedirs(self.path, exist_ok=True)
+        ensure_dir(self.fs, self.path)
 
     def file(self, name: str) -> str:
         return f"{self.path}/{name}"

@@ -104,3 +104,53 @@ def test_injector_leaves_out_faults_too_close_to_the_end():
     handle.step = 30
     injector.tick()
     assert [f.kind for f in injector.injected] == ["raise_once"]
+
+
+def test_raise_once_is_rearmed_after_a_restart_and_timed_from_the_raise(tmp_path):
+    """A restart that renumbers the ranks before the armed rank raised takes the arming
+    with it: the injector arms the new attempt, and the fault counts from the moment a
+    worker recorded the raise — while a raise the controller never reported still fails."""
+    import json
+    import time as _time
+
+    from rayflex.chaos.injector import FaultTiming, Injector
+
+    class Handle:
+        step, evts = 12, [{"kind": "checkpoint_committed", "time": 1.0}]
+
+        def status(self):
+            workers = [{"rank": r, "node_id": f"n{r}", "pid": -1} for r in range(2)]
+            return {"state": "RUNNING", "world_size": 2, "workers": workers, "step": self.step}
+
+        def events(self):
+            return list(self.evts)
+
+    handle, armed = Handle(), []
+    log_path = tmp_path / "fired.jsonl"
+    injector = Injector(None, handle, None, ["raise_once"], seed=0, workers=2, checkpoint_root="memory://x",
+                        timing=FaultTiming(min_steps_between=10), steps=100, fault_log=str(log_path),
+                        arm=lambda rank, step, message: armed.append((rank, step, message)) or step - 1)
+    injector.tick()
+    assert len(armed) == 1 and armed[0][1] == 13 and not injector.done
+    injector.tick()
+    assert len(armed) == 1, "no restart yet: still armed, not armed twice"
+
+    now = _time.time()
+    handle.evts.append({"kind": "restarted", "time": now + 1})  # the arming is gone with that attempt
+    handle.step = 20
+    injector.tick()
+    assert len(armed) == 1, "not re-armed before a checkpoint commits after the restart"
+    handle.evts.append({"kind": "checkpoint_committed", "time": now + 2})
+    injector.tick()
+    assert len(armed) == 2 and armed[1][1] == 21
+    fault = injector.injected[0]
+    assert fault.detail["rearmed"] == 1 and len(injector.injected) == 1
+
+    message = armed[1][2]
+    log_path.write_text(json.dumps({"time": now + 3, "rank": armed[1][0], "step": 21, "message": message}) + "\n")
+    injector.tick()
+    assert injector.done and fault.time == now + 3 and fault.step == 21
+    detected = [{"kind": "worker_failed", "time": now + 3.2, "rank": armed[1][0], "error": f"RuntimeError: {message}"}]
+    ok, rows = inv.faults_accounted([fault.to_dict()], detected, heartbeat_s=3.0)
+    assert ok and rows[0]["after_s"] == pytest.approx(0.2, abs=1e-3)
+    assert not inv.faults_accounted([fault.to_dict()], [], heartbeat_s=3.0)[0], "a missed raise still fails"

@@ -1,0 +1,103 @@
+"""Ray on this machine: the embedded local Ray and loopback clusters, on safe ports.
+
+Ray gives some of its components fixed default ports (the GCS of ``ray start`` 6379, the
+dashboard 8265, the dashboard agent's HTTP server 52365, Ray Client 10001) and the others
+random ones. A random choice may land on a fixed default, and then Ray refuses to start:
+a ``ray.cluster_utils.Cluster`` head whose GCS drew 52365 fails with "Ray component
+dashboard_agent_http is trying to use a port number 52365 that is used by other
+components". So every Ray that rayflex, its tests, benchmarks and chaos harness start
+gets each of those ports explicitly, from distinct ports that are free on loopback and
+none of Ray's defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from typing import Iterator, Optional
+
+LOOPBACK = "127.0.0.1"
+
+# Ports Ray components take when not told otherwise (ray_constants: GCS, dashboard,
+# dashboard agent; `ray start`: Ray Client). A port chosen here is never one of them.
+RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365})
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on loopback now, none of them a Ray default.
+
+    All sockets stay bound until every port is chosen, so the ``n`` differ; the OS
+    hands out ephemeral ports in rotation, so one just released is not the next given.
+    """
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((LOOPBACK, 0))
+            held.append(s)
+            port = s.getsockname()[1]
+            if port not in RAY_DEFAULT_PORTS:
+                ports.append(port)
+        return ports
+    finally:
+        for s in held:
+            s.close()
+
+
+def head_node_args(num_cpus: float, **extra) -> dict:
+    """Arguments of a ``ray.cluster_utils.Cluster`` head on loopback with every port
+    that has a fixed default chosen explicitly (no dashboard: tests do not need one).
+    Worker nodes need nothing of the kind: ``Cluster.add_node`` gives them random agent
+    ports, and their other ports are random too."""
+    gcs, agent = free_ports(2)
+    args = {"node_ip_address": LOOPBACK, "num_cpus": num_cpus, "include_dashboard": False,
+            "gcs_server_port": gcs, "dashboard_agent_listen_port": agent}
+    args.update(extra)
+    return args
+
+
+def init_local(num_cpus: int) -> None:
+    """Start the embedded single-node Ray on loopback (no dashboard). ``ray.init`` has no
+    argument for the GCS port; Ray reads it from ``RAY_GCS_SERVER_PORT``, set here for
+    the call so the GCS cannot draw the dashboard agent's fixed port."""
+    import ray
+
+    key = "RAY_GCS_SERVER_PORT"
+    old = os.environ.get(key)
+    os.environ[key] = str(free_ports(1)[0])
+    try:
+        ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, include_dashboard=False,
+                 log_to_driver=True)
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
+@contextlib.contextmanager
+def loopback_cluster(nodes: list[dict], connect: bool = True) -> Iterator:
+    """A ``ray.cluster_utils.Cluster`` of several "nodes" on loopback, connected (unless
+    ``connect=False``), always torn down. ``nodes``: one dict per node (``num_cpus``,
+    optional ``labels``/``resources``/...); the first is the head."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster: Optional[Cluster] = None
+    try:
+        head = dict(nodes[0])
+        cluster = Cluster(initialize_head=True, head_node_args=head_node_args(head.pop("num_cpus", 1), **head))
+        for spec in nodes[1:]:
+            cluster.add_node(**{"node_ip_address": LOOPBACK, **spec})
+        cluster.wait_for_nodes()
+        if connect:
+            ray.init(address=cluster.address)
+        yield cluster
+    finally:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        if cluster is not None:
+            with contextlib.suppress(Exception):
+                cluster.shutdown()
