@@ -19,6 +19,12 @@ from typing import Iterator, Optional
 
 LOOPBACK = "127.0.0.1"
 
+
+def _bind_to_loopback() -> None:
+    """Keep every Ray process on 127.0.0.1 (without this, Ray 2.60 may advertise the
+    host's routable address, and nodes then fail to reach the GCS)."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 # Ports Ray components take when not told otherwise (ray_constants: GCS, dashboard,
 # dashboard agent; `ray start`: Ray Client). A port chosen here is never one of them.
 RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365})
@@ -51,6 +57,7 @@ def head_node_args(num_cpus: float, **extra) -> dict:
     that has a fixed default chosen explicitly (no dashboard: tests do not need one).
     Worker nodes need nothing of the kind: ``Cluster.add_node`` gives them random agent
     ports, and their other ports are random too."""
+    _bind_to_loopback()
     gcs, agent = free_ports(2)
     args = {"node_ip_address": LOOPBACK, "num_cpus": num_cpus, "include_dashboard": False,
             "gcs_server_port": gcs, "dashboard_agent_listen_port": agent}
@@ -58,18 +65,19 @@ def head_node_args(num_cpus: float, **extra) -> dict:
     return args
 
 
-def init_local(num_cpus: int) -> None:
+def init_local(num_cpus: int, *, log_to_driver: bool = True) -> None:
     """Start the embedded single-node Ray on loopback (no dashboard). ``ray.init`` has no
     argument for the GCS port; Ray reads it from ``RAY_GCS_SERVER_PORT``, set here for
     the call so the GCS cannot draw the dashboard agent's fixed port."""
     import ray
 
+    _bind_to_loopback()
     key = "RAY_GCS_SERVER_PORT"
     old = os.environ.get(key)
     os.environ[key] = str(free_ports(1)[0])
     try:
         ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, include_dashboard=False,
-                 log_to_driver=True)
+                 log_to_driver=log_to_driver)
     finally:
         if old is None:
             os.environ.pop(key, None)
@@ -85,6 +93,7 @@ def loopback_cluster(nodes: list[dict], connect: bool = True) -> Iterator:
     import ray
     from ray.cluster_utils import Cluster
 
+    _bind_to_loopback()
     cluster: Optional[Cluster] = None
     try:
         head = dict(nodes[0])

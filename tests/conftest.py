@@ -49,8 +49,8 @@ class SharedCluster:
         self.cluster = None
 
     def get(self, nodes: list[dict]):
-        if self.cluster is not None and not self._idle():
-            self.close()  # a failed test left actors or placement groups behind: start clean
+        if self.cluster is not None and not self._intact(len(nodes)):
+            self.close()  # a failed test left a node missing, or actors behind: start clean
         if self.cluster is None:
             from rayflex.local_ray import loopback_cluster as start
 
@@ -58,15 +58,18 @@ class SharedCluster:
             self.cluster = self._context.__enter__()
         return self.cluster
 
-    def _idle(self, timeout_s: float = 30) -> bool:
-        """Every CPU free again (the previous run's actors and placement groups are gone)."""
+    def _intact(self, num_nodes: int, timeout_s: float = 30) -> bool:
+        """Every node alive and every CPU free again (the previous run's actors and
+        placement groups are gone; a test that removed a node has replaced it)."""
         import time
 
         import ray
 
         deadline = time.time() + timeout_s
         while time.time() < deadline:
-            if ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0) > 0:
+            alive = sum(1 for n in ray.nodes() if n["Alive"])
+            if alive == num_nodes and ray.available_resources().get("CPU", 0) >= \
+                    ray.cluster_resources().get("CPU", 0) > 0:
                 return True
             time.sleep(0.2)
         return False

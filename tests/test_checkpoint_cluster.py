@@ -58,26 +58,24 @@ def _assert_resumed_like_uninterrupted(trainer, run_dir, resumed_from):
         np.testing.assert_array_equal(samples[step], sampler.indices(step - 1, 0, 1))
 
 
-def test_save_dp4_resume_at_dp2(two_node_cluster, dataset_uri, tmp_path, monkeypatch):
-    # An uneven reshard (to dp=3, each rank a different shard size) is the pp2 test's.
-    storage = f"file://{tmp_path}/runs"
-    _crash_at_step_4(dataset_uri, storage, "dp4", monkeypatch, workers=4)
-    root = f"{storage}/dp4/checkpoints"
-    assert mf.list_committed(root) == [2], "only the step before the crash is committed"
-    trainer = _trainer(dataset_uri, storage, "dp4", workers=2)
-    result = trainer.fit(progress=False)
-    assert result.status == "finished" and result.steps_completed == STEPS
-    _assert_resumed_like_uninterrupted(trainer, tmp_path / "runs" / "dp4", resumed_from=2)
-    assert mf.verify(root, STEPS).world_size == 2
-
-
 def test_save_pp2_dp2_resume_at_pp1_dp3(two_node_cluster, dataset_uri, tmp_path, monkeypatch):
+    """Resharded on load across a change of every mesh dimension: the pipeline split
+    goes away and dp goes from 2 to 3 (uneven shards). A pure dp change (4 -> 3 -> 4, and
+    4 -> 2 -> 4) is what the elastic tests restore from."""
     storage = f"file://{tmp_path}/runs"
+    root = f"{storage}/pp2/checkpoints"
     _crash_at_step_4(dataset_uri, storage, "pp2", monkeypatch, workers=4, pp=2)
-    m = mf.read_manifest(f"{storage}/pp2/checkpoints", 2)
+    assert mf.list_committed(root) == [2], "only the step before the crash is committed"
+    m = mf.read_manifest(root, 2)
     assert m.mesh == {"pp": 2, "dp": 2}
     trainer = _trainer(dataset_uri, storage, "pp2", workers=3, pp=1)
     assert trainer.fit(progress=False).steps_completed == STEPS
     _assert_resumed_like_uninterrupted(trainer, tmp_path / "runs" / "pp2", resumed_from=2)
+    assert mf.verify(root, STEPS).world_size == 3
+    # Steps 1-2 are the pp=2 x dp=2 run's: they too are the single process's losses.
+    metrics = {m["step"]: m for m in _lines(tmp_path / "runs" / "pp2" / "metrics.jsonl")}
+    reference = single_process_losses(trainer.spec, 2)
+    assert [metrics[s]["loss"] for s in (1, 2)] == pytest.approx(reference, rel=1e-5)
+    assert metrics[1]["world_size"] == 4
 
 

@@ -1,36 +1,36 @@
 """A node vanishes mid-run: the run names it, shrinks to the surviving node, and grows back
 to full size when a node joins again — ending with the loss of a run that never failed.
 
-Its own module: it starts its own cluster, which must not overlap the module-scoped
-cluster of tests/test_elastic_cluster.py (one Ray connection per process)."""
+On the session's shared two-node cluster: the lost node is replaced by one with the same
+labels, so the next module finds the cluster it expects."""
 
 import time
 
 import pytest
 
-from conftest import loopback_cluster, run_events, wait_until_running
+from conftest import run_events, wait_until_running
 from test_elastic_cluster import _assert_recovered, _trainer, fast_detection  # noqa: F401
 
 pytestmark = pytest.mark.cluster
 
 
-def test_node_loss_shrinks_then_capacity_return_grows_back(dataset_uri, tmp_path):
-    with loopback_cluster([{"num_cpus": 2}, {"num_cpus": 2}]) as cluster:
-        worker_node = cluster.list_all_nodes()[1]
-        # Long enough for the newcomers to warm up while the run trains at size 2: the
-        # run grows only once they are up, so it never stalls on process start.
-        trainer = _trainer(dataset_uri, tmp_path, "node-loss", steps=90)
-        handle = trainer.submit()
-        wait_until_running(handle, 4, committed=3)
-        lost_id = worker_node.node_id
-        removed_at = time.time()
-        cluster.remove_node(worker_node)
-        deadline = time.time() + 120
-        while handle.status()["world_size"] != 2 or handle.status()["state"] != "RUNNING":
-            assert time.time() < deadline, "the run should continue on the surviving node"
-            time.sleep(0.2)
-        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
-        result = handle.wait(timeout_s=300)
+def test_node_loss_shrinks_then_capacity_return_grows_back(two_node_cluster, dataset_uri, tmp_path):
+    cluster = two_node_cluster
+    worker_node = next(iter(cluster.worker_nodes))
+    # Long enough for the newcomers to warm up while the run trains at size 2: the
+    # run grows only once they are up, so it never stalls on process start.
+    trainer = _trainer(dataset_uri, tmp_path, "node-loss", steps=90)
+    handle = trainer.submit()
+    wait_until_running(handle, 4, committed=3)
+    lost_id = worker_node.node_id
+    removed_at = time.time()
+    cluster.remove_node(worker_node)
+    deadline = time.time() + 120
+    while handle.status()["world_size"] != 2 or handle.status()["state"] != "RUNNING":
+        assert time.time() < deadline, "the run should continue on the surviving node"
+        time.sleep(0.2)
+    cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={"rack": "r1"})
+    result = handle.wait(timeout_s=300)
     events = run_events(tmp_path, "node-loss")
     lost = next(e for e in events if e["kind"] in ("node_lost", "worker_died"))
     assert lost["time"] - removed_at < 5.0

@@ -147,7 +147,7 @@ class RayHead:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
         with contextlib.suppress(TimeoutError):
-            _wait_for(lambda: not _pids_mentioning(marker), 10, "the head's processes to exit")
+            _wait_for(lambda: not _pids_mentioning(marker), 3, "the head's processes to exit")
         for pid in _pids_mentioning(marker):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""pp x dp meshes on Ray actors compute what one process computes; 1F1B holds fewer
+"""Pipeline meshes on Ray actors compute what one process computes; 1F1B holds fewer
 activations than GPipe."""
 
 import json
@@ -34,22 +34,23 @@ def _assert_matches_single_process(trainer, result, steps=3):
 
 @pytest.fixture(scope="module")
 def schedule_runs(two_node_cluster, dataset_uri, tmp_path_factory):
-    """GPipe and 1F1B at pp=2 x dp=2 with microbatches = 4 x pp."""
+    """GPipe and 1F1B at pp=2 with microbatches = 4 x pp (dp=1: two processes each; pp=2
+    x dp=2 trains in tests/test_checkpoint_cluster.py and matches one process there too)."""
     runs = {}
     for schedule in ("gpipe", "1f1b"):
         tmp = tmp_path_factory.mktemp(schedule)
-        runs[schedule] = (_fit(dataset_uri, tmp, f"pp2-{schedule}", workers=4, global_batch=16,
+        runs[schedule] = (_fit(dataset_uri, tmp, f"pp2-{schedule}", workers=2, global_batch=16,
                                parallel=rf.ParallelConfig(pp=2, schedule=schedule, microbatches=8),
                                n_layers=4))
     return runs
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pp2_dp2_matches_single_process(schedule_runs, schedule):
+def test_pp2_matches_single_process(schedule_runs, schedule):
     trainer, result, events = schedule_runs[schedule]
     _assert_matches_single_process(trainer, result)
     plan = next(e for e in events if e["kind"] == "plan_chosen")
-    assert (plan["pp"], plan["dp"], plan["schedule"], plan["microbatches"]) == (2, 2, schedule, 8)
+    assert (plan["pp"], plan["dp"], plan["schedule"], plan["microbatches"]) == (2, 1, schedule, 8)
     # The split is recorded and balanced by parameter count, covering every block once.
     assert sorted(i for stage in plan["stage_blocks"] for i in stage) == list(range(6))
     assert plan["balance"] == "params" and len(plan["stage_costs"]) == 2
@@ -78,14 +79,14 @@ def test_auto_parallel_runs_the_planners_choice(two_node_cluster, dataset_uri, t
     from rayflex.platform.auto_parallel import resolve_parallel
     from rayflex.platform.topology import Topology
 
-    trainer, result, events = _fit(dataset_uri, tmp_path, "auto", workers=4, global_batch=16,
+    trainer, result, events = _fit(dataset_uri, tmp_path, "auto", workers=2, global_batch=16,
                                    parallel=rf.ParallelConfig(pp="auto"), n_layers=4)
     _assert_matches_single_process(trainer, result)
     plan = next(e for e in events if e["kind"] == "plan_chosen")
     spec = trainer.spec
-    expected = resolve_parallel(spec, 4, Topology.from_ray(cpus_per_worker=spec.scaling.cpus_per_worker,
+    expected = resolve_parallel(spec, 2, Topology.from_ray(cpus_per_worker=spec.scaling.cpus_per_worker,
                                                            use_gpu=False))
-    assert (plan["pp"], plan["dp"], plan["schedule"]) == (expected.parallel.pp, 4 // expected.parallel.pp,
+    assert (plan["pp"], plan["dp"], plan["schedule"]) == (expected.parallel.pp, 2 // expected.parallel.pp,
                                                           expected.parallel.schedule)
     first_line = expected.explanation.strip().splitlines()[0]
     assert first_line and first_line in plan["explanation"], plan["explanation"]

@@ -18,10 +18,10 @@ pytestmark = pytest.mark.cluster
 STEPS = 16
 
 
-def _trainer(dataset_uri, tmp_path, name, *, every=100, **elastic):
+def _trainer(dataset_uri, tmp_path, name, *, every=100, steps=STEPS, **elastic):
     return rf.Trainer(model=small_gpt(n_layers=2), data=rf.DataConfig(uri=dataset_uri, seq_len=32, global_batch=12),
-                      run=rf.RunConfig(name=name, storage=f"file://{tmp_path}/runs", steps=STEPS),
-                      scaling=rf.ScalingConfig(num_workers=4, min_workers=2),
+                      run=rf.RunConfig(name=name, storage=f"file://{tmp_path}/runs", steps=steps),
+                      scaling=rf.ScalingConfig(num_workers=2, min_workers=1),
                       checkpoint=rf.CheckpointConfig(every_steps=every, keep=2),
                       elastic=rf.ElasticConfig(**elastic))
 
@@ -42,6 +42,7 @@ def _drain(cluster, node_id, seconds):
 
 
 def _assert_emergency(events, node_id, result, trainer, notice_time, deadline):
+    steps = trainer.spec.run.steps
     notice = next(e for e in events if e["kind"] == "preemption_notice")
     assert notice["node_id"] == node_id and notice["action"] == "emergency_checkpoint"
     assert notice["time"] - notice_time < 3.0, "the notice is seen within seconds"
@@ -51,9 +52,9 @@ def _assert_emergency(events, node_id, result, trainer, notice_time, deadline):
     assert restarted["lost_steps"] == 0 and restarted["from_step"] == emergency["step"]
     after = next(e for e in events if e["kind"] == "plan_chosen" and e["time"] > restarted["time"] - 1)
     assert node_id not in after["rank_to_node"], "the preempted node is left"
-    assert result.status == "finished" and result.steps_completed == STEPS
-    assert [m["step"] for m in result.metrics] == list(range(1, STEPS + 1))
-    assert result.final_loss == pytest.approx(single_process_losses(trainer.spec, STEPS)[-1], rel=1e-4)
+    assert result.status == "finished" and result.steps_completed == steps
+    assert [m["step"] for m in result.metrics] == list(range(1, steps + 1))
+    assert result.final_loss == pytest.approx(single_process_losses(trainer.spec, steps)[-1], rel=1e-4)
 
 
 @pytest.fixture(autouse=True)
@@ -66,7 +67,8 @@ def quick_emergency_estimate(monkeypatch):
 
 @pytest.fixture(scope="module")
 def _cluster():
-    with loopback_cluster([{"num_cpus": 2}, {"num_cpus": 2}, {"num_cpus": 2}]) as c:
+    # One slot per node: two workers on two nodes, and a third node to move to.
+    with loopback_cluster([{"num_cpus": 1}, {"num_cpus": 1}, {"num_cpus": 1}]) as c:
         yield c
 
 
@@ -74,12 +76,17 @@ def _cluster():
 def three_nodes(_cluster):
     """A head and two fresh worker nodes: a test's preempted (draining or removed) node is
     replaced afterwards, which is quicker than a new cluster per test."""
+    import ray
+
     yield _cluster
     head = _cluster.head_node
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    draining = set(ray._private.state.state.get_draining_nodes())
     for node in list(_cluster.worker_nodes):
-        _cluster.remove_node(node)
-    for _ in range(2):
-        _cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+        if node.node_id not in alive or node.node_id in draining:  # only the preempted one
+            _cluster.remove_node(node)
+    while len(_cluster.worker_nodes) < 2:
+        _cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
     _cluster.wait_for_nodes()
     assert _cluster.head_node is head
 
@@ -141,7 +148,9 @@ def test_metadata_endpoint_notice_triggers_emergency_checkpoint(three_nodes, dat
     try:
         url = f"http://127.0.0.1:{server.server_port}/{{node_id}}/latest/meta-data/spot/instance-action"
         head = ray.get_runtime_context().get_node_id()
-        trainer = _trainer(dataset_uri, tmp_path, "imds", watch_ray_drain=False, metadata_url=url)
+        # Longer than the others: the notice agents (one small actor per node) must be up
+        # and polling before the run would end.
+        trainer = _trainer(dataset_uri, tmp_path, "imds", steps=48, watch_ray_drain=False, metadata_url=url)
         handle = trainer.submit()
         node = _worker_node(wait_until_running(handle, 4), head)
         noticed_at = time.time()

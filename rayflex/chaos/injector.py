@@ -20,6 +20,12 @@ from typing import Callable, Optional
 log = logging.getLogger(__name__)
 
 
+class InjectionLost(Exception):
+    """A fault could not be put in: its target went away between the status read and the
+    injection (a restart replaced the process, the node had just left). Nothing happened,
+    so nothing is recorded; the fault is tried again once the run is healthy."""
+
+
 @dataclass
 class Injected:
     index: int
@@ -164,7 +170,12 @@ class Injector:
     def _inject(self, kind: str, status: dict) -> None:
         workers = sorted(status["workers"], key=lambda w: w["rank"])
         fault = Injected(index=len(self.injected), kind=kind, time=0.0, step=status["step"])
-        getattr(self, f"_{kind}")(fault, workers)
+        try:
+            getattr(self, f"_{kind}")(fault, workers)
+        except InjectionLost as e:
+            log.warning("chaos fault %d/%d (%s) did not go in: %s; trying again", fault.index + 1,
+                        len(self.kinds), kind, e)
+            return
         if not fault.time:
             fault.time = time.time()
         self._quiet_since = max(self._quiet_since, fault.time)
@@ -186,24 +197,35 @@ class Injector:
         fault.detail["ranks"] = [w["rank"] for w in workers if w["node_id"] == fault.node_id]
         return fault.node_id
 
+    @staticmethod
+    def _signal(pid: int, sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            raise InjectionLost(f"process {pid} is already gone") from None
+
     def _kill_actor(self, fault: Injected, workers: list[dict]) -> None:
-        os.kill(self._victim(fault, workers)["pid"], signal.SIGKILL)
+        self._signal(self._victim(fault, workers)["pid"], signal.SIGKILL)
 
     def _sigstop(self, fault: Injected, workers: list[dict]) -> None:
         pid = self._victim(fault, workers)["pid"]
-        os.kill(pid, signal.SIGSTOP)
+        self._signal(pid, signal.SIGSTOP)
         self.stopped_pids.append(pid)
 
     def _remove_node(self, fault: Injected, workers: list[dict]) -> None:
         node = self._victim_node(fault, workers)
         fault.time = time.time()
-        self.cluster.remove_node(node)
+        if not self.cluster.remove_node(node):
+            raise InjectionLost(f"node {node[:8]} had already left")
         self._actions.append((time.time() + self.timing.node_return_s, "add", None))
 
     def _preempt(self, fault: Injected, workers: list[dict], notice_s: float) -> None:
         node = self._victim_node(fault, workers)
         fault.time = time.time()
-        deadline = self.cluster.drain(node, notice_s)
+        try:
+            deadline = self.cluster.drain(node, notice_s)
+        except RuntimeError as e:  # Ray refused the drain: the node is leaving already
+            raise InjectionLost(str(e)) from None
         fault.detail["deadline_s"] = notice_s
         self._actions += [(deadline, "remove", node), (deadline + self.timing.node_return_s, "add", None)]
 
@@ -246,7 +268,7 @@ class Injector:
     def _corrupt_checkpoint(self, fault: Injected, workers: list[dict]) -> None:
         """Kill a worker, then flip a byte in the newest committed checkpoint before the
         restart loads it (killing first: a broken attempt commits nothing newer)."""
-        os.kill(self._victim(fault, workers)["pid"], signal.SIGKILL)
+        self._signal(self._victim(fault, workers)["pid"], signal.SIGKILL)
         fault.time = time.time()
         deadline = time.time() + 5
         while time.time() < deadline and not any(e["kind"] == "worker_died" and e["time"] >= fault.time - 0.5

@@ -154,3 +154,47 @@ def test_raise_once_is_rearmed_after_a_restart_and_timed_from_the_raise(tmp_path
     ok, rows = inv.faults_accounted([fault.to_dict()], detected, heartbeat_s=3.0)
     assert ok and rows[0]["after_s"] == pytest.approx(0.2, abs=1e-3)
     assert not inv.faults_accounted([fault.to_dict()], [], heartbeat_s=3.0)[0], "a missed raise still fails"
+
+
+def test_an_armed_failure_is_due_at_or_after_its_step():
+    """Armed on a live run (the controller's step lags the workers'), a failure fires at
+    the first step started at or after the one asked for; RAYFLEX_FAIL_AT's stays exact."""
+    from rayflex.actors.worker import InjectedFailure
+
+    armed = InjectedFailure(5, "chaos", or_later=True)
+    assert [s for s in range(1, 9) if armed.due(s)] == [5, 6, 7, 8]
+    assert [s for s in range(1, 9) if InjectedFailure(5, "env").due(s)] == [5]
+
+
+def test_a_fault_whose_target_is_gone_is_tried_again():
+    """The process picked from the status was replaced before the signal got there: the
+    kill did not happen, so it is not recorded as a fault; the next healthy tick kills."""
+    import subprocess
+
+    from rayflex.chaos.injector import FaultTiming, Injector
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        class Handle:
+            pid = gone.pid
+
+            def status(self):
+                return {"state": "RUNNING", "world_size": 1, "step": 12,
+                        "workers": [{"rank": 0, "node_id": "n0", "pid": self.pid}]}
+
+            def events(self):
+                return [{"kind": "checkpoint_committed", "time": 1e18}]
+
+        handle = Handle()
+        injector = Injector(None, handle, None, ["kill_actor"], seed=0, workers=1, checkpoint_root="memory://x",
+                            timing=FaultTiming(min_steps_between=10), steps=100)
+        injector.tick()
+        assert injector.injected == [] and not injector.done
+        handle.pid = alive.pid
+        injector.tick()
+        assert [f.kind for f in injector.injected] == ["kill_actor"] and injector.done
+        assert alive.wait(timeout=10) == -9
+    finally:
+        alive.kill()
