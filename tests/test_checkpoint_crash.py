@@ -41,7 +41,7 @@ def _wait_for(pred, timeout_s, what):
 def test_worker_killed_mid_upload_leaves_previous_checkpoint(two_node_cluster, dataset_uri, tmp_path, monkeypatch):
     storage, name = f"file://{tmp_path}/runs", "killed"
     root = f"{storage}/{name}/checkpoints"
-    monkeypatch.setenv("RAYFLEX_SLOW_UPLOAD", "4:8:4")  # step 4's upload takes 8 s
+    monkeypatch.setenv("RAYFLEX_SLOW_UPLOAD", "4:5:4")  # step 4's upload takes 5 s
     handle = _trainer(dataset_uri, storage, name, steps=12).submit()
     status = _wait_for(lambda: (lambda s: s if s["step"] >= 5 else None)(handle.status()), 120, "step 5")
     assert mf.list_committed(root) == [2]

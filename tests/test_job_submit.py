@@ -131,7 +131,7 @@ class RayHead:
 
     def wait_job(self, job_id: str, timeout_s: float, states=("SUCCEEDED", "FAILED", "STOPPED")) -> str:
         return _wait_for(lambda: (lambda s: s if s in states else None)(self.job_info(job_id)["status"]),
-                         timeout_s, f"job {job_id} to reach {states}", interval_s=1.0)
+                         timeout_s, f"job {job_id} to reach {states}", interval_s=0.25)
 
     def logs(self, job_id: str) -> str:
         return self.ray("job", "logs", job_id, check=False).stdout

@@ -15,7 +15,7 @@ from rayflex.reference import single_process_losses
 from conftest import loopback_cluster, run_events, small_gpt, wait_until_running
 
 pytestmark = pytest.mark.cluster
-STEPS = 16
+STEPS = 40  # long enough that a notice is acted on mid-run even when steps are quick
 
 
 def _trainer(dataset_uri, tmp_path, name, *, every=100, steps=STEPS, **elastic):
