@@ -40,7 +40,7 @@ bench: venv
 
 # Three long chaos runs (12 faults each); the report is benchmarks/results/chaos.json.
 chaos: venv
-	$(PY) -m rayflex.chaos --seed 1 2 3 --faults 12 --out benchmarks/results/chaos.json
+	$(PY) -m rayflex.testing.chaos --seed 1 2 3 --faults 12 --out benchmarks/results/chaos.json
 
 # rayflex vs Ray Train vs torchrun on the same workload (the README's comparison table).
 compare: venv

@@ -6,7 +6,7 @@ against the measured peak memory of real rayflex workers on CPU.
 
 Prints one JSON object on stdout; logs go to stderr.
 
-* search: ``rayflex.platform.capacity_search.search`` for a 7B and a 70B model on 1,024
+* search: ``rayflex.planning.capacity.search.search`` for a 7B and a 70B model on 1,024
   nodes x 8 H100-80GB (racks of 32 nodes, zones of 16 racks), global batch 16,384 samples:
   the first call (cold caches) and the median of five more. Goal: < 2 s.
 * memory_model: for each configuration, every rank's predicted peak (the model) and
@@ -31,8 +31,8 @@ log = logging.getLogger("benchmarks.capacity")
 
 
 def search_timing(repeats: int = 5) -> dict:
-    from rayflex.platform.capacity import preset
-    from rayflex.platform.capacity_search import ClusterDescription, DeviceSpec, search
+    from rayflex.planning.capacity.memory import preset
+    from rayflex.planning.capacity.search import ClusterDescription, DeviceSpec, search
 
     cluster = ClusterDescription.uniform(nodes=1024, devices_per_node=8, device=DeviceSpec.h100_80gb(),
                                          nodes_per_rack=32, racks_per_zone=16)
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only the four configurations the tests run")
     parser.add_argument("--skip-measure", action="store_true", help="search timing only")
     args = parser.parse_args()
-    import rayflex.platform.capacity_search  # noqa: F401 - imports outside the timed region
+    import rayflex.planning.capacity.search  # noqa: F401 - imports outside the timed region
 
     results = {"search": search_timing()}
     if not args.skip_measure:

@@ -1,6 +1,6 @@
 """Measure the real peak memory of rayflex TrainWorkers on CPU, per rank.
 
-Each rank of a configuration runs a real :class:`rayflex.actors.worker.TrainWorker` in its
+Each rank of a configuration runs a real :class:`rayflex.worker.train_worker.TrainWorker` in its
 own process (``torch.multiprocessing`` fork server, gloo on 127.0.0.1, one torch thread, no Ray).
 The processes form a pool reused across configurations, so torch is imported once.
 
@@ -46,7 +46,7 @@ log = logging.getLogger("rayflex.capacity_measure")
 MMAP_THRESHOLD = 65536
 # What setup() would import lazily: imported before the baseline (and by the fork server).
 PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.pipelining", "torch.distributed.tensor",
-           "pyarrow.parquet", "rayflex.actors.data", "rayflex.actors.worker")
+           "pyarrow.parquet", "rayflex.data.dataset", "rayflex.worker.train_worker")
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def _run_rank(rank: int, spec, plan, port: int, steps: int, timeout_s: float) ->
 
     import torch.distributed as dist
 
-    from rayflex.actors.worker import TrainWorker
+    from rayflex.worker.train_worker import TrainWorker
 
     gc.collect()
     worker = TrainWorker(rank, spec, plan)
@@ -268,7 +268,7 @@ class MeasurePool:
             self.measure(cfg)
 
     def _dataset(self, cfg: MeasureConfig) -> str:
-        from rayflex.actors.data import write_synthetic_dataset
+        from rayflex.data.dataset import write_synthetic_dataset
 
         uri = f"file://{self._tmp.name}/tokens-{cfg.seq_len}-{cfg.vocab_size}-{cfg.global_batch * cfg.steps}"
         if not os.path.exists(uri[len("file://"):]):
@@ -278,8 +278,8 @@ class MeasurePool:
 
     def measure(self, cfg: MeasureConfig) -> tuple[object, list[RankMeasurement]]:
         """Run ``cfg`` on the first ``world_size`` pool processes; returns (plan, per rank)."""
-        from rayflex.actors.parallel import plan_mesh
-        from rayflex.actors.worker import free_port
+        from rayflex.mesh.plan import plan_mesh
+        from rayflex.worker.train_worker import free_port
 
         if cfg.world_size > self.size:
             raise ValueError(f"{cfg.name}: world size {cfg.world_size} > pool size {self.size}")
@@ -349,7 +349,7 @@ ALL = CORE + (
 
 def compare(pool: MeasurePool, cfg: MeasureConfig, runtime=None) -> list[dict]:
     """Measure ``cfg`` and put the memory model's prediction next to each rank."""
-    from rayflex.platform.capacity import Layout, ModelDescription, Runtime, estimate_memory
+    from rayflex.planning.capacity.memory import Layout, ModelDescription, Runtime, estimate_memory
 
     plan, measured = pool.measure(cfg)
     layout = Layout.from_plan(plan)

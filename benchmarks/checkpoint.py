@@ -111,8 +111,8 @@ def main() -> None:
         storage, server = start_s3(args.endpoint_nice)
     else:
         storage = f"file://{tmp}/runs"
-    from rayflex.actors.data import write_synthetic_dataset
-    from rayflex.trainer import ensure_ray
+    from rayflex.data.dataset import write_synthetic_dataset
+    from rayflex.local_ray import ensure_ray
 
     data = write_synthetic_dataset(f"file://{tmp}/data", num_samples=2048, seq_len=SEQ, vocab_size=4096)
     ensure_ray(WORKERS)

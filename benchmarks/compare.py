@@ -301,7 +301,7 @@ def main() -> None:
         ap.error("--fault-at must be in [--every, --steps): the kill should come after a checkpoint")
     setup_logging()
     real_stdout, sys.stdout = sys.stdout, sys.stderr  # worker output Ray forwards to the driver: stderr
-    from rayflex.actors.data import write_synthetic_dataset
+    from rayflex.data.dataset import write_synthetic_dataset
 
     t_start = time.time()
     tmp = tempfile.mkdtemp(prefix="rayflex-compare-")

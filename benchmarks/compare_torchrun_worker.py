@@ -48,7 +48,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from rayflex.actors.data import GlobalSampler, TokenDataset
+    from rayflex.data.dataset import GlobalSampler, TokenDataset
     from rayflex.models import GPTConfig, build_stage, gpt
 
     torch.set_num_threads(1)

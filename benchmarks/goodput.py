@@ -8,7 +8,7 @@
 
     python benchmarks/goodput.py [--minutes 5] [--period 60]
 
-Goodput = useful committed step time / wall time (rayflex.platform.goodput); throughput =
+Goodput = useful committed step time / wall time (rayflex.telemetry.goodput); throughput =
 committed steps per wall second. Goal: rayflex with preemptions >= 0.85 x no preemptions.
 """
 
@@ -94,7 +94,7 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from rayflex.actors.data import write_synthetic_dataset
+    from rayflex.data.dataset import write_synthetic_dataset
     from rayflex.local_ray import head_node_args
 
     tmp = tempfile.mkdtemp(prefix="rayflex-bench-")

@@ -37,7 +37,7 @@ def _plain_rank(rank: int, world: int, port: int, data_uri: str, steps: int, out
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from rayflex.actors.data import GlobalSampler, TokenDataset
+    from rayflex.data.dataset import GlobalSampler, TokenDataset
     from rayflex.models.spec import build_stage
 
     torch.set_num_threads(1)
@@ -72,7 +72,7 @@ def _plain_rank(rank: int, world: int, port: int, data_uri: str, steps: int, out
 def run_plain(data_uri: str, steps: int) -> dict:
     import torch.multiprocessing as mp
 
-    from rayflex.actors.worker import free_port
+    from rayflex.worker.train_worker import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -109,8 +109,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     setup_logging()
-    from rayflex.actors.data import write_synthetic_dataset
-    from rayflex.trainer import ensure_ray
+    from rayflex.data.dataset import write_synthetic_dataset
+    from rayflex.local_ray import ensure_ray
 
     tmp = tempfile.mkdtemp(prefix="rayflex-bench-")
     data = write_synthetic_dataset(f"file://{tmp}/data", num_samples=4096, seq_len=SEQ)

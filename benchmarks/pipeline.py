@@ -57,8 +57,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
     setup_logging()
-    from rayflex.actors.data import write_synthetic_dataset
-    from rayflex.trainer import ensure_ray
+    from rayflex.data.dataset import write_synthetic_dataset
+    from rayflex.local_ray import ensure_ray
 
     tmp = tempfile.mkdtemp(prefix="rayflex-bench-")
     data = write_synthetic_dataset(f"file://{tmp}/data", num_samples=4096, seq_len=SEQ)

@@ -29,8 +29,8 @@ import sys
 import time
 from importlib import metadata
 
-from rayflex.platform.placement import CommProfile, MeshShape, Planner, brute_force_plan, naive_plan
-from rayflex.platform.topology import NodeInfo, Topology
+from rayflex.planning.placement.planner import CommProfile, MeshShape, Planner, brute_force_plan, naive_plan
+from rayflex.planning.topology import NodeInfo, Topology
 
 log = logging.getLogger("benchmarks.placement")
 

@@ -355,7 +355,7 @@ def _rt_train_loop(cfg: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from rayflex.actors.data import GlobalSampler, TokenDataset
+    from rayflex.data.dataset import GlobalSampler, TokenDataset
     from rayflex.models import GPTConfig, gpt
     from rayflex.models.spec import build_stage
 
@@ -607,7 +607,7 @@ def main() -> None:
 
     from ray.train.v2._internal.constants import is_v2_enabled
 
-    from rayflex.actors.data import write_synthetic_dataset
+    from rayflex.data.dataset import write_synthetic_dataset
 
     tmp = tempfile.mkdtemp(prefix="rayflex-recovery-")
     data = write_synthetic_dataset(f"file://{tmp}/data", num_samples=1024, seq_len=SEQ, vocab_size=128,

@@ -13,7 +13,7 @@ import os
 
 from rayflex import (CheckpointConfig, DataConfig, OptimizerConfig, ParallelConfig, RunConfig,
                      ScalingConfig, Trainer)
-from rayflex.actors.data import TokenDataset, write_synthetic_dataset
+from rayflex.data.dataset import TokenDataset, write_synthetic_dataset
 from rayflex.models import GPTConfig, gpt
 
 SEQ_LEN = 64

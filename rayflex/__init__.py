@@ -4,7 +4,7 @@ from rayflex.config import (CheckpointConfig, DataConfig, ElasticConfig, Optimiz
                             RunConfig, ScalingConfig, TrainSpec)
 from rayflex.errors import (CheckpointError, ConfigError, PlacementError, RayflexError, RunFailed,
                             StorageError, WorkerError)
-from rayflex.trainer import Result, RunHandle, Trainer
+from rayflex.api.trainer import Result, RunHandle, Trainer
 
 __all__ = [
     "CheckpointConfig", "CheckpointError", "ConfigError", "DataConfig", "ElasticConfig", "OptimizerConfig",

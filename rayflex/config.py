@@ -112,7 +112,7 @@ class ParallelConfig:
     ``dp = world_size // pp`` FSDP2 shards per stage. ``microbatches`` defaults to the
     smallest count the schedule allows (``pp`` for gpipe/1f1b, ``pp*stages_per_rank``).
 
-    ``pp="auto"``: the capacity planner (``rayflex.platform.auto_parallel``) picks pp,
+    ``pp="auto"``: the capacity planner (``rayflex.planning.capacity.auto``) picks pp,
     schedule, microbatches, stages_per_rank (and the pp=1 micro-batch) for the world size
     at launch and again at every elastic restart. ``cluster`` is a cluster-description
     YAML (as ``rayflex plan --cluster`` takes) giving the devices and topology; None plans

@@ -79,3 +79,12 @@ def adopt_knobs(knobs: dict[str, str] | None) -> None:
     for k, v in (knobs or {}).items():
         if k.startswith("RAYFLEX_"):
             os.environ[k] = v
+
+
+# The run's Controller actor: named after the run so other processes (``rayflex status``,
+# a signal handler) can find it.
+CONTROLLER_NAMESPACE = "rayflex"
+
+
+def controller_name(run_name: str) -> str:
+    return f"rayflex-controller:{run_name}"

@@ -13,9 +13,12 @@ none of Ray's defaults.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 from typing import Iterator, Optional
+
+log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 
@@ -110,3 +113,39 @@ def loopback_cluster(nodes: list[dict], connect: bool = True) -> Iterator:
         if cluster is not None:
             with contextlib.suppress(Exception):
                 cluster.shutdown()
+
+
+def _running_cluster_address() -> Optional[str]:
+    """The address of a cluster started on this machine with ``ray start`` and still alive.
+
+    Ray's own ``address="auto"`` connects to *any* GCS process it finds (another user's
+    test cluster, a stale one); rayflex only joins the one named in Ray's bootstrap file,
+    and only if a live GCS process actually serves it.
+    """
+    try:
+        from ray._private import services
+
+        bootstrap = services.find_bootstrap_address(None)
+        if bootstrap and bootstrap in set(services.find_gcs_addresses()):
+            return bootstrap
+    except Exception:  # noqa: BLE001 - private API moved: fall back to a fresh local Ray
+        log.debug("could not look for a running Ray cluster", exc_info=True)
+    return None
+
+
+def ensure_ray(min_cpus: float = 0, *, connect_only: bool = False) -> None:
+    """Connect to RAY_ADDRESS or this machine's running cluster, else start a local Ray
+    (unless ``connect_only``, where no cluster raises ConnectionError)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS") or _running_cluster_address()
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return
+    if connect_only:
+        raise ConnectionError("no running Ray cluster on this machine and RAY_ADDRESS is not set")
+    # The embedded default: a single-node Ray on loopback with at least one logical CPU
+    # per worker (workers mostly wait on collectives; OMP threads are pinned to 1).
+    init_local(max(os.cpu_count() or 1, int(min_cpus + 0.999)))

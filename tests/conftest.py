@@ -21,7 +21,7 @@ SEQ_LEN = 32
 
 @pytest.fixture(scope="session")
 def dataset_uri(tmp_path_factory):
-    from rayflex.actors.data import write_synthetic_dataset
+    from rayflex.data.dataset import write_synthetic_dataset
 
     root = tmp_path_factory.mktemp("data")
     return write_synthetic_dataset(f"file://{root}/tokens", num_samples=1024, seq_len=SEQ_LEN,

@@ -8,11 +8,11 @@ import os
 import pytest
 
 import rayflex as rf
-from rayflex.actors.parallel import plan_mesh
-from rayflex.platform.auto_parallel import resolve_parallel
-from rayflex.platform.capacity import CapacityError, Layout, estimate_memory
-from rayflex.platform.capacity_search import ClusterDescription, describe_model
-from rayflex.platform.elastic import FailurePolicy, Restart, best_world_size, valid_world_sizes
+from rayflex.mesh.plan import plan_mesh
+from rayflex.planning.capacity.auto import resolve_parallel
+from rayflex.planning.capacity.memory import CapacityError, Layout, estimate_memory
+from rayflex.planning.capacity.search import ClusterDescription, describe_model
+from rayflex.faults.policy import FailurePolicy, Restart, best_world_size, valid_world_sizes
 
 from conftest import SEQ_LEN, small_gpt
 
@@ -115,7 +115,7 @@ def test_planner_micro_batch_reaches_the_mesh(tmp_path):
 
 
 def test_resolve_on_a_live_style_topology():
-    from rayflex.platform.topology import Topology
+    from rayflex.planning.topology import Topology
 
     topo = Topology.from_dict({"nodes": [{"id": "a", "slots": 2, "labels": {"rack": "r0"}},
                                          {"id": "b", "slots": 2, "labels": {"rack": "r0"}}]})
@@ -202,7 +202,7 @@ def test_trainer_plan_and_cli_show_the_auto_choice(tmp_path, capsys):
     plan = t.plan(os.path.join(ROOT, "examples", "topologies", "two_racks_64gpu.yaml"), world_size=16)
     assert plan.mesh.pp * plan.mesh.dp == 16 and plan.explanation.startswith(f"Chose pp={plan.mesh.pp}")
 
-    from rayflex.cli import main
+    from rayflex.cli.main import main
 
     job = tmp_path / "job.py"
     job.write_text(

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from rayflex.errors import PlacementError, RayflexError
-from rayflex.platform.capacity import (CapacityError, Layout, ModelDescription, estimate_memory, in_flight_peak,
+from rayflex.planning.capacity.memory import (CapacityError, Layout, ModelDescription, estimate_memory, in_flight_peak,
                                        measure_activation_bytes, preset, transformer_activation_bytes_per_token)
-from rayflex.platform.capacity_search import (ClusterDescription, DeviceSpec, best_parallel_config, explain,
+from rayflex.planning.capacity.search import (ClusterDescription, DeviceSpec, best_parallel_config, explain,
                                               search, stage_split)
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -112,7 +112,7 @@ def test_activation_formula_matches_measured_saved_bytes():
 
 
 def test_stage_split_matches_the_workers():
-    from rayflex.actors.parallel import balanced_split
+    from rayflex.mesh.stage_split import balanced_split
 
     rng = random.Random(3)
     for _ in range(30):
@@ -221,7 +221,7 @@ def test_best_parallel_config_for_the_launcher():
 
 # ------------------------------------------------------------------------------ the CLI
 def test_cli_plan_described_model(h100x64, capsys):
-    from rayflex.cli import main
+    from rayflex.cli.main import main
 
     assert main(["plan", "--model", "70b", "--cluster", str(h100x64), "--explain"]) == 0
     out = capsys.readouterr().out
@@ -234,7 +234,7 @@ def test_cli_plan_described_model(h100x64, capsys):
 
 
 def test_cli_plan_spec_file(tmp_path, capsys):
-    from rayflex.cli import main
+    from rayflex.cli.main import main
 
     spec = tmp_path / "job.py"
     spec.write_text(

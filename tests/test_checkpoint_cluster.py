@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import rayflex as rf
-from rayflex.actors.data import GlobalSampler, TokenDataset
-from rayflex.reference import single_process_losses
+from rayflex.data.dataset import GlobalSampler, TokenDataset
+from rayflex.testing.reference import single_process_losses
 from rayflex.storage import manifest as mf
 
 from conftest import small_gpt

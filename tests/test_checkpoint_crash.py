@@ -9,7 +9,7 @@ import time
 import pytest
 
 import rayflex as rf
-from rayflex.cli import main as cli_main
+from rayflex.cli.main import main as cli_main
 from rayflex.storage import manifest as mf
 
 from conftest import small_gpt

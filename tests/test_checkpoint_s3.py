@@ -3,7 +3,7 @@ committed with ETag fingerprints, retention applied, resumed with the same losse
 
 import pytest
 
-from rayflex.reference import single_process_losses
+from rayflex.testing.reference import single_process_losses
 from rayflex.storage import manifest as mf
 
 from conftest import loopback_cluster

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import rayflex as rf
-from rayflex.reference import single_process_losses
+from rayflex.testing.reference import single_process_losses
 
 from conftest import small_gpt
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rayflex.actors.data import GlobalSampler, TokenDataset, write_synthetic_dataset
+from rayflex.data.dataset import GlobalSampler, TokenDataset, write_synthetic_dataset
 
 
 @pytest.mark.parametrize("dp", [1, 2, 3, 4, 6])

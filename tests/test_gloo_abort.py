@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from rayflex.actors.worker import free_port
+from rayflex.worker.train_worker import free_port
 
 TIMEOUT_S = 60  # the collective timeout: an abort that does not work shows as a wait this long
 
@@ -23,7 +23,7 @@ def _rank(rank: int, world: int, port: int, abort_after_s, results):
     import torch
     import torch.distributed as dist
 
-    from rayflex.actors.gloo_abort import GlooSockets
+    from rayflex.worker.gloo_abort import GlooSockets
 
     torch.set_num_threads(1)
     sockets = GlooSockets()
@@ -94,7 +94,7 @@ class _DictStore:
 def test_other_connections_are_left_alone():
     """Connections that are not a group's (Ray's gRPC, here a plain server and client) are
     never shut down, even when opened while the groups are being created."""
-    from rayflex.actors.gloo_abort import GlooSockets
+    from rayflex.worker.gloo_abort import GlooSockets
 
     server = socket.socket()  # a server that was up before (the raylet, another worker)
     server.bind(("127.0.0.1", 0))

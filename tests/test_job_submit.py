@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from rayflex.cli import main as rayflex_main
+from rayflex.cli.main import main as rayflex_main
 from rayflex.local_ray import free_ports
 
 pytestmark = pytest.mark.cluster

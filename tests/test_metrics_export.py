@@ -2,8 +2,8 @@
 
 import pytest
 
-from rayflex.platform import events as ev
-from rayflex.platform.metrics_export import METRICS, MetricsExporter, samples_for_event, samples_for_metrics
+from rayflex.telemetry import events as ev
+from rayflex.telemetry.metrics_export import METRICS, MetricsExporter, samples_for_event, samples_for_metrics
 
 
 class Recorder:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import rayflex as rf
-from rayflex.actors.parallel import balanced_split, plan_mesh
+from rayflex.mesh.plan import plan_mesh
+from rayflex.mesh.stage_split import balanced_split
 from rayflex.models.spec import build_stage
 
 from conftest import small_gpt

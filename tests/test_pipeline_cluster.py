@@ -6,7 +6,7 @@ import json
 import pytest
 
 import rayflex as rf
-from rayflex.reference import single_process_losses
+from rayflex.testing.reference import single_process_losses
 
 from conftest import small_gpt
 
@@ -76,8 +76,8 @@ def test_interleaved_pp2_dp1_two_stages_per_rank(two_node_cluster, dataset_uri, 
 def test_auto_parallel_runs_the_planners_choice(two_node_cluster, dataset_uri, tmp_path):
     """pp="auto": at launch the controller asks the capacity planner for the fastest mesh
     that fits the live cluster, runs exactly that mesh, and says why in plan_chosen."""
-    from rayflex.platform.auto_parallel import resolve_parallel
-    from rayflex.platform.topology import Topology
+    from rayflex.planning.capacity.auto import resolve_parallel
+    from rayflex.planning.topology import Topology
 
     trainer, result, events = _fit(dataset_uri, tmp_path, "auto", workers=2, global_batch=16,
                                    parallel=rf.ParallelConfig(pp="auto"), n_layers=4)

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from rayflex.errors import PlacementError
-from rayflex.platform.placement import (
+from rayflex.planning.placement.planner import (
     CommProfile,
     MeshShape,
     Planner,
@@ -22,7 +22,7 @@ from rayflex.platform.placement import (
     modeled_comm_seconds,
     naive_plan,
 )
-from rayflex.platform.topology import Bandwidths, LinkTier, NodeInfo, Topology
+from rayflex.planning.topology import Bandwidths, LinkTier, NodeInfo, Topology
 
 ZONE = "ray.io/availability-zone"
 

@@ -14,8 +14,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import pytest  # noqa: E402
 
 from rayflex.errors import PlacementError  # noqa: E402
-from rayflex.platform.placement import CommProfile, MeshShape, Plan, PlacementManager, Planner  # noqa: E402
-from rayflex.platform.topology import Topology  # noqa: E402
+from rayflex.planning.placement.planner import CommProfile, MeshShape, Plan, PlacementManager, Planner  # noqa: E402
+from rayflex.planning.topology import Topology  # noqa: E402
 
 
 @pytest.mark.cluster

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import rayflex as rf
-from rayflex.reference import single_process_losses
+from rayflex.testing.reference import single_process_losses
 
 from conftest import loopback_cluster, run_events, small_gpt, wait_until_running
 

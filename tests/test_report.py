@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from rayflex.cli import main
-from rayflex.platform.goodput import goodput, goodput_breakdown
-from rayflex.report import MARKER_KINDS, write_report
+from rayflex.cli.main import main
+from rayflex.telemetry.goodput import goodput, goodput_breakdown
+from rayflex.telemetry.report import MARKER_KINDS, write_report
 
 T0 = 1_700_000_000.0
 
@@ -135,7 +135,7 @@ def test_report_of_a_missing_run_says_where_it_looked(tmp_path, capsys):
 
 
 def test_status_reads_runs_without_a_driver_from_their_directories(run_dir, tmp_path):
-    from rayflex.status import finished_runs
+    from rayflex.telemetry.status import finished_runs
 
     # A second run whose driver died mid-way: events and metrics, no result.json.
     dead = run_dir.parent / "killed"

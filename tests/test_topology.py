@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rayflex.errors import ConfigError
-from rayflex.platform.topology import Bandwidths, LinkTier, NodeInfo, Topology
+from rayflex.planning.topology import Bandwidths, LinkTier, NodeInfo, Topology
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "topologies"
 

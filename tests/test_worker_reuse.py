@@ -11,7 +11,7 @@ import pytest
 
 from conftest import SEQ_LEN, small_gpt
 
-from rayflex.chaos.local_workers import LocalWorkerPool
+from rayflex.testing.chaos.local_workers import LocalWorkerPool
 
 
 # Processes 0, 1 are ranks 0, 1; then a fresh process 2 takes rank 0 and process 0 is

@@ -7,9 +7,9 @@ import urllib.request
 
 import pytest
 
-from rayflex.chaos import KINDS, plan_faults
-from rayflex.chaos import invariants as inv
-from rayflex.chaos.replay import Segment, segments_from_events
+from rayflex.testing.chaos import KINDS, plan_faults
+from rayflex.testing.chaos import invariants as inv
+from rayflex.testing.chaos.replay import Segment, segments_from_events
 
 
 def test_plan_is_seeded_and_has_every_kind():
@@ -21,7 +21,7 @@ def test_plan_is_seeded_and_has_every_kind():
 
 
 def test_gate_refuses_while_down_and_keeps_the_data():
-    from rayflex.chaos.s3_gate import S3Gate
+    from rayflex.testing.chaos.s3_gate import S3Gate
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -56,7 +56,7 @@ def test_segments_follow_the_loaded_checkpoints():
 
 
 def test_samples_invariant_catches_a_skip_and_a_repeat():
-    from rayflex.actors.data import GlobalSampler
+    from rayflex.data.dataset import GlobalSampler
 
     sampler = GlobalSampler(num_samples=20, global_batch=4, seed=3)
     good = [{"step": s, "indices": sampler.indices(s - 1).tolist()} for s in range(1, 11)]
@@ -82,7 +82,7 @@ def test_every_fault_needs_its_detection_in_time():
 
 
 def test_injector_leaves_out_faults_too_close_to_the_end():
-    from rayflex.chaos.injector import FaultTiming, Injector
+    from rayflex.testing.chaos.injector import FaultTiming, Injector
 
     class Handle:
         step = 0
@@ -113,7 +113,7 @@ def test_raise_once_is_rearmed_after_a_restart_and_timed_from_the_raise(tmp_path
     import json
     import time as _time
 
-    from rayflex.chaos.injector import FaultTiming, Injector
+    from rayflex.testing.chaos.injector import FaultTiming, Injector
 
     class Handle:
         step, evts = 12, [{"kind": "checkpoint_committed", "time": 1.0}]
@@ -159,7 +159,7 @@ def test_raise_once_is_rearmed_after_a_restart_and_timed_from_the_raise(tmp_path
 def test_an_armed_failure_is_due_at_or_after_its_step():
     """Armed on a live run (the controller's step lags the workers'), a failure fires at
     the first step started at or after the one asked for; RAYFLEX_FAIL_AT's stays exact."""
-    from rayflex.actors.worker import InjectedFailure
+    from rayflex.worker.train_worker import InjectedFailure
 
     armed = InjectedFailure(5, "chaos", or_later=True)
     assert [s for s in range(1, 9) if armed.due(s)] == [5, 6, 7, 8]
@@ -171,7 +171,7 @@ def test_a_fault_whose_target_is_gone_is_tried_again():
     kill did not happen, so it is not recorded as a fault; the next healthy tick kills."""
     import subprocess
 
-    from rayflex.chaos.injector import FaultTiming, Injector
+    from rayflex.testing.chaos.injector import FaultTiming, Injector
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # reaped: its pid names no process

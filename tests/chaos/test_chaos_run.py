@@ -1,18 +1,18 @@
 """A chaos run on a 4-node loopback cluster: faults of every kind, nodes coming back, then
-every invariant of rayflex.chaos (all steps finished, committed checkpoints verify, each
+every invariant of rayflex.testing.chaos (all steps finished, committed checkpoints verify, each
 step's samples exactly once, final parameters bitwise equal to a fault-free replay at the
 same restart steps and world sizes, every fault detected in time).
 
 CI runs one short seed (each kind once); the long ones (12 faults, 3 seeds) are `slow`
-and are what `python -m rayflex.chaos --seed 1 2 3` runs for benchmarks/results/chaos.json.
+and are what `python -m rayflex.testing.chaos --seed 1 2 3` runs for benchmarks/results/chaos.json.
 """
 
 import json
 
 import pytest
 
-from rayflex.chaos import ChaosConfig, run_chaos
-from rayflex.chaos.injector import FaultTiming
+from rayflex.testing.chaos import ChaosConfig, run_chaos
+from rayflex.testing.chaos.injector import FaultTiming
 
 pytestmark = pytest.mark.cluster
 

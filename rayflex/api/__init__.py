@@ -1,0 +1,1 @@
+"""The public Python API: Trainer, RunHandle, Result (re-exported by ``rayflex``)."""

@@ -1,0 +1,148 @@
+"""``rayflex plan``: will it fit, and which pp x dp is fastest, before anything launches.
+
+    rayflex plan examples/gpt_small.py                      # the trainer's model, this host
+    rayflex plan --model 70b --cluster cluster.yaml --explain
+    rayflex plan SPEC --cluster cluster.yaml --json
+
+SPEC is a Python file or ``module:attr`` defining ``trainer``; its model, seq_len, global
+batch and worker count are planned for. ``--model`` plans a described model instead
+(``7b``, ``70b`` or a YAML file, see docs/capacity.md). Without ``--cluster`` the cluster is
+this host's CPUs, one slot per worker, or a ``pp="auto"`` SPEC's own
+``ParallelConfig(cluster=...)``: the choice printed is then the mesh the launcher runs at
+that world size.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rayflex.errors import ConfigError
+
+
+def add_subcommand(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="memory per rank and the fastest pp x dp mesh that fits",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("spec", nargs="?", help="a .py file or module:attr defining `trainer`")
+    p.add_argument("--model", help="a described model instead of SPEC: 7b, 70b or FILE.yaml")
+    p.add_argument("--cluster", help="cluster description YAML (devices and topology)")
+    p.add_argument("--world-size", type=int, help="ranks to plan for (default: SPEC's workers, else all slots)")
+    p.add_argument("--global-batch", type=int, help="samples per step (default: SPEC's, else 512)")
+    p.add_argument("--seq-len", type=int, help="tokens per sample (default: SPEC's or the description's)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "bf16-master"),
+                   help="default: fp32 for SPEC (what workers run today), bf16-master for --model presets")
+    p.add_argument("--all", action="store_true", help="list every candidate, not the best per mesh shape")
+    p.add_argument("--explain", action="store_true", help="explain the choice and show its placement")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--topology", help="placement only: SPEC's mesh on a described topology "
+                   "(YAML/JSON of nodes, slots and labels, e.g. examples/topologies/*.yaml); no cluster needed")
+    p.add_argument("--live", action="store_true", help="placement only: SPEC's mesh on the connected Ray cluster")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_placement(args) -> int:
+    """Where SPEC's ranks would go and why (the controller's planner, as a dry run)."""
+    from rayflex.cli.run import load_trainer
+
+    if not args.spec:
+        raise ConfigError("rayflex plan --topology/--live", "needs SPEC", "e.g. `rayflex plan "
+                          "examples/gpt_small.py --topology examples/topologies/two_racks_64gpu.yaml`")
+    trainer = load_trainer(args.spec)
+    plan = trainer.plan(args.topology if args.topology else None, world_size=args.world_size)
+    if args.json:
+        json.dump(plan.to_dict(), sys.stdout, indent=2, default=float)
+        print()
+    else:
+        print(plan.format(ranks=True))
+    return 0
+
+
+def _inputs(args):
+    from rayflex.planning.capacity.memory import ModelDescription, Precision, preset
+    from rayflex.planning.capacity.search import ClusterDescription, describe_model
+
+    precision = Precision.named(args.precision) if args.precision else None
+    if bool(args.spec) == bool(args.model):
+        raise ConfigError("rayflex plan", "give either SPEC or --model", "e.g. `rayflex plan --model 70b "
+                          "--cluster cluster.yaml` or `rayflex plan examples/gpt_small.py`")
+    if args.spec:
+        from rayflex.cli.run import load_trainer
+
+        spec = load_trainer(args.spec).spec
+        seq_len = args.seq_len or spec.data.seq_len
+        model = describe_model(spec.model, seq_len, precision or Precision())
+        global_batch = args.global_batch or spec.data.global_batch
+        world = args.world_size or spec.scaling.num_workers
+        # an auto spec's own description: the table then shows what pp="auto" will pick
+        path = args.cluster or (spec.parallel.cluster if spec.parallel.is_auto else None)
+        cluster = ClusterDescription.from_file(path) if path else ClusterDescription.local_cpu(world)
+        return model, cluster, global_batch, world
+    if args.model.lower().endswith((".yaml", ".yml", ".json")):
+        import yaml
+
+        with open(args.model) as f:
+            model = ModelDescription.from_dict(yaml.safe_load(f))
+        if precision:
+            model = model.with_precision(precision)
+    else:
+        model = preset(args.model, precision)
+    if args.seq_len:
+        model = model.with_seq_len(args.seq_len)
+    if not args.cluster:
+        raise ConfigError("--cluster", "a described model needs a described cluster",
+                          "pass --cluster cluster.yaml (see docs/capacity.md)")
+    cluster = ClusterDescription.from_file(args.cluster)
+    return model, cluster, args.global_batch or 512, args.world_size or None
+
+
+def cmd_plan(args) -> int:
+    from rayflex.planning.capacity.search import explain, search
+
+    if args.topology or args.live:
+        return cmd_placement(args)
+    model, cluster, global_batch, world = _inputs(args)
+    result = search(model, cluster, global_batch=global_batch, world_size=world)
+    placement = _placement(result) if (args.explain and args.cluster) else None
+    if args.json:
+        out = result.to_dict()
+        if placement is not None:
+            out["placement"] = placement.to_dict()
+        json.dump(out, sys.stdout, indent=2, default=float)
+        print()
+        return 0
+    print(f"model: {model.name}, {model.total_params / 1e9:.3g}B params, {model.num_blocks} blocks, seq_len "
+          f"{model.seq_len}, precision {_precision_name(model)}; global batch {global_batch}")
+    print(f"cluster: {cluster.describe()}; world size {result.world_size}")
+    print(f"searched {len(result.candidates)} candidates in {result.search_s:.2f} s")
+    print()
+    print(result.table(result.candidates if args.all else None))
+    print()
+    best = result.best
+    print(f"choice: {best.label()}: {best.peak_bytes / 1e9:.2f} GB per rank, modeled step {best.step_s:.3f} s")
+    if args.explain:
+        print()
+        print(explain(result))
+        if placement is not None:
+            print()
+            print("placement of the chosen mesh:")
+            print(placement.format())
+    return 0
+
+
+def _precision_name(model) -> str:
+    p = model.precision
+    return f"{8 * p.param_bytes}-bit compute" + (", fp32 master weights" if p.master_weights else "")
+
+
+def _placement(result):
+    """The Planner's rank -> node plan for the chosen mesh (refines the search's layout)."""
+    from rayflex.planning.capacity.search import _rank_params
+    from rayflex.planning.placement.planner import CommProfile, MeshShape, Planner
+
+    lay, model = result.best.layout, result.model
+    e = model.precision.param_bytes
+    scale = (2 * lay.accum_steps + 1) / 3 if lay.pp == 1 else 1.0
+    profile = CommProfile(stage_param_bytes=tuple(p * e * scale for p in _rank_params(model, lay)),
+                          activation_bytes=result.global_batch // lay.dp * model.seq_len * model.hidden_size * e,
+                          microbatches=lay.stages_per_rank, reshard_after_forward=lay.pp == 1)
+    return Planner(result.cluster.topology).plan(MeshShape(lay.pp, lay.dp), profile)

@@ -1,0 +1,1 @@
+"""Training data: token datasets, the deterministic global sampler, dataset writers."""

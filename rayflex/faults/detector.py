@@ -1,0 +1,153 @@
+"""FaultDetector: names the dead, hung, failed or slow rank (and node) from poll results.
+
+A plain class fed by the controller once per poll cycle; it never touches actors. Four
+signals, each turned into a typed event:
+
+* **failed** — the rank's training loop raised (the worker reports its traceback);
+* **dead** — Ray says the actor is gone, or its node is no longer alive;
+* **hung** — the rank stopped answering polls for ``HEARTBEAT_TIMEOUT_S`` (a frozen
+  process), or no rank finished a step for max(``HANG_TIMEOUT_FLOOR_S``,
+  ``HANG_TIMEOUT_STEP_MULTIPLE`` x median step time) while the actors still answer (a
+  collective that never completes) — the event names the ranks whose phase is not
+  ``collective`` (the ones the others wait for) and every rank's phase;
+* **straggler** — a rank the others keep waiting for: its wait at the end-of-step
+  all-reduce is persistently far below the others' (the last to arrive waits least).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rayflex.constants import knob
+from rayflex.telemetry import events as ev
+
+
+@dataclass
+class Fault:
+    """What the detector concluded this cycle: the events and the ranks to replace."""
+
+    events: list = field(default_factory=list)
+    bad_ranks: set = field(default_factory=set)
+    # failures count against the failure budget; preemptions against their own
+    kind: str = "failure"
+    error: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.bad_ranks)
+
+
+class FaultDetector:
+    def __init__(self, world_size: int, node_of: dict[int, str], *, straggler_ratio: float = 3.0,
+                 straggler_window: int = 5):
+        self.world_size = world_size
+        self.node_of = dict(node_of)
+        self.last_answer = {r: time.time() for r in range(world_size)}
+        self.last_progress = time.time()
+        self.last_step = -1
+        self.step_times: deque = deque(maxlen=50)
+        self.straggler_ratio = straggler_ratio
+        self._slow_streak: dict[int, int] = {}
+        self._window = straggler_window
+        self._reported_stragglers: set[int] = set()
+
+    # ----------------------------------------------------------------- inputs
+    def note_step(self, step: int, step_time_s: float, sync_waits: dict[int, float]) -> list[ev.Event]:
+        """A step every rank finished; returns straggler events (reported once per rank)."""
+        self.last_progress = time.time()
+        self.last_step = step
+        self.step_times.append(step_time_s)
+        return self._stragglers(step, sync_waits)
+
+    def hang_timeout_s(self) -> float:
+        floor = knob("HANG_TIMEOUT_FLOOR_S")
+        if not self.step_times:
+            return floor
+        return max(floor, knob("HANG_TIMEOUT_STEP_MULTIPLE") * statistics.median(self.step_times))
+
+    def check(self, poll, alive_nodes: Optional[set[str]] = None, now: Optional[float] = None) -> Fault:
+        """One poll cycle's verdict."""
+        now = now or time.time()
+        fault = Fault()
+        for rank in poll.statuses:
+            self.last_answer[rank] = now
+        step = max((st.step for st in poll.statuses.values()), default=None)
+        if step is not None and step > self.last_step and all(
+                st.step >= step for st in poll.statuses.values()):
+            self.last_progress = now
+        # Dead actors and dead nodes.
+        lost_nodes = set()
+        if alive_nodes is not None:
+            lost_nodes = {n for n in self.node_of.values() if n not in alive_nodes}
+        for node in sorted(lost_nodes):
+            ranks = sorted(r for r, n in self.node_of.items() if n == node)
+            fault.events.append(ev.NodeLost(step=self.last_step + 1, node_id=node, ranks=ranks))
+            fault.bad_ranks.update(ranks)
+        for rank, err in sorted(poll.dead.items()):
+            fault.events.append(ev.WorkerDied(step=self.last_step + 1, rank=rank, node_id=self.node_of.get(rank, ""),
+                                              error=err, detected_after_s=now - self.last_answer.get(rank, now)))
+            fault.bad_ranks.add(rank)
+            fault.error = fault.error or f"worker rank {rank} died: {err}"
+        # Loops that raised: the first failure is the cause; peers failing in a collective
+        # right after are consequences, reported in the event but replaced all the same.
+        failed = sorted((st for st in poll.statuses.values() if st.state == "failed"),
+                        key=lambda s: (s.error_step or 0, _is_consequence(s.error)))
+        if failed and not fault.bad_ranks:
+            first = failed[0]
+            fault.events.append(ev.WorkerFailed(step=first.error_step, rank=first.rank, node_id=first.node_id,
+                                                error=first.error or ""))
+            fault.bad_ranks.add(first.rank)
+            fault.error = first.error or ""
+        # Frozen processes: no poll answer for the heartbeat timeout.
+        silent = {r: now - self.last_answer[r] for r in poll.unresponsive}
+        frozen = sorted(r for r, s in silent.items() if s > knob("HEARTBEAT_TIMEOUT_S"))
+        if frozen and not fault.bad_ranks:
+            phases = {r: st.phase for r, st in poll.statuses.items()}
+            phases.update({r: "unresponsive" for r in frozen})
+            fault.events.append(ev.HangDetected(step=self.last_step + 1, ranks=frozen, phases=_keys(phases),
+                                                stalled_s=max(silent[r] for r in frozen),
+                                                timeout_s=knob("HEARTBEAT_TIMEOUT_S")))
+            fault.bad_ranks.update(frozen)
+            fault.error = f"ranks {frozen} stopped answering (frozen process)"
+        # Collective hangs: everyone answers, nobody progresses.
+        stalled = now - self.last_progress
+        running = [st for st in poll.statuses.values() if st.state == "running"]
+        if not fault.bad_ranks and running and stalled > self.hang_timeout_s():
+            phases = {r: st.phase for r, st in poll.statuses.items()}
+            culprits = sorted(r for r, p in phases.items() if p not in ("collective",)) or sorted(phases)
+            fault.events.append(ev.HangDetected(step=self.last_step + 1, ranks=culprits, phases=_keys(phases),
+                                                stalled_s=stalled, timeout_s=self.hang_timeout_s()))
+            fault.bad_ranks.update(culprits)
+            fault.error = f"no step finished for {stalled:.1f}s; ranks {culprits} not in a collective"
+        return fault
+
+    # ----------------------------------------------------------------- stragglers
+    def _stragglers(self, step: int, sync_waits: dict[int, float]) -> list[ev.Event]:
+        if len(sync_waits) < 3:
+            return []
+        waits = sorted(sync_waits.values())
+        median = statistics.median(waits)
+        out = []
+        for rank, w in sync_waits.items():
+            # The last rank to arrive waits ~0 while the others wait for it.
+            slow = median > 0.005 and (w * self.straggler_ratio < median)
+            self._slow_streak[rank] = self._slow_streak.get(rank, 0) + 1 if slow else 0
+            if self._slow_streak[rank] >= self._window and rank not in self._reported_stragglers:
+                self._reported_stragglers.add(rank)
+                out.append(ev.StragglerDetected(step=step, rank=rank, node_id=self.node_of.get(rank, ""),
+                                                ratio=median / max(w, 1e-6)))
+        return out
+
+
+def _is_consequence(error: Optional[str]) -> bool:
+    """Errors a rank gets because a *peer* failed (closed connection, timeout)."""
+    text = (error or "").lower()
+    return any(s in text for s in ("connection closed", "connection reset", "timed out", "timeout",
+                                   "broken pipe", "peer", "gloo"))
+
+
+def _keys(d: dict) -> dict:
+    return {str(k): v for k, v in sorted(d.items())}

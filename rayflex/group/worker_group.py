@@ -1,0 +1,177 @@
+"""WorkerGroup: the TrainWorker actors of one run attempt, indexed by rank.
+
+The controller talks to workers only through this class, so controller logic can be tested
+with a stand-in group. A group is built from, per rank, either a scheduling strategy (spawn
+a new actor in that bundle) or a surviving actor of the previous attempt (reconfigured to
+its new rank: no new process, no re-import of torch).
+
+Polls are asynchronous: each rank has at most one poll in flight, a cycle collects the
+answers that arrived, and a rank whose poll stays unanswered is reported with how long it
+has been silent — a frozen process never blocks the controller's loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rayflex.mesh.plan import MeshPlan
+from rayflex.worker.train_worker import TrainWorker, WorkerStatus
+from rayflex.config import TrainSpec
+from rayflex.constants import knob, knob_env
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PollResult:
+    """One poll cycle: answers, ranks whose actor is gone (with the error), silent ranks."""
+
+    statuses: dict[int, WorkerStatus]
+    dead: dict[int, str]
+    unresponsive: list[int]
+    silent_s: dict[int, float] = field(default_factory=dict)
+
+
+def worker_actor_class(spec: TrainSpec, worker_cls: type = TrainWorker):
+    import ray
+
+    res = spec.scaling.worker_resources()
+    return ray.remote(num_cpus=res.pop("CPU", 0), num_gpus=res.pop("GPU", 0), resources=res or None,
+                      max_concurrency=4)(worker_cls)
+
+
+class RayWorkerGroup:
+    def __init__(self, spec: TrainSpec, plan: MeshPlan, members: list[Any], *, worker_cls: type = TrainWorker):
+        """``members[rank]``: a scheduling strategy (spawn) or an existing actor (reuse)."""
+        from ray.actor import ActorHandle
+
+        self.spec, self.plan = spec, plan
+        remote_cls = None
+        self.actors = []
+        self.reused: list[int] = []
+        self._reconfigured: list[Any] = []
+        for rank, member in enumerate(members):
+            if isinstance(member, ActorHandle):
+                # Awaited before any other call: a threaded actor does not keep call order.
+                self._reconfigured.append(member.reconfigure.remote(rank, plan))
+                self.actors.append(member)
+                self.reused.append(rank)
+            else:
+                remote_cls = remote_cls or worker_actor_class(spec, worker_cls)
+                self.actors.append(remote_cls.options(scheduling_strategy=member).remote(
+                    rank, spec, plan, knobs=knob_env()))
+        self.node_of: dict[int, str] = {}
+        self.pids: dict[int, int] = {}
+        self._inflight: dict[int, tuple[Any, float]] = {}
+        self._last_answer: dict[int, float] = {}
+
+    def setup(self, restore: bool = True, timeout_s: Optional[float] = None) -> list[dict]:
+        """Rendezvous at rank 0's address and build every stage. Returns per-rank setup info."""
+        import ray
+
+        timeout_s = timeout_s or knob("SETUP_TIMEOUT_S")
+        t0 = time.time()
+        ray.get(self._reconfigured, timeout=timeout_s)
+        infos = ray.get([a.node_info.remote() for a in self.actors], timeout=timeout_s)
+        self.spawn_s = time.time() - t0  # process start + imports (0 for reused workers)
+        self.node_of = {i["rank"]: i["node_id"] for i in infos}
+        self.pids = {i["rank"]: i["pid"] for i in infos}
+        master = infos[0]
+        refs = [a.setup.remote(master["ip"], master["port"], restore) for a in self.actors]
+        out = ray.get(refs, timeout=timeout_s)
+        now = time.time()
+        self._last_answer = {r: now for r in range(len(self.actors))}
+        return out
+
+    def start(self, end_step: int) -> list[int]:
+        import ray
+
+        return ray.get([a.start.remote(end_step) for a in self.actors], timeout=60)
+
+    def poll(self, timeout_s: Optional[float] = None) -> PollResult:
+        import ray
+        from ray.exceptions import RayActorError
+
+        wait_s = knob("POLL_INTERVAL_S") if timeout_s is None else timeout_s
+        now = time.time()
+        for rank, actor in enumerate(self.actors):
+            if rank not in self._inflight:
+                self._inflight[rank] = (actor.poll.remote(), now)
+        refs = {ref: rank for rank, (ref, _) in self._inflight.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+        out = PollResult({}, {}, [])
+        now = time.time()
+        for ref in ready:
+            rank = refs[ref]
+            del self._inflight[rank]
+            try:
+                out.statuses[rank] = ray.get(ref)
+                self._last_answer[rank] = now
+            except RayActorError as e:
+                out.dead[rank] = _short_error(e)
+            except Exception as e:  # noqa: BLE001 - any other failure to answer is a death
+                out.dead[rank] = _short_error(e)
+        for rank in self._inflight:
+            out.unresponsive.append(rank)
+            out.silent_s[rank] = now - self._last_answer.get(rank, now)
+        return out
+
+    def call(self, rank: int, method: str, *args) -> Any:
+        return getattr(self.actors[rank], method).remote(*args)
+
+    def broadcast(self, method: str, *args) -> None:
+        for a in self.actors:
+            getattr(a, method).remote(*args)
+
+    def kill(self, ranks) -> None:
+        import ray
+
+        for r in ranks:
+            try:
+                ray.kill(self.actors[r], no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+
+    def release(self, ranks, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0,
+                abort: bool = False) -> dict[int, bool]:
+        """Ask surviving ranks to leave the attempt (``abort``: the attempt is broken, fail
+        its pending collectives); returns rank -> released cleanly."""
+        import ray
+
+        refs = {r: self.actors[r].release.remote(timeout_s, checkpoint_grace_s, abort) for r in ranks}
+        pending, ready = list(refs.values()), []
+        deadline = time.time() + timeout_s + 5
+        last_progress = time.time()
+        while pending and time.time() < deadline:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.1)
+            if done:
+                ready += done
+                last_progress = time.time()
+            elif ready and time.time() - last_progress > knob("RELEASE_SETTLE_S"):
+                break  # the rest wait on a frozen or dead peer: the caller kills them
+        out = {}
+        for r, ref in refs.items():
+            try:
+                out[r] = ref in ready and bool(ray.get(ref))
+            except Exception:  # noqa: BLE001
+                out[r] = False
+        return out
+
+    def shutdown(self, graceful_s: float = 5.0) -> None:
+        """Let ranks release their process groups, then kill every actor."""
+        import ray
+
+        try:
+            ray.wait([a.shutdown.remote() for a in self.actors], num_returns=len(self.actors),
+                     timeout=graceful_s)
+        except Exception:  # noqa: BLE001 - the kill below is what matters
+            pass
+        self.kill(range(len(self.actors)))
+
+
+def _short_error(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

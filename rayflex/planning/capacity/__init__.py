@@ -1,0 +1,1 @@
+"""Memory capacity: per-rank memory estimates, the layout search and pp="auto"."""

@@ -1,0 +1,701 @@
+"""Memory per rank: what a pp x dp mesh with FSDP2 inside each stage holds on one device.
+
+The model follows what rayflex actually runs (``actors/parallel.py``, ``actors/worker.py``,
+torch's pipelining schedules), so its terms are the tensors a rank really allocates:
+
+* **Sharded state** (whole run): each parameter's ``1/dp`` shard, its AdamW states
+  (``optimizer_states`` of them) and, from the reduce-scatter to the next step's
+  ``zero_grad(set_to_none=True)``, its sharded gradient. With ``master_weights`` the
+  shards, gradients and states are fp32 while compute runs in ``param_bytes`` (FSDP2's
+  MixedPrecisionPolicy); without, everything is in the parameter dtype.
+* **Gathered parameters**: pp > 1 uses ``reshard_after_forward=False``, so a rank's whole
+  stage (all its virtual stages when interleaved) is gathered from its first forward to
+  its last backward. pp == 1 reshards after forward: one block is gathered in forward,
+  two in backward (FSDP2 prefetches the next block's all-gather).
+* **Unsharded gradients**: torch's pipeline stages run every backward but the last with
+  ``set_requires_gradient_sync(False)``, and rayflex's pp == 1 accumulation does the same
+  for all passes but the last, so FSDP2 accumulates *unsharded* gradients of the whole
+  stage (pp > 1) or of the whole model (pp == 1, accumulation > 1) in the reduce dtype
+  (fp32 with master weights) until the last microbatch's reduce-scatter.
+* **Activations**: bytes autograd saves per microbatch per block (see
+  :func:`block_activation_bytes`), times the microbatches the schedule keeps in flight.
+  The schedule is simulated op by op per rank, in torch's own order: GPipe runs all ``m``
+  forwards first, so it holds ``m`` microbatches; 1F1B runs ``min(m, pp - i)`` warm-up
+  forwards on pp rank ``i`` and then alternates backward/forward, so rank ``i`` holds at most
+  ``pp - i`` microbatches of its own blocks (stage 0 holds ``pp``, i.e. one microbatch
+  through all ``L`` layers). Interleaved 1F1B with ``v`` virtual stages per rank warms up
+  ``w_i = (v - 1) * r + 2 * (pp - 1 - i)`` chunk-forwards (``r = m / max(1, m // pp)``
+  microbatches per round, ``r = pp`` when ``pp`` divides ``m``), then runs a forward before
+  each backward, so it peaks at ``w_i + 1`` chunk-microbatches of ``L / (pp * v)`` layers
+  each. On rank 0 that is ``L/pp * (pp + (pp - 1)/v)`` layer-microbatches, ``1 + (pp - 1) /
+  (pp * v)`` times what 1F1B holds (Narayanan et al. 2021), in exchange for a bubble ``v``
+  times smaller.
+* **Pipeline buffers** (torch's ``PipelineStage``): a non-first stage allocates one
+  receive buffer per microbatch (``m`` of them, kept across steps), and its memory grows by
+  one input gradient per finished backward until the step ends (measured; the gradients
+  wait in the send path); a non-last stage allocates ``m``
+  gradient-receive buffers and keeps each in-flight microbatch's output in its forward
+  cache; the last stage keeps every microbatch's logits in ``output_chunks`` until the
+  next step (rayflex calls ``schedule.step`` with the default ``return_outputs=True``).
+* **Backward working set**: gradients of intermediate tensors while one block runs its
+  backward (about ``(mlp_ratio - 1)`` hidden-widths per token for a transformer block,
+  logits plus log-softmax gradients for the head).
+* **Runtime overhead**: a configurable constant (CUDA context, NCCL/gloo buffers,
+  allocator slack).
+
+The peak of a rank is the largest of three phases: setup (rayflex builds a stage's
+blocks unsharded, then ``fully_shard``s them), forward/backward (the op-by-op
+simulation above) and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Iterable, Optional, Sequence
+
+from rayflex.errors import ConfigError, PlacementError
+
+GB = 1e9
+KINDS = ("embedding", "transformer", "head", "other")
+
+
+class CapacityError(PlacementError):
+    """The request cannot fit: the message carries the numbers that prove it."""
+
+
+# ------------------------------------------------------------------------------ precision
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Bytes per element of each kind of tensor.
+
+    ``param_bytes`` is the compute dtype (gathered parameters, activations, pipeline
+    buffers): 4 for fp32, 2 for bf16/fp16. ``master_weights`` keeps the sharded
+    parameters, their gradients and optimizer states in fp32 and reduces gradients in
+    fp32 (FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``).
+    """
+
+    param_bytes: int = 4
+    master_weights: bool = False
+    optimizer_states: int = 2  # AdamW: exp_avg and exp_avg_sq
+
+    def __post_init__(self) -> None:
+        if self.param_bytes not in (1, 2, 4, 8):
+            raise ConfigError("Precision.param_bytes", f"got {self.param_bytes!r}", "use 4 (fp32) or 2 (bf16)")
+        if not isinstance(self.optimizer_states, int) or self.optimizer_states < 0:
+            raise ConfigError("Precision.optimizer_states", f"got {self.optimizer_states!r}",
+                              "use 2 for Adam/AdamW, 1 for momentum SGD, 0 for plain SGD")
+
+    @property
+    def sharded_bytes(self) -> int:
+        """Bytes per element of a parameter shard, its gradient and each optimizer state."""
+        return 4 if self.master_weights else self.param_bytes
+
+    @property
+    def accum_grad_bytes(self) -> int:
+        """Bytes per element of an unsharded gradient accumulated without sync."""
+        return 4 if self.master_weights else self.param_bytes
+
+    @classmethod
+    def named(cls, name: str) -> "Precision":
+        presets = {"fp32": cls(param_bytes=4), "bf16": cls(param_bytes=2),
+                   "bf16-master": cls(param_bytes=2, master_weights=True),
+                   "fp16-master": cls(param_bytes=2, master_weights=True)}
+        if name not in presets:
+            raise ConfigError("precision", f"unknown precision {name!r}", f"use one of {sorted(presets)}")
+        return presets[name]
+
+
+# ------------------------------------------------------------------------------ the model
+@dataclass(frozen=True, kw_only=True)
+class BlockDescription:
+    """One block (the unit of ``fully_shard`` and of a pipeline cut)."""
+
+    kind: str
+    params: int
+    # Measured bytes autograd saves per token (replaces the formula when set).
+    activation_bytes_per_token: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError("BlockDescription.kind", f"unknown kind {self.kind!r}", f"use one of {KINDS}")
+        if self.params < 0:
+            raise ConfigError("BlockDescription.params", f"got {self.params}", "use a count >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelDescription:
+    """What the memory model needs to know about a model; no weights, no torch.
+
+    Build one with :meth:`transformer` (a GPT-style stack described by its sizes),
+    :meth:`from_spec` (a rayflex ``ModelSpec``; parameter counts on the meta device) or
+    :meth:`from_dict` (YAML).
+    """
+
+    name: str
+    blocks: tuple
+    hidden_size: int
+    seq_len: int
+    vocab_size: int
+    num_heads: int = 1
+    ffn_hidden: int = 0  # 0: 4 * hidden_size
+    precision: Precision = field(default_factory=Precision)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+        if not self.blocks:
+            raise ConfigError("ModelDescription.blocks", "no blocks", "describe at least one block")
+        for name in ("hidden_size", "seq_len", "vocab_size", "num_heads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"ModelDescription.{name}", f"must be >= 1, got {getattr(self, name)}",
+                                  "give the model's size")
+        if not self.ffn_hidden:
+            object.__setattr__(self, "ffn_hidden", 4 * self.hidden_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def block_params(self) -> tuple:
+        return tuple(b.params for b in self.blocks)
+
+    @property
+    def total_params(self) -> int:
+        return sum(self.block_params)
+
+    @property
+    def num_layers(self) -> int:
+        return sum(1 for b in self.blocks if b.kind == "transformer")
+
+    def with_precision(self, precision: Precision) -> "ModelDescription":
+        return replace(self, precision=precision)
+
+    def with_seq_len(self, seq_len: int) -> "ModelDescription":
+        """Same model at another sequence length (the learned position table grows too)."""
+        blocks = tuple(replace(b, params=b.params + (seq_len - self.seq_len) * self.hidden_size)
+                       if b.kind == "embedding" else b for b in self.blocks)
+        return replace(self, seq_len=seq_len, blocks=blocks)
+
+    # ---- constructors -------------------------------------------------------------
+    @classmethod
+    def transformer(cls, name: str, *, n_layers: int, d_model: int, n_heads: int, vocab_size: int,
+                    seq_len: int, ffn_hidden: int = 0, precision: Precision | None = None) -> "ModelDescription":
+        """rayflex's GPT block structure (``models/gpt.py``) at any size: learned token and
+        position embeddings, pre-norm blocks with a biased QKV/proj and a two-matrix GELU
+        MLP, an untied head."""
+        h, f = d_model, ffn_hidden or 4 * d_model
+        layer = 4 * h * h + 2 * h * f + 9 * h + f  # qkv+proj (w, b), fc+out (w, b), 2 LayerNorms
+        blocks = ([BlockDescription(kind="embedding", params=(vocab_size + seq_len) * h)]
+                  + [BlockDescription(kind="transformer", params=layer) for _ in range(n_layers)]
+                  + [BlockDescription(kind="head", params=vocab_size * h + 2 * h)])
+        return cls(name=name, blocks=tuple(blocks), hidden_size=h, seq_len=seq_len, vocab_size=vocab_size,
+                   num_heads=n_heads, ffn_hidden=f, precision=precision or Precision())
+
+    @classmethod
+    def from_gpt(cls, cfg, precision: Precision | None = None) -> "ModelDescription":
+        """From a :class:`rayflex.models.GPTConfig`."""
+        return cls.transformer(f"gpt-{cfg.n_layers}x{cfg.d_model}", n_layers=cfg.n_layers, d_model=cfg.d_model,
+                               n_heads=cfg.n_heads, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
+                               ffn_hidden=cfg.mlp_ratio * cfg.d_model, precision=precision)
+
+    @classmethod
+    def from_spec(cls, spec, *, seq_len: int, precision: Precision | None = None,
+                  activation_bytes_per_token: Sequence[float] | None = None) -> "ModelDescription":
+        """From a rayflex ``ModelSpec``.
+
+        A spec made by :func:`rayflex.models.gpt` is described exactly (its config is in
+        the ``build_block`` partial). Any other spec gets parameter counts from the meta
+        device and needs ``activation_bytes_per_token`` per block, e.g. from
+        :func:`measure_activation_bytes` on this host.
+        """
+        cfg = _gpt_config_of(spec)
+        if cfg is not None and activation_bytes_per_token is None:
+            # parameters from the model's config (its position table), activations at the
+            # data's sequence length
+            return replace(cls.from_gpt(cfg, precision), name=spec.name, seq_len=seq_len)
+        if activation_bytes_per_token is None:
+            raise ConfigError("ModelDescription.from_spec",
+                              f"model {spec.name!r} is not a rayflex GPT, so its activation sizes are unknown",
+                              "pass activation_bytes_per_token=measure_activation_bytes(spec, seq_len)")
+        counts = spec.param_counts()
+        if len(activation_bytes_per_token) != len(counts):
+            raise ConfigError("activation_bytes_per_token", f"{len(activation_bytes_per_token)} values for "
+                              f"{len(counts)} blocks", "give one figure per block")
+        blocks = tuple(BlockDescription(kind="other", params=c, activation_bytes_per_token=float(a))
+                       for c, a in zip(counts, activation_bytes_per_token))
+        return cls(name=spec.name, blocks=blocks, hidden_size=spec.hidden_size or 1, seq_len=seq_len,
+                   vocab_size=1, precision=precision or Precision())
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelDescription":
+        """``{name, n_layers, d_model, n_heads, vocab_size, seq_len, ffn_hidden?, precision?}``
+        (a GPT-style stack), or ``{name, blocks: [{kind, params, activation_bytes_per_token?}],
+        hidden_size, seq_len, vocab_size, num_heads?, precision?}``. ``precision`` is a preset
+        name (``fp32``, ``bf16``, ``bf16-master``) or ``{param_bytes, master_weights}``."""
+        d = dict(d)
+        prec = d.pop("precision", None)
+        precision = (Precision.named(prec) if isinstance(prec, str)
+                     else Precision(**prec) if isinstance(prec, dict) else Precision())
+        try:
+            if "blocks" in d:
+                blocks = tuple(BlockDescription(**b) for b in d.pop("blocks"))
+                return cls(blocks=blocks, precision=precision, **d)
+            return cls.transformer(d.pop("name", "model"), precision=precision, **d)
+        except TypeError as e:
+            raise ConfigError("model description", str(e), "see ModelDescription.from_dict for the fields") from None
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["total_params"] = self.total_params
+        return out
+
+
+def _gpt_config_of(spec):
+    import functools
+
+    fn = getattr(spec, "build_block", None)
+    if isinstance(fn, functools.partial) and getattr(fn.func, "__name__", "") == "build_gpt_block" and fn.args:
+        return fn.args[0]
+    return None
+
+
+# The two famous sizes used by the docs and the CLI (``--model 7b|70b``): rayflex's GPT
+# block structure at LLaMA-like widths, bf16 compute with fp32 master weights.
+PRESETS = {
+    "7b": dict(name="gpt-7b", n_layers=32, d_model=4096, n_heads=32, ffn_hidden=16384, vocab_size=32000,
+               seq_len=2048),
+    "70b": dict(name="gpt-70b", n_layers=80, d_model=8192, n_heads=64, ffn_hidden=36864, vocab_size=32000,
+                seq_len=1024),
+}
+
+
+def preset(name: str, precision: Precision | None = None) -> ModelDescription:
+    key = name.lower()
+    if key not in PRESETS:
+        raise ConfigError("--model", f"unknown model {name!r}", f"use one of {sorted(PRESETS)} or a YAML file")
+    return ModelDescription.transformer(precision=precision or Precision.named("bf16-master"), **PRESETS[key])
+
+
+# ------------------------------------------------------------------------------ activations
+def transformer_activation_bytes_per_token(h: int, ffn: int, heads: int, e: int) -> float:
+    """Bytes one rayflex transformer block saves for backward, per token.
+
+    Korthikanti et al. 2022 count ``s*b*h*(34 + 5*a*s/h)`` bytes per layer in fp16 without
+    recomputation: 34 = 2-byte tensors (input, LN outputs, QKV, attention output, two MLP
+    tensors of 4h each, ...) plus two 1-byte dropout masks, and ``5*a*s/h`` for the
+    attention scores, softmax and its dropout mask. rayflex's block has no dropout and
+    uses fused (flash) attention, which saves only q, k, v, the output and a per-head
+    logsumexp, so per token it keeps ``(8 + 2 * ffn/h)`` hidden-widths in the compute dtype
+    (x, LN1 out, q/k/v, attention out, x after attention, LN2 out, fc out and GELU out of
+    ``ffn`` each) plus fp32 LN statistics (4 values) and logsumexp (one per head). For
+    ffn = 4h in fp16 that is 32 bytes * h: Korthikanti's 34 without the masks.
+    Measured on CPU for rayflex's GPT it is exact (16.03 * 4 * h bytes at h = 128, 256).
+    """
+    return (8 * h + 2 * ffn) * e + (4 + heads) * 4
+
+
+def block_activation_bytes(model: ModelDescription, block: BlockDescription, tokens: int,
+                           micro_batch: int) -> float:
+    """Bytes a block saves for backward for one microbatch of ``tokens`` tokens."""
+    if block.activation_bytes_per_token is not None:
+        return block.activation_bytes_per_token * tokens
+    h, e = model.hidden_size, model.precision.param_bytes
+    if block.kind == "transformer":
+        return transformer_activation_bytes_per_token(h, model.ffn_hidden, model.num_heads, e) * tokens
+    if block.kind == "embedding":
+        # token ids (int64) and the position ids (one row per microbatch)
+        return 8 * tokens + 8 * (tokens // max(1, micro_batch))
+    if block.kind == "head":
+        # LayerNorm input and output, fp32 log-softmax output (the loss upcasts), int64
+        # targets, fp32 LN statistics
+        return (2 * h * e + 4 * model.vocab_size + 8 + 8) * tokens
+    return 2 * h * e * tokens
+
+
+def block_backward_workspace(model: ModelDescription, block: BlockDescription, tokens: int) -> float:
+    """Transient bytes while one block runs its backward (gradients of its intermediates)."""
+    h, e = model.hidden_size, model.precision.param_bytes
+    if block.kind == "transformer":
+        return (model.ffn_hidden / h - 1) * h * e * tokens
+    if block.kind == "head":
+        return model.vocab_size * (4 + e) * tokens
+    return h * e * tokens
+
+
+# ------------------------------------------------------------------------------ runtime
+@dataclass(frozen=True, kw_only=True)
+class Runtime:
+    """Properties of the training runtime that move the peak, with rayflex's current values.
+
+    * ``overhead_bytes``: per-process constant (CUDA context and NCCL buffers on GPU, about
+      1-2 GB; on CPU it is below the measurement noise, see :meth:`cpu`).
+    * ``keeps_outputs``: the last stage keeps every microbatch's logits until the next step
+      (``schedule.step(..., return_outputs=True)``, torch's default, which rayflex uses).
+    * ``leaks_inference_graph``: the worker's activation probe (``saved_tensors_hooks``
+      whose packed objects hold the saved tensor with its ``grad_fn``) makes a reference
+      cycle through autograd's C++ graph; a graph whose backward never runs is then never
+      freed. torch's pipelining runs one such forward on the first stage for shape
+      inference at the first step, so stage 0 keeps one microbatch of its activations for
+      the whole run. (Packing ``t.detach()`` in ``ActivationCounter.pack`` would fix it.)
+    * ``materializes_stage``: setup builds each local stage unsharded before
+      ``fully_shard`` (in ``sharded_bytes`` per parameter); a meta-device build would
+      remove this setup peak.
+    * ``foreach_optimizer``: AdamW's foreach path (CUDA) allocates temporaries the size of
+      all local shards; the per-tensor path (CPU) only the largest parameter's.
+    """
+
+    overhead_bytes: float = 0.0
+    keeps_outputs: bool = False
+    leaks_inference_graph: bool = False
+    materializes_stage: bool = True
+    foreach_optimizer: bool = False
+
+    @classmethod
+    def gpu(cls, overhead_bytes: float = 2 * GB) -> "Runtime":
+        return cls(overhead_bytes=overhead_bytes, foreach_optimizer=True)
+
+    @classmethod
+    def cpu(cls, overhead_bytes: float = 0.0) -> "Runtime":
+        """CPU workers: measured against real workers (benchmarks/capacity.py), what the
+        runtime adds besides tensors once imports are done is within a few hundred KB of
+        what the terms above already over-count, so the default overhead is 0."""
+        return cls(overhead_bytes=overhead_bytes, foreach_optimizer=False)
+
+
+# ------------------------------------------------------------------------------ the mesh
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A candidate mesh: what the memory model needs (the subset of ``MeshPlan`` it reads)."""
+
+    pp: int
+    dp: int
+    schedule: str  # "none" (pp == 1) | gpipe | 1f1b | interleaved
+    microbatches: int  # pipeline microbatches (1 when pp == 1)
+    micro_batch: int  # samples per microbatch / accumulation pass
+    accum_steps: int = 1  # pp == 1 only
+    stages_per_rank: int = 1
+    stage_blocks: tuple = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def local_stages(self, pp_index: int) -> list[int]:
+        return [pp_index + k * self.pp for k in range(self.stages_per_rank)]
+
+    @classmethod
+    def from_plan(cls, plan) -> "Layout":
+        """From a :class:`rayflex.mesh.plan.MeshPlan`."""
+        return cls(pp=plan.pp, dp=plan.dp, schedule=plan.schedule if plan.pp > 1 else "none",
+                   microbatches=plan.microbatches, micro_batch=plan.micro_batch, accum_steps=plan.accum_steps,
+                   stages_per_rank=plan.stages_per_rank, stage_blocks=tuple(tuple(s) for s in plan.stage_blocks))
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one pp rank (any of its dp replicas) holds at its peak, by term."""
+
+    pp_index: int
+    peak_bytes: float
+    phase: str  # which phase holds the peak: setup | forward_backward | optimizer
+    params_sharded: float
+    optimizer_states: float
+    grads: float  # sharded (optimizer phase) or unsharded (accumulating) at the peak
+    params_gathered: float
+    activations: float
+    pipeline_buffers: float
+    workspace: float
+    overhead: float
+    setup_bytes: float
+    optimizer_phase_bytes: float
+    forward_backward_bytes: float
+    activation_microbatches: float  # microbatch-equivalents of activations at the peak
+    unsharded_at_setup: float = 0.0  # setup phase: the stage built unsharded before fully_shard
+    inference_graph: float = 0.0  # activations kept by the never-freed shape-inference graph
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def breakdown(self) -> str:
+        parts = [("sharded params", self.params_sharded), ("optimizer", self.optimizer_states),
+                 ("grads", self.grads), ("gathered params", self.params_gathered),
+                 ("activations", self.activations), ("pipeline buffers", self.pipeline_buffers),
+                 ("workspace", self.workspace), ("stage built unsharded", self.unsharded_at_setup),
+                 ("overhead", self.overhead)]
+        return " + ".join(f"{name} {fmt_bytes(v)}" for name, v in parts if v > 0)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    layout: Layout
+    ranks: tuple  # RankMemory per pp index
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(r.peak_bytes for r in self.ranks)
+
+    @property
+    def peak_rank(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.peak_bytes)
+
+
+def fmt_bytes(b: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(b) >= size:
+            return f"{b / size:.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+# ------------------------------------------------------------------------------ schedules
+def schedule_ops(schedule: str, pp_index: int, pp: int, m: int, v: int = 1):
+    """This rank's compute ops in torch's order: ``("F"|"B", local_chunk)`` tuples."""
+    if schedule == "gpipe":
+        return [("F", 0)] * m + [("B", 0)] * m
+    if schedule == "1f1b":
+        w = min(m, pp - pp_index)
+        return [("F", 0)] * w + [op for _ in range(m - w) for op in (("B", 0), ("F", 0))] + [("B", 0)] * w
+    if schedule == "interleaved":
+        rounds = max(1, m // pp)
+        per_round = m // rounds
+        warmup = min((v - 1) * per_round + 2 * (pp - 1 - pp_index), m * v)
+        total_fwd = m * v
+        ops = []
+        for k in range(total_fwd):  # forward op k, and (past the warm-up) backward op k - warmup
+            if k < warmup:
+                ops.append(("F", (k // per_round) % v))
+            else:
+                ops.append(("F", (k // per_round) % v))
+                ops.append(("B", v - 1 - ((k - warmup) // per_round) % v))
+        for k in range(total_fwd, total_fwd + warmup):
+            ops.append(("B", v - 1 - ((k - warmup) // per_round) % v))
+        return ops
+    raise ConfigError("schedule", f"unknown schedule {schedule!r}", "use gpipe, 1f1b or interleaved")
+
+
+def in_flight_peak(schedule: str, pp_index: int, pp: int, m: int, v: int = 1) -> int:
+    """Most chunk-microbatches this rank holds at once (the activation count of the docs)."""
+    live = peak = 0
+    for kind, _ in schedule_ops(schedule, pp_index, pp, m, v):
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+# ------------------------------------------------------------------------------ estimate
+def estimate_memory(model: ModelDescription, layout: Layout, runtime: Runtime | None = None) -> MemoryEstimate:
+    """Peak bytes of every pp rank of ``layout`` (dp replicas of a stage hold the same)."""
+    runtime = runtime or Runtime()
+    stage_blocks = layout.stage_blocks or _default_split(model, layout.num_stages)
+    if len(stage_blocks) != layout.num_stages:
+        raise ConfigError("Layout.stage_blocks", f"{len(stage_blocks)} stages for pp={layout.pp} x "
+                          f"stages_per_rank={layout.stages_per_rank}", "give one block list per stage")
+    if layout.pp == 1:
+        return MemoryEstimate(layout, (_rank_memory_fsdp(model, layout, runtime),))
+    ranks = tuple(_rank_memory_pipeline(model, layout, stage_blocks, i, runtime) for i in range(layout.pp))
+    return MemoryEstimate(layout, ranks)
+
+
+def _default_split(model: ModelDescription, num_stages: int) -> tuple:
+    from rayflex.planning.capacity.search import stage_split
+
+    return stage_split(model.block_params, num_stages)
+
+
+def _state_bytes(model: ModelDescription, params: float, dp: int) -> tuple[float, float, float]:
+    p = model.precision
+    shard = params / dp
+    return shard * p.sharded_bytes, shard * p.sharded_bytes * p.optimizer_states, shard * p.sharded_bytes
+
+
+def _optimizer_temp(model: ModelDescription, params: float, largest: float, dp: int, runtime: Runtime) -> float:
+    b = model.precision.sharded_bytes
+    return (params if runtime.foreach_optimizer else largest) / dp * b
+
+
+def _rank_memory_fsdp(model: ModelDescription, layout: Layout, runtime: Runtime) -> RankMemory:
+    """pp == 1: FSDP over the whole model, accumulation passes one after another."""
+    p, dp = model.precision, layout.dp
+    total = model.total_params
+    largest = max(model.block_params)
+    params_sh, opt, grads_sh = _state_bytes(model, total, dp)
+    tokens = layout.micro_batch * model.seq_len
+    acts = sum(block_activation_bytes(model, b, tokens, layout.micro_batch) for b in model.blocks)
+    workspace = max(block_backward_workspace(model, b, tokens) for b in model.blocks)
+    gathered = 2 * largest * p.param_bytes  # this block and the prefetched next one (backward)
+    if layout.accum_steps > 1:
+        # every parameter's unsharded gradient from pass 2 on, and in the last pass the
+        # reduce-scatter's staging copy of the block being reduced
+        grads = (total + largest) * p.accum_grad_bytes
+    else:
+        grads = grads_sh + largest * p.accum_grad_bytes  # shards so far + the block being reduced
+    fb = params_sh + opt + gathered + acts + grads + workspace + runtime.overhead_bytes
+    opt_phase = (params_sh + opt + grads_sh + _optimizer_temp(model, total, largest, dp, runtime)
+                 + runtime.overhead_bytes)
+    setup = _setup_bytes(model, [total], largest, dp, runtime)
+    return _pick(0, runtime, setup=setup, fb=fb, opt_phase=opt_phase, params_sharded=params_sh, optimizer=opt,
+                 grads=grads, gathered=gathered, acts=acts, buffers=0.0, workspace=workspace, grads_sh=grads_sh,
+                 mbs=1.0)
+
+
+def _setup_bytes(model: ModelDescription, stage_params: Iterable[float], largest: float, dp: int,
+                 runtime: Runtime) -> float:
+    b = model.precision.sharded_bytes
+    params = sum(stage_params)
+    if runtime.materializes_stage:
+        # every block unsharded, plus the shard being copied out of the block in hand
+        return params * b + largest * b / dp + runtime.overhead_bytes
+    return params * b / dp + runtime.overhead_bytes
+
+
+def _rank_memory_pipeline(model: ModelDescription, layout: Layout, stage_blocks, pp_index: int,
+                          runtime: Runtime) -> RankMemory:
+    p, dp, m, v = model.precision, layout.dp, layout.microbatches, layout.stages_per_rank
+    e, h = p.param_bytes, model.hidden_size
+    tokens = layout.micro_batch * model.seq_len
+    last_stage = layout.num_stages - 1
+    stages = layout.local_stages(pp_index)
+    boundary = tokens * h * e  # one activation (or its gradient) crossing a stage boundary
+    logits = tokens * model.vocab_size * e
+    chunk_params, chunk_acts, chunk_ws, chunk_in_grad, chunk_keep = [], [], [], [], []
+    chunk_first_grads = []
+    persistent_buffers = 0.0
+    largest = 0.0
+    for s in stages:
+        blocks = [model.blocks[i] for i in stage_blocks[s]]
+        chunk_params.append(sum(b.params for b in blocks))
+        largest = max(largest, max(b.params for b in blocks))
+        saved = sum(block_activation_bytes(model, b, tokens, layout.micro_batch) for b in blocks)
+        if s > 0:
+            # the first block's saved input is the receive buffer, counted below
+            saved -= boundary if blocks[0].kind in ("transformer", "head", "other") else 0.0
+            persistent_buffers += m * boundary  # one receive buffer per microbatch
+        if s < last_stage:
+            saved += boundary  # the output waits in the forward cache until its backward
+            persistent_buffers += m * boundary  # one gradient-receive buffer per microbatch
+        chunk_acts.append(saved)
+        chunk_ws.append(max(block_backward_workspace(model, b, tokens) for b in blocks))
+        chunk_first_grads.append(_first_backward_growth(model, blocks, tokens, layout.micro_batch))
+        chunk_in_grad.append(boundary if s > 0 else 0.0)
+        chunk_keep.append(logits if (s == last_stage and runtime.keeps_outputs) else 0.0)
+    stage_params = sum(chunk_params)
+    params_sh, opt, grads_sh = _state_bytes(model, stage_params, dp)
+    gathered = stage_params * e
+    leak = chunk_acts[0] if (runtime.leaks_inference_graph and stages[0] == 0) else 0.0
+    base = params_sh + opt + persistent_buffers + leak + runtime.overhead_bytes
+
+    # Walk the schedule: activations in flight, unsharded gradients once a chunk has run a
+    # backward, input gradients and kept logits accumulating to the end of the step.
+    acts = grads = step_kept = 0.0
+    has_grads = [False] * v
+    best = (-1.0, 0.0, 0.0, 0.0, 0.0, 0)  # total, acts, grads, kept, workspace, live count
+    live = 0
+    for kind, c in schedule_ops(layout.schedule, pp_index, layout.pp, m, v):
+        if kind == "F":
+            acts += chunk_acts[c]
+            step_kept += chunk_keep[c]
+            live += 1
+            ws = 0.0
+        else:
+            ws = chunk_ws[c]
+            if not has_grads[c]:
+                # the chunk's gradients appear block by block while its activations go
+                has_grads[c] = True
+                grads += chunk_params[c] * p.accum_grad_bytes
+                ws += chunk_first_grads[c] - chunk_params[c] * p.accum_grad_bytes
+        total = acts + grads + step_kept + ws
+        if total > best[0]:
+            best = (total, acts, grads, step_kept, ws, live)
+        if kind == "B":
+            acts -= chunk_acts[c]
+            step_kept += chunk_in_grad[c]
+            live -= 1
+    _, acts_pk, grads_pk, kept_pk, ws_pk, live_pk = best
+    fb = base + gathered + acts_pk + grads_pk + kept_pk + ws_pk
+    end_kept = sum(m * (k + g) for k, g in zip(chunk_keep, chunk_in_grad))
+    opt_phase = (params_sh + opt + grads_sh + persistent_buffers + leak + end_kept + runtime.overhead_bytes
+                 + _optimizer_temp(model, stage_params, largest, dp, runtime))
+    setup = _setup_bytes(model, chunk_params, largest, dp, runtime)
+    mean_chunk = sum(chunk_acts) / len(chunk_acts)
+    return _pick(pp_index, runtime, setup=setup, fb=fb, opt_phase=opt_phase, params_sharded=params_sh,
+                 optimizer=opt, grads=grads_pk, gathered=gathered, acts=acts_pk + leak,
+                 buffers=persistent_buffers + kept_pk, workspace=ws_pk, grads_sh=grads_sh,
+                 mbs=(acts_pk / mean_chunk if mean_chunk else float(live_pk)),
+                 opt_buffers=persistent_buffers + end_kept, leak=leak)
+
+
+def _first_backward_growth(model: ModelDescription, blocks, tokens: int, micro_batch: int) -> float:
+    """Most bytes the first backward of a stage adds on top of its saved activations.
+
+    Backward walks the blocks last to first: when block ``k`` runs, the (unsharded)
+    gradients of blocks ``k..n`` exist and the activations of blocks ``k+1..n`` are gone.
+    """
+    g = model.precision.accum_grad_bytes
+    best, grads, freed = 0.0, 0.0, 0.0
+    for b in reversed(blocks):
+        grads += b.params * g
+        best = max(best, grads - freed)
+        freed += block_activation_bytes(model, b, tokens, micro_batch)
+    return best
+
+
+def _pick(pp_index: int, runtime: Runtime, *, setup: float, fb: float, opt_phase: float, params_sharded: float,
+          optimizer: float, grads: float, gathered: float, acts: float, buffers: float, workspace: float,
+          grads_sh: float, mbs: float, opt_buffers: float = 0.0, leak: float = 0.0) -> RankMemory:
+    phases = {"forward_backward": fb, "optimizer": opt_phase, "setup": setup}
+    phase = max(phases, key=phases.get)
+    common = dict(pp_index=pp_index, peak_bytes=phases[phase], phase=phase, overhead=runtime.overhead_bytes,
+                  setup_bytes=setup, optimizer_phase_bytes=opt_phase, forward_backward_bytes=fb,
+                  activation_microbatches=mbs, inference_graph=leak)
+    if phase == "forward_backward":
+        return RankMemory(params_sharded=params_sharded, optimizer_states=optimizer, grads=grads,
+                          params_gathered=gathered, activations=acts, pipeline_buffers=buffers,
+                          workspace=workspace, **common)
+    if phase == "optimizer":
+        return RankMemory(params_sharded=params_sharded, optimizer_states=optimizer, grads=grads_sh,
+                          params_gathered=0.0, activations=leak, pipeline_buffers=opt_buffers,
+                          workspace=opt_phase - params_sharded - optimizer - grads_sh - opt_buffers - leak
+                          - runtime.overhead_bytes, **common)
+    return RankMemory(params_sharded=0.0, optimizer_states=0.0, grads=0.0, params_gathered=0.0, activations=0.0,
+                      pipeline_buffers=0.0, workspace=0.0, unsharded_at_setup=setup - runtime.overhead_bytes,
+                      **common)
+
+
+# ------------------------------------------------------------------------------ calibration
+def measure_activation_bytes(spec, seq_len: int, micro_batch: int = 1, vocab_size: int | None = None) -> list[float]:
+    """Bytes each block of ``spec`` saves for backward per token, measured on this host.
+
+    Runs every block once on CPU in the default dtype under ``saved_tensors_hooks`` and
+    counts distinct saved storages that are not parameters. The result can go into
+    :meth:`ModelDescription.from_spec` (``activation_bytes_per_token``) in place of the
+    formula; for rayflex's GPT it reproduces the formula (see the tests).
+    """
+    import torch
+
+    counts: list[float] = []
+    tokens = seq_len * micro_batch
+    x = torch.randint(0, vocab_size or 2, (micro_batch, seq_len))
+    y = torch.randint(0, vocab_size or 2, (micro_batch, seq_len))
+    for i in range(spec.num_blocks):
+        block = spec.block(i)
+        params = {q.untyped_storage().data_ptr() for q in block.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t, params=params, seen=seen):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                seen[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        if x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = block(x)
+            if i == spec.num_blocks - 1:
+                spec.loss_fn(out, y)
+        counts.append(sum(seen.values()) / tokens)
+        x = out.detach()
+    return counts

@@ -1,0 +1,1 @@
+"""What a run leaves behind: typed events, goodput, metrics export, report, status rows."""

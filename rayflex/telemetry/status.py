@@ -1,0 +1,164 @@
+"""Run status from anywhere: live runs from their named Controller actors, the others from
+their run directories (``result.json``, ``metrics.jsonl``, ``events.jsonl``).
+
+Any process connected to the cluster finds the live runs (the Controller is a named actor
+in namespace ``rayflex``); ``--storage`` adds the runs whose driver is gone. Goodput comes
+from the run's timeline (:mod:`rayflex.telemetry.goodput`), live or not.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from rayflex.constants import CONTROLLER_NAMESPACE
+from rayflex.telemetry.goodput import TERMINAL_KINDS, goodput
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ("name", "state", "step", "target_steps", "loss", "tokens_per_s", "world_size", "last_checkpoint",
+           "restarts", "goodput")
+
+
+def live_runs() -> dict[str, object]:
+    import ray
+
+    out = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"] if isinstance(entry, dict) else entry
+        ns = entry.get("namespace") if isinstance(entry, dict) else CONTROLLER_NAMESPACE
+        if ns == CONTROLLER_NAMESPACE and name.startswith("rayflex-controller:"):
+            out[name.split(":", 1)[1]] = ray.get_actor(name, namespace=ns)
+    return out
+
+
+def _timeline(run_dir: str) -> tuple[list[dict], list[dict]]:
+    from rayflex.storage.rundir import RunDirectory
+
+    rd = RunDirectory(run_dir)
+    return rd.read_jsonl("metrics.jsonl"), rd.read_jsonl("events.jsonl")
+
+
+def row_from_run_dir(run_dir: str) -> Optional[dict]:
+    """The status of a run from its directory alone (None: not a run directory)."""
+    from rayflex.storage.rundir import RunDirectory
+
+    rd = RunDirectory(run_dir)
+    res = rd.read_json("result.json")
+    metrics, events = _timeline(run_dir)
+    if res is None and not events:
+        return None
+    name = run_dir.rstrip("/").rsplit("/", 1)[-1]
+    last = metrics[-1] if metrics else {}
+    ends = [e for e in events if e.get("kind") in TERMINAL_KINDS]
+    starts = [e for e in events if e.get("kind") == "run_started"]
+    commits = [e for e in events if e.get("kind") == "checkpoint_committed"]
+    newest = [e for e in ends if not starts or e["time"] >= starts[-1]["time"]]
+    if newest:
+        state = {"run_finished": "FINISHED", "run_failed": "FAILED", "run_stopped": "STOPPED"}[newest[-1]["kind"]]
+    elif res is not None and not starts:
+        state = res["status"].upper()
+    else:
+        # The newest session never ended: its driver was killed (or it is still running
+        # on a cluster this process is not connected to).
+        state = "NO DRIVER"
+    res = res or {}
+    return {"name": name, "state": state, "step": res.get("steps_completed", last.get("step", 0)),
+            "target_steps": res.get("target_steps", starts[-1].get("target_steps") if starts else None),
+            "loss": last.get("loss"), "tokens_per_s": last.get("tokens_per_s"),
+            "world_size": res.get("world_size", last.get("world_size")),
+            "last_checkpoint": res.get("last_checkpoint") or (
+                {"step": commits[-1]["step"], "uri": commits[-1].get("uri")} if commits else None),
+            "restarts": res.get("restarts", sum(e.get("kind") == "restarted" for e in events)),
+            "goodput": res["goodput"] if res.get("goodput") is not None else goodput(metrics, events),
+            "run_dir": run_dir}
+
+
+def finished_runs(storage: str) -> list[dict]:
+    """Every run directory under ``storage`` (a run with no live Controller is finished,
+    stopped, failed, or lost its driver)."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(storage)
+    rows = []
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        return rows
+    for entry in sorted(entries, key=lambda e: e["name"]):
+        if entry.get("type") != "directory":
+            continue
+        name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+        try:
+            row = row_from_run_dir(storage.rstrip("/") + "/" + name)
+        except Exception as e:  # noqa: BLE001 - one unreadable directory must not hide the rest
+            log.warning("skipping %s/%s: %s", storage, name, e)
+            continue
+        if row is not None:
+            rows.append(row)
+    return rows
+
+
+def live_row(actor) -> dict:
+    """A live run's status from its Controller, plus goodput from its run directory."""
+    import ray
+
+    row = ray.get(actor.status.remote(), timeout=10)
+    row.pop("workers", None)
+    try:
+        from rayflex.telemetry.goodput import live_goodput
+
+        row["goodput"] = live_goodput(*_timeline(row["run_dir"]))
+    except Exception:  # noqa: BLE001 - storage unreachable from here: status still works
+        row["goodput"] = None
+    return row
+
+
+def _loopback_target() -> bool:
+    """Whether the cluster we would join listens on loopback (RAY_ADDRESS, else the one
+    ``ray start`` recorded), read without importing Ray."""
+    import os
+    import tempfile
+
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        try:
+            with open(os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")) as f:
+                address = f.read().strip()
+        except OSError:
+            return False
+    host = address.split("://")[-1].rsplit(":", 1)[0]
+    return host in ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def run_statuses(name: Optional[str] = None, storage: Optional[str] = None) -> list[dict]:
+    import os
+    import sys
+
+    if "ray" not in sys.modules and _loopback_target():
+        # Ray reads this when imported: without it, it rewrites 127.0.0.1 in the address
+        # to this machine's network IP, where a loopback-only cluster does not listen
+        # (ray.init then retries for a minute and more).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    from rayflex.local_ray import ensure_ray
+
+    rows: dict[str, dict] = {}
+    if storage:
+        for row in finished_runs(storage):
+            rows[row["name"]] = row
+    try:
+        ensure_ray(connect_only=True)
+    except ConnectionError:
+        pass
+    if ray.is_initialized():
+        for run, actor in live_runs().items():
+            if name is not None and run != name:
+                continue
+            try:
+                rows[run] = live_row(actor)
+            except Exception as e:  # noqa: BLE001 - an exiting controller
+                rows[run] = {**rows.get(run, {"name": run}), "state": f"UNREACHABLE ({type(e).__name__})"}
+    out = list(rows.values())
+    return [r for r in out if name is None or r.get("name") == name]

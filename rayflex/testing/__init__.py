@@ -1,0 +1,1 @@
+"""Testing aids shipped with rayflex: chaos runs and the single-process reference."""

@@ -1,0 +1,40 @@
+"""python -m rayflex.testing.chaos [--seed N ...] [--faults 12] [--steps-per-fault 40]: prints the JSON report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rayflex.testing.chaos", description=__doc__)
+    ap.add_argument("--seed", type=int, nargs="+", default=[0], help="one run per seed")
+    ap.add_argument("--faults", type=int, default=12)
+    ap.add_argument("--steps-per-fault", type=int, default=40)
+    ap.add_argument("--workdir", default="")
+    ap.add_argument("--out", help="also write the JSON report here (Ray's log lines share stdout)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(message)s")
+    from rayflex.testing.chaos import ChaosConfig, run_chaos
+
+    reports = []
+    for seed in args.seed:
+        workdir = os.path.join(args.workdir, f"seed{seed}") if args.workdir else ""
+        reports.append(run_chaos(ChaosConfig(seed=seed, faults=args.faults, steps_per_fault=args.steps_per_fault,
+                                             workdir=workdir)))
+        print(f"seed {seed}: {'PASSED' if reports[-1]['passed'] else 'FAILED'} in {reports[-1]['wall_s']:.0f}s",
+              file=sys.stderr)
+        text = json.dumps({"runs": reports, "passed": all(r["passed"] for r in reports)}, indent=2, default=str)
+        if args.out:  # after every seed: a later one that crashes does not lose the earlier reports
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+    print(text)
+    return 0 if all(r["passed"] for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

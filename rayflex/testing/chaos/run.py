@@ -1,0 +1,212 @@
+"""One chaos run: a 4-node loopback cluster, a real S3 endpoint behind a gate, a seeded
+sequence of faults of every kind while a model trains, then the invariants.
+
+    python -m rayflex.testing.chaos --seed 1 --faults 12
+
+Needs ``moto[server]`` (the S3 endpoint; installed with ``rayflex[test]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+from rayflex.testing.chaos.injector import FaultTiming, Injector, corrupt_newest_file
+from rayflex.testing.chaos.schedule import plan_faults
+
+log = logging.getLogger(__name__)
+
+AWS_TEST_ENV = {"AWS_ACCESS_KEY_ID": "rayflex-chaos", "AWS_SECRET_ACCESS_KEY": "rayflex-chaos",
+                "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@dataclass
+class ChaosConfig:
+    seed: int = 0
+    faults: int = 12
+    workers: int = 4
+    nodes: int = 4
+    cpus_per_node: int = 2
+    # The step budget per fault: the run ends once every fault is in and recovered from
+    # (it is stopped then), so this only caps a run whose recoveries take many steps.
+    steps_per_fault: int = 40
+    checkpoint_every: int = 5
+    heartbeat_timeout_s: float = 3.0
+    timing: FaultTiming = field(default_factory=FaultTiming)
+    workdir: str = ""
+    timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        plan_faults(self.seed, self.faults)  # fails early on too few faults
+        if self.workers < 2 or self.nodes < 3:
+            raise ValueError("a chaos run needs >= 2 workers and >= 3 nodes (one removed, the head kept)")
+
+    @property
+    def steps(self) -> int:
+        """The run's target (and the LR schedule's length); it is usually stopped earlier."""
+        return 20 + self.faults * self.steps_per_fault
+
+
+KNOBS = {"RAYFLEX_POLL_INTERVAL_S": "0.05", "RAYFLEX_PLACEMENT_TIMEOUT_S": "30",
+         "RAYFLEX_COLLECTIVE_TIMEOUT_S": "60", "RAYFLEX_HANG_TIMEOUT_FLOOR_S": "15"}
+
+
+@contextlib.contextmanager
+def _env(values: dict):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _s3_endpoint():
+    """moto's S3 server on loopback, and a gate in front of it; yields the gate."""
+    try:
+        from moto.server import ThreadedMotoServer
+    except ImportError as e:
+        raise RuntimeError("chaos runs need an S3 endpoint: pip install 'moto[server]' "
+                           "(or rayflex[test])") from e
+    from rayflex.testing.chaos.s3_gate import S3Gate
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    gate = None
+    try:
+        host, port = server.get_host_and_port()
+        gate = S3Gate(host, port).start()
+        yield gate
+    finally:
+        if gate is not None:
+            gate.close()
+        server.stop()
+
+
+def _trainer(cfg: ChaosConfig, data_uri: str, storage: str, name: str):
+    import rayflex as rf
+    from rayflex.models import GPTConfig, gpt
+
+    return rf.Trainer(
+        model=gpt(GPTConfig(vocab_size=128, seq_len=32, d_model=32, n_layers=2, n_heads=2)),
+        data=rf.DataConfig(uri=data_uri, seq_len=32, global_batch=12, log_samples=True),
+        run=rf.RunConfig(name=name, storage=storage, steps=cfg.steps),
+        scaling=rf.ScalingConfig(num_workers=cfg.workers, min_workers=2),
+        checkpoint=rf.CheckpointConfig(every_steps=cfg.checkpoint_every, keep=4),
+        elastic=rf.ElasticConfig(max_failures=4 * cfg.faults, max_preemptions=2 * cfg.faults,
+                                 resource_wait_s=120))
+
+
+def _read_lines(uri: str) -> list[dict]:
+    from rayflex.storage import fs as rfs
+
+    try:
+        text = rfs.read_text(uri)
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def run_chaos(cfg: ChaosConfig) -> dict:
+    """Run, inject, check. Returns the report (``passed`` and one entry per invariant)."""
+    from rayflex.data.dataset import GlobalSampler, TokenDataset, write_synthetic_dataset
+    from rayflex.testing.chaos import invariants as inv
+    from rayflex.testing.chaos.cluster import LocalCluster
+    from rayflex.testing.chaos.replay import compare, replay, segments_from_events
+    from rayflex.storage.manifest import step_dir
+
+    kinds = plan_faults(cfg.seed, cfg.faults)
+    workdir = cfg.workdir or tempfile.mkdtemp(prefix="rayflex-chaos-")
+    name = f"chaos-seed{cfg.seed}"
+    report: dict = {"seed": cfg.seed, "planned": kinds, "steps": cfg.steps, "workers": cfg.workers,
+                    "nodes": cfg.nodes, "config": {k: v for k, v in asdict(cfg).items() if k != "workdir"}}
+    t0 = time.time()
+    fault_log = os.path.join(workdir, "injected_failures.jsonl")
+    with _s3_endpoint() as gate, _env({**AWS_TEST_ENV, "AWS_ENDPOINT_URL_S3": gate.url,
+                                       "RAYFLEX_HEARTBEAT_TIMEOUT_S": str(cfg.heartbeat_timeout_s),
+                                       "RAYFLEX_FAULT_LOG": fault_log, **KNOBS}):
+        import boto3
+
+        boto3.client("s3", endpoint_url=gate.url).create_bucket(Bucket="chaos")
+        data_uri = write_synthetic_dataset(f"file://{workdir}/data", num_samples=1024, seq_len=32,
+                                           vocab_size=128, num_shards=3, seed=7)
+        trainer = _trainer(cfg, data_uri, "s3://chaos/runs", name)
+        spec = trainer.spec
+        root = spec.checkpoint_uri
+        injector = None
+        with LocalCluster(cfg.nodes, cfg.cpus_per_node) as cluster:
+            handle = trainer.submit()
+            injector = Injector(cluster, handle, gate, kinds, cfg.seed, workers=cfg.workers,
+                                checkpoint_root=root, timing=cfg.timing, corrupt=corrupt_newest_file,
+                                steps=cfg.steps, fault_log=fault_log)
+            stopped = False
+            try:
+                deadline = time.time() + cfg.timeout_s
+                while not handle.done() and time.time() < deadline:
+                    injector.tick()
+                    if not stopped and injector.settled():
+                        # Training on to a fixed step count would either waste minutes or,
+                        # when recoveries take more steps than planned (a quiet machine steps
+                        # faster), run out before the last fault: end the run here instead.
+                        log.info("chaos: every fault recovered from; stopping the run")
+                        handle.stop(wait=False)
+                        stopped = True
+                    time.sleep(0.1)
+                result = handle.wait(timeout_s=max(1.0, deadline - time.time()), raise_on_failure=False)
+            finally:
+                injector.cleanup()
+                with contextlib.suppress(Exception):
+                    if not handle.done():
+                        handle.stop(timeout_s=30)
+        report["run_s"] = time.time() - t0
+        last = result.steps_completed if stopped else cfg.steps  # where the run ended (the replay's end)
+        report["steps"] = last
+        faults = [f.to_dict() for f in injector.injected]
+        report["faults"] = faults
+        events = _read_lines(f"{spec.run.run_dir}/events.jsonl")
+        samples = _read_lines(f"{spec.run.run_dir}/samples.jsonl")
+        checks: dict = {}
+
+        ok, detail = len(faults) == len(kinds), f"{len(faults)} of {len(kinds)} planned faults injected"
+        if not ok:
+            detail += (f": the run reached step {injector.last_step} (the last that leaves room to recover) "
+                       f"first; raise steps_per_fault ({cfg.steps_per_fault}) or use a less loaded machine")
+        checks["every_fault_injected"] = {"ok": ok, "detail": detail}
+        ok, detail = inv.all_steps_finished(result, last, stopped=stopped)
+        checks["finished_every_step"] = {"ok": ok, "detail": detail}
+        corrupted = {f["detail"]["step"] for f in faults if f["kind"] == "corrupt_checkpoint"}
+        ok, detail = inv.checkpoints_verify(root, corrupted)
+        checks["committed_checkpoints_verify"] = {"ok": ok, "detail": detail}
+        sampler = GlobalSampler(len(TokenDataset(data_uri)), spec.data.global_batch, spec.data.seed)
+        ok, detail = inv.samples_exact(samples, sampler, last)
+        checks["samples_once_per_epoch"] = {"ok": ok, "detail": detail}
+        ok, rows = inv.faults_accounted(faults, events, cfg.heartbeat_timeout_s)
+        checks["faults_accounted"] = {"ok": ok, "detail": rows}
+        report["world_sizes"] = [e["world_size"] for e in events if e["kind"] in ("plan_chosen",)]
+        report["restarts"] = sum(1 for e in events if e["kind"] == "restarted")
+        if checks["finished_every_step"]["ok"]:
+            t1 = time.time()
+            segments = segments_from_events(events, last)
+            replay_root = replay(spec, segments, f"file://{workdir}/replay")
+            cmp = compare(step_dir(root, last), step_dir(replay_root, last))
+            ok = cmp.get("bitwise_equal", False)
+            checks["equals_fault_free_replay"] = {
+                "ok": ok, "detail": {**cmp, "segments": [asdict(s) for s in segments],
+                                     "replay_s": round(time.time() - t1, 1)}}
+        else:
+            checks["equals_fault_free_replay"] = {"ok": False, "detail": "not compared: the run did not finish"}
+    report["checks"] = checks
+    report["passed"] = all(c["ok"] for c in checks.values())
+    report["wall_s"] = time.time() - t0
+    return report

@@ -1,0 +1,532 @@
+"""TrainWorker: one rank of a run. A plain class, made a Ray actor at spawn time.
+
+The training loop runs in a thread so the actor always answers ``poll()`` (step, loss,
+phase, heartbeat, error) even while a collective blocks. Every decision that must be the
+same on all ranks (stop here, checkpoint now) travels in a tiny all-reduce at the end of
+each step, so ranks agree on the step boundary where it happens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+
+from rayflex.data.dataset import GlobalSampler, TokenDataset
+from rayflex.worker.gloo_abort import GlooSockets
+from rayflex.worker.instrument import ActivationCounter, pipeline_wait_timer
+from rayflex.mesh.plan import MeshPlan
+from rayflex.worker.parallelize import (build_device_mesh, build_local_stages, build_schedule,
+                                     clip_grads_, shard_stage)
+from rayflex.config import TrainSpec
+from rayflex.constants import knob
+
+log = logging.getLogger(__name__)
+
+# Phases a rank reports, so a hang can be attributed to what the rank was doing.
+PHASES = ("idle", "setup", "data", "forward_backward", "optimizer", "collective", "checkpoint", "done")
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    step_time_s: float
+    lr: float
+    grad_norm: float
+    time: float
+    samples: int
+    # Peak bytes autograd held for backward during the step, and (pipelines) seconds spent
+    # blocked on neighbouring stages vs the whole forward/backward.
+    activation_peak_bytes: int = 0
+    pipeline_wait_s: float = 0.0
+    forward_backward_s: float = 0.0
+    pp_index: int = 0
+    dp_index: int = 0
+    sample_indices: Optional[list] = None
+    # Seconds blocked in the end-of-step all-reduce: the last rank to arrive waits least.
+    sync_wait_s: float = 0.0
+
+
+@dataclass
+class WorkerStatus:
+    rank: int
+    node_id: str
+    state: str  # idle | running | done | stopped | failed
+    step: int  # last finished step (0 = none)
+    phase: str
+    phase_since: float
+    heartbeat: float
+    records: list = field(default_factory=list)
+    error: Optional[str] = None
+    error_step: Optional[int] = None
+    checkpoints: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class InjectedFailure:
+    """A failure this rank raises on purpose (tests, chaos runs).
+
+    ``or_later``: raise at the first step started at or after ``step``. An injector that
+    arms a live run reads the step from the controller, which lags the workers by a poll
+    or two; "exactly at step s" would then silently never fire if the rank was already
+    past s when the call arrived.
+    """
+
+    step: int
+    message: str
+    or_later: bool = False
+
+    def due(self, step: int) -> bool:
+        return step >= self.step if self.or_later else step == self.step
+
+
+def _fail_at_from_env(rank: int) -> Optional[InjectedFailure]:
+    """Fault injection (tests): ``RAYFLEX_FAIL_AT="RANK:STEP[,RANK:STEP...]"`` makes that
+    rank raise when it starts that step (in every attempt that reaches it)."""
+    for item in filter(None, os.environ.get("RAYFLEX_FAIL_AT", "").split(",")):
+        r, _, s = item.partition(":")
+        if int(r) == rank:
+            return InjectedFailure(int(s), f"injected failure (RAYFLEX_FAIL_AT) at rank {rank} step {int(s)}")
+    return None
+
+
+def _log_injected_failure(rank: int, step: int, message: str) -> None:
+    """Append that an injected failure fired to ``RAYFLEX_FAULT_LOG`` (if set): the chaos
+    harness's ground truth, independent of whether the controller noticed."""
+    path = os.environ.get("RAYFLEX_FAULT_LOG")
+    if not path:
+        return
+    line = json.dumps({"time": time.time(), "rank": rank, "step": step, "message": message, "pid": os.getpid()})
+    try:
+        with open(path, "a") as f:  # one short O_APPEND write: lines of several ranks never interleave
+            f.write(line + "\n")
+    except OSError as e:
+        log.warning("could not record the injected failure in %s: %s", path, e)
+
+
+def _clear_sharding_caches() -> None:
+    """Forget DTensor's cached sharding decisions. DeviceMesh equality ignores which rank
+    a process is, so after an elastic restart renumbers a reused process a cached result
+    would hand back the *old* mesh, whose coordinate places this rank's shard where
+    another rank's is (DCP then refuses the save: "invalid fill tensor-volume"). The cache
+    that bit is the C++ dispatch fast path's (tests/test_worker_reuse.py fails without
+    clearing it); the Python ones are cleared too, for every thread."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import _redistribute
+
+        prop = DTensor._op_dispatcher.sharding_propagator
+        cached = prop.propagate_op_sharding
+        # A thread-local LRU cache: clearing it here would reach only this thread, while
+        # the actor's other call threads (which ran the last attempt's setup) keep theirs.
+        # A new instance empties it for every thread.
+        if hasattr(cached, "cache") and hasattr(prop, "propagate_op_sharding_non_cached"):
+            prop.propagate_op_sharding = type(cached)(prop.propagate_op_sharding_non_cached)
+        for fn in (getattr(prop, "_propagate_tensor_meta_cached", None),
+                   getattr(_redistribute, "_gen_transform_infos", None)):
+            if hasattr(fn, "cache_clear"):
+                fn.cache_clear()
+        # The C++ dispatch fast path keeps its own copy of the same decisions.
+        native_clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+        if native_clear is not None:
+            native_clear()
+    except Exception as e:  # noqa: BLE001 - private API; a newer torch may not need this
+        log.debug("could not clear DTensor sharding caches: %s", e)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TrainWorker:
+    def __init__(self, rank: int, spec: TrainSpec, plan: MeshPlan, knobs: Optional[dict] = None):
+        from rayflex.constants import adopt_knobs
+
+        adopt_knobs(knobs)
+        self.spec = spec
+        torch.set_num_threads(spec.scaling.torch_threads)
+        self.node_id = self._node_id()
+        self.device = torch.device("cuda", 0) if spec.scaling.use_gpu else torch.device("cpu")
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self.reconfigure(rank, plan)
+
+    def reconfigure(self, rank: int, plan: MeshPlan) -> None:
+        """Take a (new) rank in a (new) mesh. An elastic restart reuses a surviving process
+        this way: its imports and caches stay warm, only the rank's state starts over."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError(f"rank {self.rank}: cannot reconfigure while the training loop runs")
+        self.rank = rank
+        self.plan = plan
+        self._records: list[StepRecord] = []
+        self._checkpoint_events: list[dict] = []
+        self._state = "idle"
+        self._phase, self._phase_since = "idle", time.time()
+        self._step = 0
+        self._error: Optional[str] = None
+        self._error_step: Optional[int] = None
+        self._stop = threading.Event()
+        self._stop_reason = "stop"
+        self._checkpoint_request: Optional[str] = None
+        # An armed injected failure belongs to this attempt: a reused process forgets it.
+        self.fail_at: Optional[InjectedFailure] = _fail_at_from_env(rank)
+        self.checkpointer = None
+        self._last_saved_step: Optional[int] = None
+        self.activations = ActivationCounter()
+
+    # ----------------------------------------------------------------- identity
+    @staticmethod
+    def _node_id() -> str:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                return ray.get_runtime_context().get_node_id()
+        except Exception:  # not inside Ray (unit tests)
+            pass
+        return "local"
+
+    def node_info(self) -> dict[str, Any]:
+        """Where this rank lives; rank 0 also offers the rendezvous address."""
+        ip = os.environ.get("RAYFLEX_NODE_IP")
+        if ip is None:
+            try:
+                import ray
+
+                ip = ray.util.get_node_ip_address()
+            except Exception:
+                ip = "127.0.0.1"
+        return {"rank": self.rank, "node_id": self.node_id, "ip": ip, "pid": os.getpid(),
+                "port": free_port() if self.rank == 0 else None}
+
+    # ----------------------------------------------------------------- setup
+    def setup(self, master_addr: str, master_port: int, restore: bool = True) -> dict[str, Any]:
+        """Join the process group, build and shard this rank's stage(s), restore state."""
+        import torch.distributed as dist
+
+        self._set_phase("setup")
+        t0 = time.time()
+        _clear_sharding_caches()  # a reused process may hold decisions about its old rank
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        # Sockets that exist now are not this attempt's; on GPU only the checkpoint group is
+        # gloo (nccl has a real abort), so the snapshot is taken just before it.
+        self._gloo = GlooSockets() if backend == "gloo" else None
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=self.rank, world_size=self.plan.world_size,
+                                timeout=timedelta(seconds=knob("COLLECTIVE_TIMEOUT_S")))
+        t_pg = time.time()
+        self.mesh = build_device_mesh(self.plan, self.device.type)
+        self.pp_index, self.dp_index = self.plan.coords(self.rank)
+        self.dp_mesh = self.mesh["dp"]
+        pipelined = self.plan.pp > 1
+        self.stages = build_local_stages(self.spec.model, self.plan, self.rank, self.device)
+        for _, module in self.stages:
+            shard_stage(module, self.dp_mesh, pipelined=pipelined)
+        self.params = [p for _, m in self.stages for p in m.parameters()]
+        opt = self.spec.run.optimizer
+        # One optimizer per stage module: checkpoint keys then stay per-FQN whatever the split.
+        self.optimizers = [torch.optim.AdamW(m.parameters(), lr=opt.lr, betas=tuple(opt.betas),
+                                             weight_decay=opt.weight_decay) for _, m in self.stages]
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, self._lr_factor) for o in self.optimizers]
+        self.schedule = (build_schedule(self.plan, self.stages, self.mesh["pp"].get_group(), self.device,
+                                        self.spec.model.loss_fn) if pipelined else None)
+        self.dataset = TokenDataset(self.spec.data.uri)
+        need = self.spec.data.seq_len + 1
+        if self.dataset.row_len < need:
+            raise ValueError(f"dataset rows have {self.dataset.row_len} tokens but DataConfig.seq_len="
+                             f"{self.spec.data.seq_len} needs {need}; lower seq_len or rewrite the data")
+        self.sampler = GlobalSampler(len(self.dataset), self.spec.data.global_batch, self.spec.data.seed)
+        self._has_first = 0 in [s for s, _ in self.stages]
+        self._has_last = (self.plan.num_stages - 1) in [s for s, _ in self.stages]
+        # Checkpointing runs on its own gloo group so uploads never interleave with training
+        # collectives (on GPU the default group is nccl).
+        if self._gloo is None:
+            self._gloo = GlooSockets()
+        self.ckpt_group = dist.new_group(backend="gloo")
+        self._gloo.register(dist.distributed_c10d._get_default_store(), self.rank, self.plan.world_size)
+        restored = None
+        t_build = time.time()
+        if self.spec.checkpoint.every_steps or self.spec.checkpoint.resume:
+            from rayflex.storage.checkpoint import AsyncCheckpointer
+
+            self.checkpointer = AsyncCheckpointer(self.spec.checkpoint_uri, rank=self.rank,
+                                                  group=self.ckpt_group, use_async=self.spec.checkpoint.async_save,
+                                                  keep=self.spec.checkpoint.keep, mesh=self.plan)
+            if restore and self.spec.checkpoint.resume:
+                restored = self.checkpointer.load_latest(self._stateful())
+        if restored is not None:
+            self._step = self._last_saved_step = restored["step"]
+        self._set_phase("idle")
+        t_end = time.time()
+        return {"rank": self.rank, "setup_s": t_end - t0, "step": self._step, "restored": restored,
+                "rendezvous_s": t_pg - t0, "build_s": t_build - t_pg, "restore_s": t_end - t_build}
+
+    def _lr_factor(self, step: int) -> float:
+        return self.spec.run.optimizer.lr_factor(step, self.spec.run.steps)
+
+    def _stateful(self):
+        from rayflex.storage.checkpoint import TrainState
+
+        return TrainState(modules=[m for _, m in self.stages], optimizers=self.optimizers,
+                          schedulers=self.schedulers, get_step=lambda: self._step,
+                          config={"run": self.spec.run.name, "world_size": self.plan.world_size,
+                                  "pp": self.plan.pp, "dp": self.plan.dp})
+
+    # ----------------------------------------------------------------- loop
+    def start(self, end_step: int) -> int:
+        """Run steps ``self._step + 1 .. end_step`` in a background thread."""
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError(f"rank {self.rank}: training loop already running")
+        self._stop.clear()
+        self._state = "running"
+        self._thread = threading.Thread(target=self._loop, args=(end_step,), name=f"rayflex-rank{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+        return self._step
+
+    def _set_phase(self, phase: str) -> None:
+        self._phase, self._phase_since = phase, time.time()
+
+    def _loop(self, end_step: int) -> None:
+        import torch.distributed as dist
+
+        try:
+            stop_agreed = False
+            while self._step < end_step and not stop_agreed:
+                step = self._step + 1
+                if self.fail_at is not None and self.fail_at.due(step):
+                    failure = self.fail_at
+                    if failure.or_later:
+                        self.fail_at = None  # once
+                    _log_injected_failure(self.rank, step, failure.message)
+                    raise RuntimeError(failure.message)
+                t0 = time.perf_counter()
+                loss_sum, grad_norm, probe = self._train_step(step)
+                # One tiny all-reduce carries the loss and the control flags, so every rank
+                # agrees at this boundary on stopping and on checkpointing.
+                self._set_phase("collective")
+                wants_ckpt = self._checkpoint_request is not None
+                control = torch.tensor([loss_sum, float(self._stop.is_set()), float(wants_ckpt)],
+                                       dtype=torch.float64)
+                t_sync = time.perf_counter()
+                dist.all_reduce(control)
+                probe["sync_wait_s"] = time.perf_counter() - t_sync
+                loss = float(control[0]) / self.plan.dp
+                stop_agreed = control[1] > 0
+                dt = time.perf_counter() - t0
+                with self._lock:
+                    self._step = step
+                    self._records.append(StepRecord(step=step, loss=loss, step_time_s=dt,
+                                                    lr=self.schedulers[0].get_last_lr()[0], grad_norm=grad_norm,
+                                                    time=time.time(), samples=self.spec.data.global_batch,
+                                                    pp_index=self.pp_index, dp_index=self.dp_index, **probe))
+                if self.checkpointer is not None:
+                    self._note_checkpoint(self.checkpointer.completed())
+                periodic = self.spec.checkpoint.every_steps and step % self.spec.checkpoint.every_steps == 0
+                if control[2] > 0 or (periodic and step < end_step):
+                    reason = self._checkpoint_request or "periodic"
+                    self._checkpoint_request = None
+                    self._save(step, reason if control[2] > 0 else "periodic")
+            if self.checkpointer is not None:
+                # The end of a run and a graceful stop both leave a checkpoint of the last
+                # step, so a resubmitted run loses nothing.
+                emergency = self._stop_reason == "preemption"
+                if (self.spec.checkpoint.every_steps or emergency) and self._last_saved_step != self._step:
+                    self._save(self._step, "final" if self._step >= end_step else
+                               "emergency" if emergency else "stop")
+                self._set_phase("checkpoint")
+                self._note_checkpoint(self.checkpointer.wait())
+            self._state = "done" if self._step >= end_step else "stopped"
+            self._set_phase("done")
+        except BaseException:  # noqa: BLE001 - every failure must reach the controller
+            self._error = traceback.format_exc()
+            self._error_step = self._step + 1
+            self._state = "failed"
+            log.error("rank %d failed at step %d:\n%s", self.rank, self._error_step, self._error)
+
+    def _train_step(self, step: int) -> tuple[float, float, dict]:
+        self._set_phase("data")
+        indices = self.sampler.indices(step - 1, self.dp_index, self.plan.dp)
+        rows = self.dataset.rows(indices)
+        seq = self.spec.data.seq_len
+        x, y = rows[:, :seq].to(self.device), rows[:, 1:seq + 1].to(self.device)
+        self._set_phase("forward_backward")
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+        loss_fn = self.spec.model.loss_fn
+        self.activations.reset_peak()
+        t_fb = time.perf_counter()
+        with self.activations.track(), pipeline_wait_timer() as waits:
+            loss_contrib = self._forward_backward(x, y, loss_fn)
+        probe = {"activation_peak_bytes": self.activations.peak, "pipeline_wait_s": waits["wait_s"],
+                 "forward_backward_s": time.perf_counter() - t_fb,
+                 "sample_indices": indices.tolist() if self.spec.data.log_samples else None}
+        self._set_phase("optimizer")
+        opt = self.spec.run.optimizer
+        if opt.grad_clip is not None:
+            grad_norm = clip_grads_(self.params, opt.grad_clip)
+        else:
+            from rayflex.worker.parallelize import global_grad_norm
+
+            grad_norm = float(global_grad_norm(self.params))
+        for o, sch in zip(self.optimizers, self.schedulers):
+            o.step()
+            sch.step()
+        return loss_contrib, grad_norm, probe
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> float:
+        """Forward and backward of this rank's share of the step; returns its loss share."""
+        if self.schedule is None:
+            (_, model), = self.stages
+            accum = self.plan.accum_steps
+            total = 0.0
+            for i, (xc, yc) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+                model.set_requires_gradient_sync(i == accum - 1)
+                loss = loss_fn(model(xc), yc)
+                (loss / accum).backward()
+                total += float(loss.detach()) / accum
+            loss_contrib = total
+        else:
+            losses: list[torch.Tensor] = []
+            kwargs: dict[str, Any] = {}
+            if self._has_last:
+                kwargs = {"target": y, "losses": losses}
+            args = (x,) if self._has_first else ()
+            # return_outputs=False: the last stage would otherwise keep every microbatch's
+            # logits alive until the next step.
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+            # Only last-stage ranks hold a loss; the control all-reduce divides by dp.
+            loss_contrib = float(torch.stack(losses).detach().mean()) if self._has_last else 0.0
+        return loss_contrib
+
+    # ----------------------------------------------------------------- checkpoints
+    def _save(self, step: int, reason: str) -> None:
+        if self.checkpointer is None:
+            return
+        self._last_saved_step = step
+        self._set_phase("checkpoint")
+        info = self.checkpointer.save(self._stateful(), step=step, reason=reason)
+        self._note_checkpoint(info)
+
+    def _note_checkpoint(self, info) -> None:
+        if not info:
+            return
+        with self._lock:
+            self._checkpoint_events.extend(info if isinstance(info, list) else [info])
+
+    def request_checkpoint(self, reason: str = "on_demand") -> None:
+        """Ask for a checkpoint at the next step boundary (all ranks agree through the
+        control all-reduce, so asking one rank is enough)."""
+        self._checkpoint_request = reason
+
+    # ----------------------------------------------------------------- control
+    def poll(self) -> WorkerStatus:
+        """Progress since the last poll. Cheap; never blocks on training."""
+        with self._lock:
+            records, self._records = self._records, []
+            ckpts, self._checkpoint_events = self._checkpoint_events, []
+            return WorkerStatus(rank=self.rank, node_id=self.node_id, state=self._state, step=self._step,
+                                phase=self._phase, phase_since=self._phase_since, heartbeat=time.time(),
+                                records=records, error=self._error, error_step=self._error_step,
+                                checkpoints=ckpts)
+
+    def request_stop(self, reason: str = "stop") -> None:
+        """Stop at the next step boundary (agreed by every rank), leaving a checkpoint there
+        (``reason="preemption"``: even if periodic checkpoints are off)."""
+        self._stop_reason = reason
+        self._stop.set()
+
+    def set_fail_at(self, step: int, message: str = "injected failure") -> int:
+        """Test hook: raise ``message`` once, at the first step this attempt starts at or
+        after ``step``. Returns the last step this rank finished."""
+        self.fail_at = InjectedFailure(step, message, or_later=True)
+        return self._step
+
+    def join(self, timeout_s: float) -> bool:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
+
+    def release(self, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0, abort: bool = False) -> bool:
+        """Leave the current attempt so this process can be reused by the next one.
+
+        The loop is asked to stop. ``abort`` (a peer died or raised: the attempt is broken):
+        once an in-flight save had ``checkpoint_grace_s`` to commit (0 when a peer died: it
+        cannot), this rank's process-group connections are shut down, so a collective
+        blocked here or in a peer waiting on this rank fails now instead of at the
+        collective timeout (see ``gloo_abort``). Then the groups and every object holding
+        them are freed. Returns False if the loop is still stuck after ``timeout_s``; the
+        controller then kills this process."""
+        self._stop.set()
+        grace = min(checkpoint_grace_s, timeout_s / 2)
+        if abort:
+            if self.checkpointer is not None and grace > 0:
+                self.checkpointer.settle(grace)  # the loop thread may be blocked: do not race it
+            self._abort_collectives()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("rank %d: training loop still blocked in phase %r after %.0fs", self.rank,
+                            self._phase, timeout_s)
+                return False
+        self.shutdown(checkpoint_grace_s=grace)
+        self._state = "released"
+        return True
+
+    def _wait_for_save(self, timeout_s: float) -> None:
+        if self.checkpointer is not None and timeout_s > 0:
+            try:
+                self.checkpointer.wait(timeout_s=timeout_s)
+            except Exception:  # noqa: BLE001 - a peer died mid-upload: it never commits
+                pass
+
+    def _abort_collectives(self) -> None:
+        import torch.distributed as dist
+
+        if self.device.type == "cuda" and dist.is_initialized():
+            try:
+                dist.distributed_c10d._abort_process_group()  # nccl: ncclCommAbort
+            except Exception:  # noqa: BLE001 - best effort, the sockets below still go
+                log.warning("rank %d: nccl abort failed", self.rank, exc_info=True)
+        gloo = getattr(self, "_gloo", None)
+        if gloo is not None:
+            n = gloo.abort()
+            log.info("rank %d: shut down %d process-group connections", self.rank, n)
+
+    def _drop_training_state(self) -> None:
+        """Forget the model, optimizer, schedule and meshes of this attempt, and collect them:
+        FSDP and DTensor hold the process groups, whose sockets close only when freed."""
+        import gc
+
+        for name in ("stages", "params", "optimizers", "schedulers", "schedule", "mesh", "dp_mesh", "pp_group",
+                     "staging", "_gloo"):
+            self.__dict__.pop(name, None)
+        self.checkpointer = None
+        self._thread = None
+        _clear_sharding_caches()
+        gc.collect()
+
+    def shutdown(self, checkpoint_grace_s: float = 4.0) -> None:
+        """Give an in-flight checkpoint a moment to commit, then leave the process group."""
+        import torch.distributed as dist
+
+        self._wait_for_save(checkpoint_grace_s)
+        self._drop_training_state()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # best effort; the process is about to go away
+                pass
