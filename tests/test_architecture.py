@@ -1,0 +1,149 @@
+"""The layout is the architecture: packages import only from layers below them, no module
+imports itself back through others, and the pieces that must stay light stay light.
+
+Imports are read with ``ast`` from the source (top-level and function-level ones alike,
+``if TYPE_CHECKING:`` blocks aside), so a lazy import cannot hide an upward dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "rayflex"
+
+# Lowest first. A module may import from its own package or from a package of a lower
+# layer; ``rayflex`` itself (the public re-exports) counts as the api layer.
+LAYERS: list[set[str]] = [
+    {"errors", "constants"},
+    {"mesh", "local_ray"},
+    {"config", "models", "storage"},
+    {"planning", "data", "telemetry"},
+    {"worker", "faults"},
+    {"group"},
+    {"control"},
+    {"api"},
+    {"cli", "testing"},
+]
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def _type_checking_block(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def imports_of(module: str) -> set[str]:
+    """The rayflex modules ``module`` imports (``from pkg import sub`` counts as ``pkg.sub``)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if _type_checking_block(node):
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "rayflex")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if base.split(".")[0] == "rayflex":
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    found.add(sub if sub in MODULES else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    found.discard(module)
+    return {m for m in found if m in MODULES}
+
+
+def part_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "api"
+
+
+def test_every_module_belongs_to_a_layer():
+    unknown = sorted({part_of(m) for m in MODULES} - set(LAYER_OF))
+    assert not unknown, f"add these packages to a layer in LAYERS: {unknown}"
+
+
+def test_no_import_goes_up_a_layer():
+    upward = []
+    for module in sorted(MODULES):
+        here = part_of(module)
+        for target in sorted(imports_of(module)):
+            there = part_of(target)
+            if there != here and LAYER_OF[there] >= LAYER_OF[here]:
+                upward.append(f"{module} -> {target} ({here} is layer {LAYER_OF[here]}, "
+                              f"{there} layer {LAYER_OF[there]})")
+    assert not upward, "imports from a higher (or the same) layer:\n" + "\n".join(upward)
+
+
+def test_no_import_circles():
+    graph = {m: imports_of(m) for m in MODULES}
+    # A package's __init__ that re-exports a submodule is not a circle with it.
+    for m, targets in graph.items():
+        graph[m] = {t for t in targets if not (MODULES[t].name == "__init__.py" and m.startswith(t + "."))}
+    circles, state = [], {}
+
+    def walk(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                walk(nxt, path + [nxt])
+        state[node] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            walk(m, [m])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+@pytest.mark.parametrize("module", ["rayflex.mesh.plan", "rayflex.mesh.rules", "rayflex.control.controller",
+                                    "rayflex.planning.comm_profile", "rayflex.config"])
+def test_control_plane_modules_do_not_import_torch(module):
+    """The controller plans meshes and placements without torch (a 0-CPU actor that starts fast)."""
+    if module not in MODULES:
+        pytest.skip(f"{module} does not exist yet")
+    seen, todo, heavy = set(), [module], []
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        tree = ast.parse(MODULES[m].read_text())
+        for node in tree.body:  # module-level imports only: these run when the module loads
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch" for a in node.names):
+                heavy.append(m)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+                heavy.append(m)
+        todo.extend(t for t in imports_of(m) if t in MODULES and _module_level(m, t))
+    assert not heavy, f"{module} imports torch at load time through {sorted(set(heavy))}"
+
+
+def _module_level(module: str, target: str) -> bool:
+    tree = ast.parse(MODULES[module].read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and (
+                node.module == target or target.startswith(node.module + ".")):
+            return True
+        if isinstance(node, ast.Import) and any(a.name == target for a in node.names):
+            return True
+    return False
