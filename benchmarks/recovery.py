@@ -61,7 +61,7 @@ RUN_TIMEOUT_S = 240
 DETECT_KINDS = ("worker_died", "node_lost", "worker_failed", "hang_detected")
 # Actors that belong to one run (rayflex's controller and workers, Ray Train's controller and
 # workers): the only ones the harness kills if a finished case left them behind.
-RUN_ACTOR_CLASSES = ("Controller", "TrainWorker", "TrainController", "RayTrainWorker")
+RUN_ACTOR_CLASSES = ("Controller", "TrainWorkerActor", "TrainController", "RayTrainWorker")
 
 
 def log(msg: str) -> None:

@@ -24,10 +24,19 @@ def _trainer(dataset_uri, storage, name, **over):
 
 
 def test_fsdp_over_ray_matches_single_process(two_node_cluster, dataset_uri, tmp_path):
+    import ray
+
     storage = f"file://{tmp_path}/runs"
     trainer = _trainer(dataset_uri, storage, "core")
-    result = trainer.fit(progress=False)
+    handle = trainer.submit()
+    deadline = time.time() + 120
+    while len(handle.metrics()) < 2 and not handle.done() and time.time() < deadline:
+        time.sleep(0.2)
+    # Planned, placed, and folding in the ranks' steps: still no torch in the controller.
+    controller = ray.get(handle.controller.process_info.remote(), timeout=30)
+    result = handle.wait()
     run_dir = tmp_path / "runs" / "core"
+    assert controller["torch_imported"] is False, controller
 
     assert result.status == "finished" and result.steps_completed == 6
     saved = json.loads((run_dir / "result.json").read_text())

@@ -277,7 +277,7 @@ def _leftovers(head: RayHead) -> dict:
     script = ("import json\nfrom ray.util import state\n"
               f"addr = {head.dashboard_url!r}\n"
               "actors = [a.class_name for a in state.list_actors(address=addr, filters=[('state', '!=', 'DEAD')])"
-              " if a.class_name in ('TrainWorker', 'Controller')]\n"
+              " if a.class_name in ('TrainWorkerActor', 'Controller')]\n"
               "pgs = [p.placement_group_id for p in state.list_placement_groups(address=addr, "
               "filters=[('state', '!=', 'REMOVED')])]\n"
               "print(json.dumps({'actors': actors, 'placement_groups': pgs}))")

@@ -93,12 +93,9 @@ class RunHandle:
 
     def _release(self) -> None:
         """The run is over and its result fetched: free the name for a resubmission."""
-        import ray
+        from rayflex.group.actors import kill_quietly
 
-        try:
-            ray.kill(self.controller, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        kill_quietly(self.controller)
 
     def _collect(self, timeout: Optional[float]) -> None:
         import ray
@@ -192,6 +189,7 @@ class Trainer:
 
         from rayflex.constants import CONTROLLER_NAMESPACE, controller_name
         from rayflex.control.controller import Controller
+        from rayflex.models.summary import summarized
 
         self._preflight()
         ensure_ray(self.spec.scaling.num_workers * self.spec.scaling.cpus_per_worker)
@@ -211,8 +209,9 @@ class Trainer:
         # on a worker node whose loss (a spot preemption) would take the run down with it.
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         remote = ray.remote(num_cpus=0, max_concurrency=8)(Controller)
+        # The controller gets the model's sizes, not its code: it never imports torch.
         controller = remote.options(name=name, namespace=CONTROLLER_NAMESPACE, scheduling_strategy=here).remote(
-            self.spec, knobs=knob_env())
+            summarized(self.spec), knobs=knob_env())
         return RunHandle(self.spec.run.name, controller, controller.run.remote())
 
     def fit(self, *, progress: bool = True) -> Result:

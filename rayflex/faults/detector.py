@@ -20,7 +20,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from rayflex.constants import knob
 from rayflex.telemetry import events as ev
@@ -42,11 +42,12 @@ class Fault:
 
 class FaultDetector:
     def __init__(self, world_size: int, node_of: dict[int, str], *, straggler_ratio: float = 3.0,
-                 straggler_window: int = 5):
+                 straggler_window: int = 5, clock: Callable[[], float] = time.time):
         self.world_size = world_size
         self.node_of = dict(node_of)
-        self.last_answer = {r: time.time() for r in range(world_size)}
-        self.last_progress = time.time()
+        self._clock = clock
+        self.last_answer = {r: clock() for r in range(world_size)}
+        self.last_progress = clock()
         self.last_step = -1
         self.step_times: deque = deque(maxlen=50)
         self.straggler_ratio = straggler_ratio
@@ -57,7 +58,7 @@ class FaultDetector:
     # ----------------------------------------------------------------- inputs
     def note_step(self, step: int, step_time_s: float, sync_waits: dict[int, float]) -> list[ev.Event]:
         """A step every rank finished; returns straggler events (reported once per rank)."""
-        self.last_progress = time.time()
+        self.last_progress = self._clock()
         self.last_step = step
         self.step_times.append(step_time_s)
         return self._stragglers(step, sync_waits)
@@ -70,7 +71,7 @@ class FaultDetector:
 
     def check(self, poll, alive_nodes: Optional[set[str]] = None, now: Optional[float] = None) -> Fault:
         """One poll cycle's verdict."""
-        now = now or time.time()
+        now = now or self._clock()
         fault = Fault()
         for rank in poll.statuses:
             self.last_answer[rank] = now

@@ -13,12 +13,21 @@ to start where, and when to give up on them.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from rayflex.group.actors import kill_quietly
+
 log = logging.getLogger(__name__)
+
+
+class Readiness(str, enum.Enum):
+    READY = "ready"  # every standby is up (or there are none)
+    WARMING = "warming"
+    FAILED = "failed"  # one could not start, or they took too long: the pool was emptied
 
 
 @dataclass
@@ -61,6 +70,16 @@ class StandbyPool:
     def oldest_warming_s(self) -> float:
         now = time.time()
         return max((now - s.started for s in self._standbys.values() if s.ready_at is None), default=0.0)
+
+    def readiness(self, timeout_s: float) -> Readiness:
+        """Whether the standbys are up; gives up on them (emptying the pool) if one failed
+        to start or they take longer than ``timeout_s``."""
+        errors = self.poll()
+        if errors or self.oldest_warming_s() > timeout_s:
+            log.warning("standby workers given up: %s", "; ".join(errors) or f"not up after {timeout_s:.0f}s")
+            self.clear()
+            return Readiness.FAILED
+        return Readiness.READY if self.warming == 0 else Readiness.WARMING
 
     # ----------------------------------------------------------------- actions
     def start(self, node_id: str, count: int) -> None:
@@ -126,11 +145,6 @@ class StandbyPool:
             self._drop(actor_id)
 
     def _drop(self, actor_id: str) -> None:
-        import ray
-
         standby = self._standbys.pop(actor_id)
-        try:
-            ray.kill(standby.actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        kill_quietly(standby.actor)
         self._placement.vacate(actor_id)

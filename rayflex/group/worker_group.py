@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rayflex.mesh.plan import MeshPlan
-from rayflex.worker.train_worker import TrainWorker, WorkerStatus
+from rayflex.worker.actor import TrainWorkerActor
+from rayflex.worker.status import WorkerStatus
 from rayflex.config import TrainSpec
 from rayflex.constants import knob, knob_env
+from rayflex.group.actors import kill_quietly
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ class PollResult:
     silent_s: dict[int, float] = field(default_factory=dict)
 
 
-def worker_actor_class(spec: TrainSpec, worker_cls: type = TrainWorker):
+def worker_actor_class(spec: TrainSpec, worker_cls: type = TrainWorkerActor):
     import ray
 
     res = spec.scaling.worker_resources()
@@ -44,7 +46,7 @@ def worker_actor_class(spec: TrainSpec, worker_cls: type = TrainWorker):
 
 
 class RayWorkerGroup:
-    def __init__(self, spec: TrainSpec, plan: MeshPlan, members: list[Any], *, worker_cls: type = TrainWorker):
+    def __init__(self, spec: TrainSpec, plan: MeshPlan, members: list[Any], *, worker_cls: type = TrainWorkerActor):
         """``members[rank]``: a scheduling strategy (spawn) or an existing actor (reuse)."""
         from ray.actor import ActorHandle
 
@@ -127,13 +129,8 @@ class RayWorkerGroup:
             getattr(a, method).remote(*args)
 
     def kill(self, ranks) -> None:
-        import ray
-
         for r in ranks:
-            try:
-                ray.kill(self.actors[r], no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead
-                pass
+            kill_quietly(self.actors[r])
 
     def release(self, ranks, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0,
                 abort: bool = False) -> dict[int, bool]:

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -25,52 +25,13 @@ from rayflex.data.dataset import GlobalSampler, TokenDataset
 from rayflex.worker.gloo_abort import GlooSockets
 from rayflex.worker.instrument import ActivationCounter, pipeline_wait_timer
 from rayflex.mesh.plan import MeshPlan
+from rayflex.worker.status import StepRecord, WorkerStatus
 from rayflex.worker.parallelize import (build_device_mesh, build_local_stages, build_schedule,
                                      clip_grads_, shard_stage)
 from rayflex.config import TrainSpec
 from rayflex.constants import knob
 
 log = logging.getLogger(__name__)
-
-# Phases a rank reports, so a hang can be attributed to what the rank was doing.
-PHASES = ("idle", "setup", "data", "forward_backward", "optimizer", "collective", "checkpoint", "done")
-
-
-@dataclass
-class StepRecord:
-    step: int
-    loss: float
-    step_time_s: float
-    lr: float
-    grad_norm: float
-    time: float
-    samples: int
-    # Peak bytes autograd held for backward during the step, and (pipelines) seconds spent
-    # blocked on neighbouring stages vs the whole forward/backward.
-    activation_peak_bytes: int = 0
-    pipeline_wait_s: float = 0.0
-    forward_backward_s: float = 0.0
-    pp_index: int = 0
-    dp_index: int = 0
-    sample_indices: Optional[list] = None
-    # Seconds blocked in the end-of-step all-reduce: the last rank to arrive waits least.
-    sync_wait_s: float = 0.0
-
-
-@dataclass
-class WorkerStatus:
-    rank: int
-    node_id: str
-    state: str  # idle | running | done | stopped | failed
-    step: int  # last finished step (0 = none)
-    phase: str
-    phase_since: float
-    heartbeat: float
-    records: list = field(default_factory=list)
-    error: Optional[str] = None
-    error_step: Optional[int] = None
-    checkpoints: list = field(default_factory=list)
-
 
 @dataclass(frozen=True)
 class InjectedFailure:

@@ -8,33 +8,13 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rayflex.models.gpt_config import GPTConfig
 from rayflex.models.spec import ModelSpec
-
-
-@dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    vocab_size: int = 256
-    seq_len: int = 64
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    mlp_ratio: int = 4
-
-    def __post_init__(self) -> None:
-        from rayflex.errors import ConfigError
-
-        if self.d_model % self.n_heads:
-            raise ConfigError("GPTConfig.d_model", f"d_model={self.d_model} is not divisible by "
-                              f"n_heads={self.n_heads}", "pick d_model a multiple of n_heads")
-        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"GPTConfig.{name}", "must be >= 1", "use a positive size")
 
 
 class Embedding(nn.Module):

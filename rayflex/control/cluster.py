@@ -1,0 +1,97 @@
+"""What the controller needs from the world outside it: a clock and a cluster.
+
+The controller's states never call Ray themselves; they go through a :class:`Clock` and a
+:class:`RayCluster` (spawning a worker group, reserving bundles, killing an actor, asking
+the autoscaler for capacity, reading the topology). Unit tests pass stand-ins with a fake
+clock and scripted workers, and drive every transition without Ray.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from rayflex.config import TrainSpec
+from rayflex.constants import knob_env
+from rayflex.group.actors import actor_id, kill_quietly
+
+
+class Clock:
+    """Wall-clock seconds and sleeping; tests pass one whose time they advance."""
+
+    def time(self) -> float:
+        return time.time()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(max(0.0, seconds))
+
+
+class RayCluster:
+    """The controller's side effects on a real Ray cluster."""
+
+    def __init__(self, spec: TrainSpec):
+        self.spec = spec
+
+    def topology(self):
+        from rayflex.planning.topology import Topology
+
+        return Topology.from_ray(cpus_per_worker=self.spec.scaling.cpus_per_worker, use_gpu=self.spec.scaling.use_gpu)
+
+    def alive_nodes(self) -> set[str]:
+        import ray
+
+        return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+    def request_capacity(self) -> None:
+        """Ask Ray's autoscaler for bundles up to max_workers (a no-op without an autoscaler)."""
+        import logging
+
+        try:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=[self.spec.scaling.worker_resources() for _ in range(self.spec.scaling.max_size)])
+        except Exception as e:  # noqa: BLE001 - clusters without an autoscaler
+            logging.getLogger(__name__).debug("request_resources unavailable: %s", e)
+
+    kill = staticmethod(kill_quietly)
+    actor_id = staticmethod(actor_id)
+
+    def reservation(self):
+        from rayflex.group.reservation import RunPlacement
+
+        return RunPlacement(self.spec)
+
+    def worker_group(self, plan, members: list[Any]):
+        from rayflex.group.worker_group import RayWorkerGroup
+
+        return RayWorkerGroup(self.spec, plan, members)
+
+    def standby_pool(self, reservation, plan_now):
+        """Workers started ahead of need in ``reservation``'s bundles; ``plan_now()`` is the
+        mesh they are first configured with (a standby gets its real rank on reuse)."""
+        from rayflex.group.standby import StandbyPool
+        from rayflex.group.worker_group import worker_actor_class
+
+        def spawn(strategy):
+            return worker_actor_class(self.spec).options(scheduling_strategy=strategy).remote(
+                -1, self.spec, plan_now(), knobs=knob_env())
+
+        return StandbyPool(spawn, reservation, actor_id)
+
+    def preemption_watcher(self) -> Optional[Any]:
+        from rayflex.faults import preemption as pre
+
+        cfg = self.spec.elastic
+        sources: list = []
+        if cfg.watch_ray_drain:
+            sources.append(pre.RayDrainSource())
+        if cfg.metadata_url:
+            sources.append(pre.MetadataSource(cfg.metadata_url, cfg.metadata_kind))
+        if cfg.notice_file:
+            sources.append(pre.NoticeFileSource(cfg.notice_file))
+        return pre.PreemptionWatcher(sources) if sources else None
+
+    def set_fail_at(self, actor, at_step: int, message: str) -> int:
+        import ray
+
+        return ray.get(actor.set_fail_at.remote(at_step, message), timeout=30)

@@ -1,0 +1,110 @@
+"""RunContext: what every state of one run shares.
+
+The services (clock, cluster, recorder, ledger, failure policy), the resources the run
+holds until teardown (the bundle reservation, the standby pool, the preemption watcher,
+the live worker group) and two run-long facts: the nodes excluded by a preemption notice
+and whether a stop was asked for. Data one state hands to the next is not here: it travels
+in the state's payload (``control/states.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Optional
+
+from rayflex.config import TrainSpec
+from rayflex.control.ledger import StepLedger
+from rayflex.control.recorder import Recorder
+from rayflex.faults.policy import FailurePolicy, best_world_size
+from rayflex.mesh.plan import plan_mesh
+
+
+class RunContext:
+    def __init__(self, spec: TrainSpec, cluster, clock):
+        self.spec, self.cluster, self.clock = spec, cluster, clock
+        self.recorder = Recorder(spec, clock)
+        self.ledger = StepLedger(spec, self.recorder)
+        self.policy = FailurePolicy(spec)
+        self.excluded: set[str] = set()  # nodes with a preemption notice: about to vanish
+        self.stop_requested = threading.Event()
+        self.stop_reason = ""
+        # Held until teardown.
+        self.reservation: Any = None
+        self.standby: Any = None
+        self.watcher: Any = None
+        self.group: Any = None  # the live attempt's workers (status, fault injection, teardown)
+        self.plan: Any = None  # the live attempt's mesh
+
+    @property
+    def warm_restarts(self) -> bool:
+        return self.spec.elastic.restart_while_warming
+
+    def record(self, event):
+        return self.recorder.record(event)
+
+    # ----------------------------------------------------------------- capacity
+    def usable_topology(self, avoid: frozenset | set = frozenset()):
+        """The cluster's topology without excluded (and ``avoid``) nodes."""
+        from rayflex.planning.topology import Topology
+
+        topology = self.cluster.topology()
+        skip = self.excluded | set(avoid)
+        if skip:
+            topology = Topology(tuple(n for n in topology.nodes if n.node_id not in skip), topology.bandwidths)
+        return topology
+
+    def usable_slots(self, topology=None) -> int:
+        topology = topology if topology is not None else self.usable_topology()
+        labels = self.spec.scaling.node_labels
+        return sum(n.slots for n in topology.usable().nodes
+                   if all(n.labels.get(k) == v for k, v in labels.items()))
+
+    def best_size(self, topology=None) -> int:
+        """The world size a restart would pick with the slots usable now (0: none)."""
+        return best_world_size(self.spec, self.usable_slots(topology)) or 0
+
+    def plan_at(self, size: int, topology):
+        """(mesh, how pp was chosen, placement) for ``size`` ranks on ``topology``. With
+        pp="auto" the capacity planner picks the fastest mesh that fits, at every (re)start."""
+        from rayflex.planning.capacity.auto import resolve_parallel
+        from rayflex.planning.comm_profile import plan_for
+
+        resolved = resolve_parallel(self.spec, size, topology)
+        mesh = plan_mesh(self.spec.model, resolved.parallel, resolved.data, size)
+        return mesh, resolved, plan_for(self.spec, mesh, topology)  # PlacementError names what is missing
+
+    @staticmethod
+    def only_slots(topology, slots: dict[str, int]):
+        """``topology`` cut down to ``slots`` (node -> workers)."""
+        from rayflex.planning.topology import Topology
+
+        return Topology(tuple(dataclasses.replace(n, slots=slots[n.node_id])
+                              for n in topology.nodes if slots.get(n.node_id)), topology.bandwidths)
+
+    # ----------------------------------------------------------------- resources
+    def ensure_reservation(self):
+        if self.reservation is None:
+            self.reservation = self.cluster.reservation()
+        return self.reservation
+
+    def ensure_standby(self):
+        if self.standby is None:
+            self.standby = self.cluster.standby_pool(self.ensure_reservation(), lambda: self.plan)
+        return self.standby
+
+    def workers_per_node(self, node_of: dict[int, str], skip_ranks=()) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for rank, node in node_of.items():
+            if rank not in skip_ranks:
+                out[node] = out.get(node, 0) + 1
+        return out
+
+    def request_capacity(self) -> None:
+        self.cluster.request_capacity()
+
+    def alive_nodes(self) -> set[str]:
+        return self.cluster.alive_nodes()
+
+    def note_attempt(self, group, plan: Optional[Any]) -> None:
+        self.group, self.plan = group, plan if plan is not None else self.plan

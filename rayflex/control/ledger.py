@@ -1,0 +1,117 @@
+"""StepLedger: what the run has done, folded from the ranks' poll answers.
+
+A step counts once every rank of the attempt reported it; its metrics line (loss, step
+time, throughput, per-stage activation peaks and pipeline waits) is then written, and the
+detector hears the step time and each rank's wait at the end-of-step all-reduce (the
+straggler signal). Rank 0's checkpoint reports become commit/failure events.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+from typing import Any, Optional
+
+from rayflex.constants import knob
+from rayflex.telemetry import events as ev
+
+
+class StepLedger:
+    def __init__(self, spec, recorder):
+        self.spec, self.recorder = spec, recorder
+        self.step = 0  # the last step every rank finished
+        self.start_step = 0
+        self.committed_step = 0
+        self.last_checkpoint: Optional[dict] = None
+        self.checkpoint_seconds: list[float] = []
+        self.first_step_at: Optional[float] = None
+        self._pending: dict[int, dict[int, Any]] = {}
+        self._metrics: list[dict] = []
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- reading
+    def metrics(self, since_step: int = 0) -> list[dict]:
+        with self._lock:
+            return [m for m in self._metrics if m["step"] > since_step]
+
+    def last_metrics(self) -> dict:
+        with self._lock:
+            return self._metrics[-1] if self._metrics else {}
+
+    def checkpoint_estimate_s(self) -> float:
+        """How long an emergency checkpoint takes, from this run's recent saves."""
+        if self.checkpoint_seconds:
+            return statistics.median(self.checkpoint_seconds[-5:])
+        return knob("EMERGENCY_CHECKPOINT_DEFAULT_S")
+
+    # ----------------------------------------------------------------- writing
+    def resume(self, lines: list[str]) -> int:
+        """The metric lines of an earlier run of this name; returns the last step they reached."""
+        self._metrics = [json.loads(line) for line in lines]
+        return self._metrics[-1]["step"] if self._metrics else 0
+
+    def restored(self, step: int) -> int:
+        """An attempt starts at ``step``; lines past it belong to a rolled-back timeline
+        and are rewritten. Returns how many steps were lost."""
+        self.step = self.start_step = step
+        self.committed_step = max(self.committed_step, step)
+        with self._lock:
+            rolled_back = [m for m in self._metrics if m["step"] > step]
+            self._metrics = [m for m in self._metrics if m["step"] <= step]
+        if rolled_back:
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                self.recorder.rundir.rewrite(name, lambda line: line["step"] <= step)
+        self._pending.clear()
+        return len(rolled_back)
+
+    def absorb(self, rank: int, status, plan, detector) -> None:
+        """Fold one rank's poll answer in; every step all ranks reported becomes a line."""
+        for rec in status.records:
+            self._pending.setdefault(rec.step, {})[rank] = rec
+        if rank == 0:
+            for ck in status.checkpoints:
+                self._checkpoint(ck)
+        while (self.step + 1) in self._pending and len(self._pending[self.step + 1]) == plan.world_size:
+            self._finish_step(self._pending.pop(self.step + 1), plan, detector)
+
+    def _checkpoint(self, ck: dict) -> None:
+        if ck.get("committed"):
+            self.last_checkpoint = {"step": ck["step"], "uri": ck.get("uri")}
+            self.committed_step = max(self.committed_step, ck["step"])
+            self.checkpoint_seconds.append(ck.get("blocked_s", 0.0) + ck.get("total_s", 0.0))
+            self.recorder.record(ev.CheckpointCommitted(step=ck["step"], uri=ck.get("uri", ""),
+                                                        blocked_s=ck.get("blocked_s", 0.0),
+                                                        total_s=ck.get("total_s", 0.0), bytes=ck.get("bytes", 0),
+                                                        reason=ck.get("reason", "")))
+        elif ck.get("error"):
+            self.recorder.record(ev.CheckpointFailed(step=ck.get("step"), reason=ck["error"]))
+
+    def _finish_step(self, recs: dict, plan, detector) -> None:
+        r0 = recs[0]
+        step_time = max(r.step_time_s for r in recs.values())
+        tokens = r0.samples * self.spec.data.seq_len
+        line = {"step": r0.step, "loss": r0.loss, "step_time_s": step_time,
+                "tokens_per_s": tokens / step_time if step_time > 0 else None, "lr": r0.lr,
+                "grad_norm": r0.grad_norm, "world_size": plan.world_size, "ranks_reported": len(recs),
+                "time": max(r.time for r in recs.values())}
+        stages = range(plan.pp)
+        line["activation_peak_bytes"] = [max(r.activation_peak_bytes for r in recs.values() if r.pp_index == s)
+                                         for s in stages]
+        if plan.pp > 1:
+            line["pipeline_wait_fraction"] = [
+                statistics.fmean(r.pipeline_wait_s / r.forward_backward_s if r.forward_backward_s else 0.0
+                                 for r in recs.values() if r.pp_index == s) for s in stages]
+        if self.spec.data.log_samples:
+            first_stage = sorted((r.dp_index, r.sample_indices) for r in recs.values() if r.pp_index == 0)
+            self.recorder.rundir.add_line("samples.jsonl", {
+                "step": r0.step, "world_size": plan.world_size,
+                "indices": [i for _, idx in first_stage for i in idx or []]})
+        for event in detector.note_step(r0.step, step_time, {r: rec.sync_wait_s for r, rec in recs.items()}):
+            self.recorder.record(event)
+        if self.first_step_at is None:
+            self.first_step_at = line["time"]
+        with self._lock:
+            self._metrics.append(line)
+        self.recorder.add_metrics(line)
+        self.step = self.recorder.step = r0.step

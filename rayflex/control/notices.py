@@ -1,0 +1,58 @@
+"""What a spot-preemption notice means for the running attempt.
+
+With time for a step, an emergency checkpoint and a margin, the run stops at the next step
+boundary (the stop leaves a checkpoint) while replacements warm; with less, the node's
+ranks count as lost now and the restart restores the last committed checkpoint. A notice
+for a node without workers only excludes it from placement.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Optional
+
+from rayflex.control.warming import warm_standbys
+from rayflex.faults.detector import Fault
+from rayflex.telemetry import events as ev
+
+
+def handle_notices(ctx, loop) -> Optional[Fault]:
+    """Act on new notices; returns a fault when a node goes before a checkpoint could."""
+    group, detector = loop.attempt.group, loop.attempt.detector
+    for notice in ctx.watcher.poll():
+        ranks = sorted(r for r, n in group.node_of.items() if n == notice.node_id)
+        ctx.excluded.add(notice.node_id)
+        left = notice.seconds_left(ctx.clock.time())
+        step_s = statistics.median(detector.step_times) if detector.step_times else 1.0
+        estimate = ctx.ledger.checkpoint_estimate_s()
+        margin = ctx.spec.elastic.emergency_margin_s
+        needed = step_s + estimate + margin
+        base = dict(step=ctx.ledger.step, node_id=notice.node_id, deadline=notice.deadline, source=notice.source,
+                    ranks=ranks, seconds_left=left, needed_s=needed)
+        if not ranks:
+            ctx.record(ev.PreemptionNotice(**base, action="no_workers",
+                                           reason="no worker on the node; it is excluded from placement"))
+        elif loop.preempting is not None:
+            ctx.record(ev.PreemptionNotice(**base, action="emergency_checkpoint",
+                                           reason="joins the emergency checkpoint already under way"))
+        elif left >= needed:
+            ctx.record(ev.PreemptionNotice(**base, action="emergency_checkpoint", reason=(
+                f"{left:.1f}s left >= {needed:.1f}s needed (a step {step_s:.2f}s + checkpoint "
+                f"{estimate:.2f}s + margin {margin:.1f}s)")))
+            loop.preempting = notice
+            loop.grow_to = None  # the restart after the checkpoint picks the size
+            group.broadcast("request_stop", "preemption")
+            warm_standbys(ctx, ctx.best_size())  # the node's replacements start during the checkpoint
+        else:
+            why = (f"only {left:.1f}s left, an emergency checkpoint needs {needed:.1f}s: restoring the last "
+                   f"committed checkpoint (step {ctx.ledger.committed_step}) without node {notice.node_id[:12]}")
+            ctx.record(ev.PreemptionNotice(**base, action="restore_last_committed", reason=why))
+            return Fault(bad_ranks=set(ranks), kind="preemption", error=why)
+    return None
+
+
+def preemption_fault(ctx, group, notice) -> Fault:
+    """The emergency checkpoint is done: the ranks on excluded nodes are to be replaced."""
+    ranks = {r for r, n in group.node_of.items() if n in ctx.excluded}
+    return Fault(bad_ranks=ranks, kind="preemption",
+                 error=f"spot preemption of node {notice.node_id[:12]} ({notice.source})")

@@ -1,0 +1,131 @@
+"""PLACING: plan the mesh and its placement, start (or reuse) the workers, restore.
+
+The plan is made for the size the state names (the first start: the configured size, or
+the best that fits when elastic); warm survivors and standbys keep their bundles and take
+new ranks; the workers then rendezvous, build their stages and restore the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rayflex.constants import knob
+from rayflex.control.states import Attempt, Finished, Placing, Running
+from rayflex.errors import RayflexError
+from rayflex.faults.detector import FaultDetector
+from rayflex.faults.policy import best_world_size
+from rayflex.telemetry import events as ev
+
+log = logging.getLogger(__name__)
+
+
+def place(ctx, state: Placing):
+    t0 = ctx.clock.time()
+    survivors = dict(state.survivors)
+    world, plan, resolved, placement = _plan(ctx, state, survivors)
+    ctx.plan = plan
+    group = _start_group(ctx, plan, placement, survivors, world, shrinking=state.workers_up is not None)
+    infos = group.setup(restore=ctx.spec.checkpoint.resume)
+    ctx.record(_plan_event(world, plan, resolved, placement, group))
+    steps = {i["step"] for i in infos}
+    if len(steps) != 1:
+        raise RayflexError(f"ranks restored different steps {sorted(steps)}; checkpoint is inconsistent")
+    step = steps.pop()
+    restored = infos[0].get("restored")
+    if restored:
+        ctx.record(ev.CheckpointLoaded(step=step, uri=restored.get("uri", ""), world_size=world,
+                                       saved_world_size=restored.get("world_size", 0),
+                                       skipped=restored.get("skipped", [])))
+    lost = ctx.ledger.restored(step)
+    if state.restart_reason is not None:
+        ctx.record(ev.Restarted(step=step, world_size=world, from_step=step, reason=state.restart_reason,
+                                lost_steps=lost, reused_workers=len(getattr(group, "reused", [])),
+                                fault_time=state.fault_time))
+    ctx.record(ev.WorkersStarted(step=step, world_size=world, setup_s=ctx.clock.time() - t0,
+                                 spawn_s=getattr(group, "spawn_s", 0.0),
+                                 rendezvous_s=max(i.get("rendezvous_s", 0.0) for i in infos),
+                                 build_s=max(i.get("build_s", 0.0) for i in infos),
+                                 restore_s=max(i.get("restore_s", 0.0) for i in infos)))
+    detector = FaultDetector(world, group.node_of, clock=ctx.clock.time)
+    if step >= ctx.spec.run.steps:
+        return Finished()
+    group.start(ctx.spec.run.steps)
+    _watch_preemptions(ctx, group)
+    if world < ctx.spec.scaling.max_size:
+        ctx.request_capacity()
+    return Running(Attempt(group=group, plan=plan, detector=detector))
+
+
+def _plan(ctx, state: Placing, survivors: dict):
+    """(world size, mesh, pp choice, placement). A restart on only the workers that are up
+    falls back to the full size when they cannot form that mesh."""
+    topology = ctx.usable_topology()
+    if state.workers_up is not None:
+        # only the slots of the workers that are up: never a bundle the warming newcomers hold
+        topology = ctx.only_slots(topology, state.workers_up)
+    world = state.world_size
+    if world is None:  # first start: the configured size, or the best that fits if elastic
+        world = ctx.spec.scaling.num_workers
+        if ctx.spec.scaling.min_size < world:
+            world = best_world_size(ctx.spec, min(world, ctx.usable_slots(topology))) or world
+    try:
+        plan, resolved, placement = ctx.plan_at(world, topology)
+    except RayflexError:
+        if state.full_size is None:
+            raise
+        log.warning("cannot restart on the workers that are up; waiting for the new ones", exc_info=True)
+        world = state.full_size
+        plan, resolved, placement = ctx.plan_at(world, ctx.usable_topology())
+        if ctx.standby is not None:
+            ctx.standby.wait(knob("WORKER_START_TIMEOUT_S"))
+            survivors.update(ctx.standby.take())
+    return world, plan, resolved, placement
+
+
+def _start_group(ctx, plan, placement, survivors: dict, world: int, *, shrinking: bool):
+    """Reuse the warm workers the placement has ranks for, spawn the rest; a warm worker
+    the plan has no rank for waits as a standby for the growth that follows."""
+    reservation, cluster = ctx.ensure_reservation(), ctx.cluster
+    if ctx.standby is not None:
+        if not shrinking:
+            # A restart at full size needs the warming standbys (they hold its bundles):
+            # one started earlier is never slower than a process started now.
+            ctx.standby.wait(knob("WORKER_START_TIMEOUT_S"))
+        survivors.update(ctx.standby.take())
+    slots = {aid: reservation.slot_of(aid) for aid in survivors}
+    members, extra = reservation.assign(placement, survivors)
+    alive = ctx.alive_nodes()
+    for actor in extra:
+        aid = cluster.actor_id(actor)
+        slot = slots.get(aid)
+        if (ctx.standby is not None and world < ctx.spec.scaling.max_size and slot is not None
+                and slot["node"] in alive and slot["node"] not in ctx.excluded):
+            reservation.bind_slot(slot, aid)
+            ctx.standby.adopt(aid, actor, slot["node"])
+        else:
+            cluster.kill(actor)
+    reservation.release_unused()
+    group = cluster.worker_group(plan, members)
+    ctx.note_attempt(group, plan)
+    for rank, actor in enumerate(getattr(group, "actors", [])):
+        if rank not in getattr(group, "reused", []):
+            reservation.bind(rank, cluster.actor_id(actor))
+    return group
+
+
+def _plan_event(world: int, plan, resolved, placement, group) -> ev.PlanChosen:
+    return ev.PlanChosen(world_size=world, pp=plan.pp, dp=plan.dp, schedule=plan.schedule,
+                         stage_blocks=[list(b) for b in plan.stage_blocks], stage_costs=list(plan.stage_costs),
+                         balance=plan.balance, microbatches=plan.microbatches, micro_batch=plan.micro_batch,
+                         accum_steps=plan.accum_steps,
+                         rank_to_node=[group.node_of.get(r, "") for r in range(world)],
+                         planned_rank_to_node=list(placement.rank_to_node),
+                         modeled_comm_s=placement.modeled_comm_s, naive_comm_s=placement.naive_comm_s,
+                         explanation="\n".join(x for x in (resolved.explanation, placement.explanation) if x))
+
+
+def _watch_preemptions(ctx, group) -> None:
+    if ctx.watcher is None:
+        ctx.watcher = ctx.cluster.preemption_watcher()
+    if ctx.watcher is not None:
+        ctx.watcher.watch_nodes(set(group.node_of.values()))

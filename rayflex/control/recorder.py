@@ -1,0 +1,81 @@
+"""Recorder: every event of a run goes to its timeline, the metrics exporter and the run
+directory; the run directory is stored in the background so a slow store never stalls
+fault detection, and an outage is an event, not a failure."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+from rayflex.constants import knob
+from rayflex.storage.rundir import RunDirectory
+from rayflex.telemetry import events as ev
+
+log = logging.getLogger(__name__)
+
+
+class Recorder:
+    def __init__(self, spec, clock):
+        from rayflex.telemetry.metrics_export import MetricsExporter
+
+        self.spec, self.clock = spec, clock
+        self.timeline = ev.Timeline()
+        self.rundir = RunDirectory(spec.run.run_dir)
+        self.exporter = MetricsExporter(spec.run.name)
+        self.step = 0  # stamped on storage events; the ledger keeps it current
+        self._flusher = ThreadPoolExecutor(1, thread_name_prefix="rundir")
+        self._flush_future = None
+        self._flush_started = 0.0
+        self._down_since: Optional[float] = None
+
+    def record(self, event: ev.Event) -> ev.Event:
+        self.timeline.add(event)
+        self.exporter.on_event(event)
+        self.rundir.add_line("events.jsonl", event.to_dict())
+        log.info("event: %s", event.describe())
+        return event
+
+    def add_metrics(self, line: dict) -> None:
+        self.rundir.add_line("metrics.jsonl", line)
+        self.exporter.on_metrics(line)
+
+    def resume(self) -> list[str]:
+        """Continue a run directory with history (resume by name); returns its metric lines."""
+        self.rundir.ensure()
+        for name in ("metrics.jsonl", "events.jsonl", "samples.jsonl"):
+            self.rundir.load_lines(name)
+        self.timeline = ev.Timeline.from_jsonl("\n".join(self.rundir.lines("events.jsonl")))
+        return self.rundir.lines("metrics.jsonl")
+
+    def flush(self) -> None:
+        """Store the new lines in the background; report a write that failed or stalls."""
+        now = self.clock.time()
+        if self._flush_future is not None:
+            if not self._flush_future.done():
+                if now - self._flush_started > knob("STORAGE_STALL_S"):
+                    self._trouble(f"a write of the run directory has not finished after "
+                                  f"{now - self._flush_started:.0f}s")
+                return
+            error = self._flush_future.result()
+            if error is not None:
+                self._trouble(error)
+            elif self._down_since is not None:
+                down, self._down_since = now - self._down_since, None
+                self.record(ev.StorageRecovered(step=self.step, uri=self.spec.run.run_dir, down_s=down))
+        self._flush_started = now
+        self._flush_future = self._flusher.submit(self.rundir.flush)
+
+    def finish(self) -> None:
+        """Wait for the background flush, then store everything (retrying through an outage)."""
+        if self._flush_future is not None:
+            self._flush_future.result()
+            self._flush_future = None
+        self.rundir.flush_until_stored(knob("STORAGE_FINAL_WAIT_S"))
+        self._flusher.shutdown(wait=False)
+
+    def _trouble(self, error: str) -> None:
+        if self._down_since is None:
+            self._down_since = self.clock.time()
+            self.record(ev.StorageUnavailable(step=self.step, uri=self.spec.run.run_dir, error=error))
+            log.warning("run directory unavailable, keeping its lines in memory: %s", error)

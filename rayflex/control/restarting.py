@@ -1,0 +1,140 @@
+"""RESTARTING: end the broken attempt, keep what survived, and decide the next size.
+
+Dead or frozen ranks are killed; the others are asked to leave the attempt and kept warm
+for the next one. The failure policy then decides: restart at a size the mesh allows with
+the slots usable now, wait for resources, or fail the run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+from rayflex.constants import knob
+from rayflex.control.states import Attempt, Failed, Placing, Restarting
+from rayflex.control.warming import warm_replacements, warm_standbys
+from rayflex.errors import RayflexError, WorkerError
+from rayflex.faults.policy import Fail, Restart, WaitForResources, best_world_size
+from rayflex.telemetry import events as ev
+
+log = logging.getLogger(__name__)
+
+
+def restart(ctx, state: Restarting):
+    fault, attempt = state.fault, state.attempt
+    node_of = dict(attempt.group.node_of)
+    raised = frozenset(e.rank for e in fault.events if isinstance(e, ev.WorkerFailed))
+    # Replacements are warmed only for the ranks killed now: a rank that raised still
+    # holds its slot until it has left, so a bundle reserved there would only time out.
+    gone = set(fault.bad_ranks) - raised
+    survivors = collect_survivors(ctx, attempt, set(fault.bad_ranks), raised,
+                                  warm=(lambda: warm_replacements(ctx, node_of, gone)) if gone else None)
+    _name_lost_nodes(ctx, fault, node_of)
+    decision = ctx.policy.decide(kind=fault.kind, step=ctx.ledger.step + 1, committed_step=ctx.ledger.committed_step,
+                                 usable_slots=ctx.usable_slots(), error=fault.error)
+    deadline = None
+    while isinstance(decision, WaitForResources):
+        if deadline is None:
+            deadline = ctx.clock.time() + decision.timeout_s
+            ctx.request_capacity()
+            log.warning("waiting up to %.0fs for resources: %s", decision.timeout_s, decision.reason)
+        if ctx.clock.time() > deadline or ctx.stop_requested.is_set():
+            _kill_all(ctx, survivors)
+            return Failed(f"gave up waiting for resources after {decision.timeout_s:.0f}s: {decision.reason}")
+        ctx.clock.sleep(1.0)
+        decision = ctx.policy.resize(usable_slots=ctx.usable_slots())
+    if isinstance(decision, Fail):
+        _kill_all(ctx, survivors)
+        return Failed(decision.reason, worker_error(fault))
+    assert isinstance(decision, Restart)
+    placing = Placing(world_size=decision.world_size, restart_reason=decision.reason, fault_time=state.fault_time,
+                      survivors=survivors)
+    return with_what_is_up(ctx, placing) or placing
+
+
+def _name_lost_nodes(ctx, fault, node_of: dict[int, str]) -> None:
+    """Dead actors are seen before Ray declares their node dead; name the lost nodes now,
+    so the timeline says whether a process or a whole node went."""
+    reported = {e.node_id for e in fault.events if isinstance(e, ev.NodeLost)}
+    alive = ctx.alive_nodes()
+    for node in sorted({node_of[r] for r in fault.bad_ranks if r in node_of} - alive - reported):
+        ctx.record(ev.NodeLost(step=ctx.ledger.step + 1, node_id=node,
+                               ranks=sorted(r for r, n in node_of.items() if n == node)))
+
+
+def _kill_all(ctx, survivors: dict) -> None:
+    for actor in survivors.values():
+        ctx.cluster.kill(actor)
+
+
+def collect_survivors(ctx, attempt: Attempt, bad_ranks: set[int], raised: frozenset = frozenset(),
+                      warm: Optional[Callable[[], None]] = None) -> dict[str, Any]:
+    """Kill the dead or frozen ranks; ask the others to leave the attempt and keep the ones
+    that could (actor id -> handle). Ranks whose loop *raised* are alive: they leave like
+    the others (so a checkpoint they are still uploading can commit), then are replaced."""
+    group, reservation, cluster = attempt.group, ctx.reservation, ctx.cluster
+    kill_now = set(bad_ranks) - set(raised)
+    group.kill(sorted(kill_now))
+    for r in kill_now:
+        reservation.vacate(cluster.actor_id(group.actors[r]))
+    if warm is not None:
+        warm()  # the dead ranks' bundles are free now; the survivors may take seconds to leave
+    others = [r for r in range(attempt.plan.world_size) if r not in kill_now]
+    # With a peer dead an in-flight save cannot commit: leave at once, so the sockets the
+    # other survivors are blocked on close now. A dead or raising peer leaves the others in
+    # collectives that cannot complete: abort them (after the checkpoint grace, so a save
+    # in flight can still commit). A growth stop is at a step boundary and leaves gracefully.
+    released = (group.release(others, timeout_s=knob("RELEASE_TIMEOUT_S"), checkpoint_grace_s=0.0 if kill_now else 3.0,
+                              abort=bool(kill_now or raised)) if others else {})
+    survivors = {}
+    for r in others:
+        actor = group.actors[r]
+        if released.get(r) and r not in raised:
+            survivors[cluster.actor_id(actor)] = actor
+            continue
+        if not released.get(r):
+            log.warning("rank %d did not leave the failed attempt within %.0fs; killing it", r, knob("RELEASE_TIMEOUT_S"))
+        group.kill([r])
+        reservation.vacate(cluster.actor_id(actor))
+    ctx.note_attempt(None, None)
+    return survivors
+
+
+def with_what_is_up(ctx, placing: Placing) -> Optional[Placing]:
+    """With ``restart_while_warming``: if the restart needs workers that are not up, start
+    them as standbys and restart now at the largest valid size the survivors and warm
+    standbys fill; the run grows to the full size once the newcomers are warm."""
+    size = placing.world_size
+    if not ctx.warm_restarts:
+        return None
+    standby = ctx.standby
+    if standby is not None:
+        standby.poll()
+    up = len(placing.survivors) + (standby.ready if standby is not None else 0)
+    if up >= size:
+        return None
+    now = best_world_size(ctx.spec, up)
+    if now is None or now < ctx.spec.scaling.min_size:
+        return None  # too few to train with: wait for the new workers
+    current: dict[str, int] = {}
+    for aid in placing.survivors:
+        node = ctx.reservation.node_of_actor(aid) if ctx.reservation else None
+        if node is not None:
+            current[node] = current.get(node, 0) + 1
+    up_slots = dict(current)
+    for node in standby.nodes() if standby is not None else ():
+        up_slots[node] = up_slots.get(node, 0) + standby.count_ready(node)
+    if not warm_standbys(ctx, size, current):
+        return None  # cannot place the newcomers now: restart at ``size`` as usual
+    reason = (f"{placing.restart_reason}; restarting at once with the {now} workers that are up, growing to "
+              f"{size} when {size - up} more are warm")
+    return Placing(world_size=now, restart_reason=reason, fault_time=placing.fault_time,
+                   survivors=placing.survivors, workers_up=up_slots, full_size=size)
+
+
+def worker_error(fault) -> Optional[BaseException]:
+    failed = [e for e in fault.events if isinstance(e, ev.WorkerFailed)]
+    if failed:
+        e = failed[0]
+        return WorkerError(e.rank, e.node_id, e.step or 0, e.error)
+    return RayflexError(fault.error) if fault.error else None

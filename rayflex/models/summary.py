@@ -1,0 +1,73 @@
+"""ModelSummary: a ModelSpec as the control plane sees it.
+
+The controller is a 0-CPU actor that plans meshes and placements; it needs a model's sizes
+(blocks, parameters per block, hidden width, the GPT config the capacity planner reads)
+but never its code. Unpickling a ModelSpec would import torch (its ``build_block`` lives in
+a module that does), costing the controller seconds of start-up and hundreds of MB. The
+driver, which has torch anyway, measures the sizes once and ships the spec itself as
+bytes; a worker turns them back into the ModelSpec with :meth:`load`.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    name: str
+    num_blocks: int
+    hidden_size: int
+    init_seed: int
+    block_params: tuple[int, ...]
+    # rayflex's GPT: its GPTConfig (torch-free), so the capacity planner describes it exactly.
+    gpt_config: Optional[Any] = None
+    payload: bytes = field(default=b"", repr=False)
+
+    @classmethod
+    def of(cls, spec) -> "ModelSummary":
+        """Summarize a ModelSpec (on the driver: this builds each block on the meta device)."""
+        import functools
+
+        import ray.cloudpickle as cloudpickle  # by value where pickle would need __main__
+
+        fn = spec.build_block
+        gpt = (fn.args[0] if isinstance(fn, functools.partial) and fn.args
+               and getattr(fn.func, "__name__", "") == "build_gpt_block" else None)
+        return cls(name=spec.name, num_blocks=spec.num_blocks, hidden_size=spec.hidden_size,
+                   init_seed=spec.init_seed, block_params=tuple(spec.param_counts()), gpt_config=gpt,
+                   payload=cloudpickle.dumps(spec))
+
+    def param_counts(self) -> list[int]:
+        return list(self.block_params)
+
+    def load(self):
+        """The ModelSpec itself (imports torch and the model's module)."""
+        return pickle.loads(self.payload)
+
+    # A TrainSpec accepts anything shaped like a ModelSpec; these load the real one.
+    def build_block(self, index: int):
+        return self.load().build_block(index)
+
+    def loss_fn(self, output, targets):
+        return self.load().loss_fn(output, targets)
+
+
+def loaded(spec):
+    """``spec`` (a TrainSpec) with its model a real ModelSpec again."""
+    import dataclasses
+
+    if isinstance(spec.model, ModelSummary):
+        return dataclasses.replace(spec, model=spec.model.load())
+    return spec
+
+
+def summarized(spec):
+    """``spec`` (a TrainSpec) with its model summarized for the torch-free control plane."""
+    import dataclasses
+
+    if isinstance(spec.model, ModelSummary):
+        return spec
+    return dataclasses.replace(spec, model=ModelSummary.of(spec.model))

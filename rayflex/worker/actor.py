@@ -1,0 +1,34 @@
+"""TrainWorkerActor: the shell Ray makes remote; the TrainWorker inside it holds the logic.
+
+Spawning an actor means handing Ray its class, and the process that spawns workers (the
+controller) must not import torch to do so. The shell is torch-free: its constructor
+imports :class:`rayflex.worker.train_worker.TrainWorker` inside the new worker process and
+every actor method forwards to it. ``TrainWorker`` stays a plain class, testable without Ray.
+"""
+
+from __future__ import annotations
+
+# TrainWorker's public methods, callable on the actor (tests/test_architecture.py keeps
+# this list equal to the class's).
+ACTOR_METHODS = ("reconfigure", "node_info", "setup", "start", "poll", "request_stop", "request_checkpoint",
+                 "set_fail_at", "join", "release", "shutdown")
+
+
+class TrainWorkerActor:
+    def __init__(self, rank: int, spec, plan, knobs=None):
+        from rayflex.models.summary import loaded
+        from rayflex.worker.train_worker import TrainWorker
+
+        self.worker = TrainWorker(rank, loaded(spec), plan, knobs=knobs)
+
+
+def _forward(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self.worker, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name in ACTOR_METHODS:
+    setattr(TrainWorkerActor, _name, _forward(_name))
