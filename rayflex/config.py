@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from rayflex.errors import ConfigError
+from rayflex.mesh import rules
 
 SUPPORTED_SCHEMES = ("file", "s3", "memory")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -163,10 +164,7 @@ class ParallelConfig:
                               "set schedule='interleaved' or stages_per_rank=1")
         if self.microbatches is not None:
             _positive_int(c, "microbatches", self.microbatches)
-            if self.pp > 1 and self.microbatches < self.pp:
-                raise ConfigError(f"{c}.microbatches",
-                                  f"microbatches={self.microbatches} is fewer than pp={self.pp} stages",
-                                  f"use microbatches >= {self.pp} (4 x pp keeps the bubble small)")
+            rules.check_microbatches(self.pp, self.microbatches, self.schedule)
         if self.balance not in ("params", "uniform"):
             raise ConfigError(f"{c}.balance", f"unknown balance {self.balance!r}",
                               "use 'params' or 'uniform'")
@@ -182,22 +180,19 @@ class ParallelConfig:
             return None
         return self.pp * self.stages_per_rank
 
+    @property
+    def pipeline(self) -> Optional[rules.Pipeline]:
+        """The pipeline as ``rayflex.mesh.rules`` takes it; None with pp='auto'."""
+        if self.is_auto:
+            return None
+        return rules.Pipeline(pp=self.pp, schedule=self.schedule, stages_per_rank=self.stages_per_rank,
+                              microbatches=self.microbatches)
+
 
 def auto_pp_options(world_size: int, global_batch: int, num_blocks: int) -> list[int]:
-    """The pp values ``pp="auto"`` can pick from at ``world_size`` ranks, by arithmetic only
-    (the same rules as the planner's enumeration): pp divides the world size and is at most
-    the number of blocks, dp = world/pp divides the global batch, and a pipeline's per-rank
-    batch can be cut into at least pp microbatches. Whether a mesh also fits in memory is
-    the planner's question."""
-    out = []
-    for pp in range(1, min(world_size, num_blocks) + 1):
-        if world_size % pp:
-            continue
-        dp = world_size // pp
-        if global_batch % dp or (pp > 1 and global_batch // dp < pp):
-            continue
-        out.append(pp)
-    return out
+    """The pp values ``pp="auto"`` can pick from at ``world_size`` ranks (by arithmetic
+    only; see ``rayflex.mesh.rules.pp_options``, which this is)."""
+    return rules.pp_options(world_size, global_batch, num_blocks)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -206,8 +201,10 @@ class DataConfig:
 
     ``uri`` points at a directory of Parquet shards with a ``tokens`` column of
     ``seq_len + 1`` token ids per row. ``global_batch`` (in samples) is fixed for the whole
-    run, whatever the world size; ``micro_batch`` is the per-rank forward size (None: the
-    largest divisor that fits the plan).
+    run, whatever the world size; ``micro_batch`` is the per-rank forward size of gradient
+    accumulation without a pipeline (pp == 1; None: the whole per-rank batch in one pass).
+    A pipeline cuts its per-rank batch into ``ParallelConfig.microbatches`` instead. The
+    divisibility rules are ``rayflex.mesh.rules``.
     """
 
     uri: str
@@ -359,36 +356,11 @@ def validate_together(*, scaling: ScalingConfig, parallel: ParallelConfig, data:
     if parallel.is_auto:
         _validate_auto(scaling, parallel, data, num_blocks)
         return
+    # The launch size must run as a whole; the minimum must at least be whole pipelines.
     for size, what in ((scaling.num_workers, "num_workers"), (scaling.min_size, "min_workers")):
-        if size % parallel.pp:
-            raise ConfigError(f"ScalingConfig.{what}",
-                              f"{what}={size} is not divisible by ParallelConfig.pp={parallel.pp}",
-                              f"use a multiple of {parallel.pp} workers, or change pp")
-    if parallel.num_stages > num_blocks:
-        raise ConfigError("ParallelConfig.pp",
-                          f"{parallel.num_stages} pipeline stages for a model of only {num_blocks} blocks",
-                          f"use pp * stages_per_rank <= {num_blocks}")
-    dp = scaling.num_workers // parallel.pp
-    if data.global_batch % dp:
-        raise ConfigError("DataConfig.global_batch",
-                          f"global_batch={data.global_batch} is not divisible by the data-parallel size "
-                          f"{dp} (= num_workers {scaling.num_workers} / pp {parallel.pp})",
-                          f"use a multiple of {dp}")
-    per_rank = data.global_batch // dp
-    if data.micro_batch is not None and per_rank % data.micro_batch:
-        raise ConfigError("DataConfig.micro_batch",
-                          f"micro_batch={data.micro_batch} does not divide the per-rank batch {per_rank}",
-                          f"use a divisor of {per_rank}")
-    if parallel.pp > 1:
-        m = parallel.microbatches or parallel.num_stages
-        if per_rank % m:
-            raise ConfigError("ParallelConfig.microbatches",
-                              f"{m} microbatches do not divide the per-rank batch {per_rank}",
-                              f"use a divisor of {per_rank} that is >= {parallel.pp}")
-        if parallel.schedule == "interleaved" and m % parallel.pp:
-            raise ConfigError("ParallelConfig.microbatches",
-                              f"interleaved schedule needs microbatches ({m}) divisible by pp ({parallel.pp})",
-                              f"use a multiple of {parallel.pp}")
+        rules.check_world_size(size, parallel.pp, what=what)
+    rules.split_batch(scaling.num_workers, parallel.pipeline, data.global_batch, micro_batch=data.micro_batch,
+                      num_blocks=num_blocks, what="num_workers")
 
 
 def _validate_auto(scaling: ScalingConfig, parallel: ParallelConfig, data: DataConfig, num_blocks: int) -> None:
@@ -403,7 +375,7 @@ def _validate_auto(scaling: ScalingConfig, parallel: ParallelConfig, data: DataC
         raise ConfigError("ParallelConfig.cluster", "pp='auto' on GPUs needs the devices' memory and FLOP/s",
                           "set cluster='cluster.yaml' (a cluster description, see docs/capacity.md)")
     n, gb = scaling.num_workers, data.global_batch
-    if not auto_pp_options(n, gb, num_blocks):
+    if not rules.pp_options(n, gb, num_blocks):
         raise ConfigError("ParallelConfig.pp",
                           f"pp='auto' finds no mesh for num_workers={n}: no pp dividing {n} (and <= "
                           f"{num_blocks} blocks) leaves a data-parallel size dividing global_batch={gb} "

@@ -1,4 +1,4 @@
-"""Timing knobs, overridable through ``RAYFLEX_*`` environment variables.
+"""Timing knobs (and retry counts), overridable through ``RAYFLEX_*`` environment variables.
 
 Tests shrink them (e.g. ``RAYFLEX_POLL_INTERVAL_S=0.05``); production keeps the defaults.
 Read through functions, not module constants, so a test can change the environment after
@@ -8,12 +8,12 @@ import and the controller (which may run in another process) sees the value it w
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 _DEFAULTS: dict[str, float] = {
     # How often the controller polls every worker.
     "POLL_INTERVAL_S": 0.2,
-    # A worker whose poll() has not answered for this long counts as unresponsive.
-    "POLL_TIMEOUT_S": 10.0,
     # Heartbeat age after which a live actor counts as stuck.
     "HEARTBEAT_TIMEOUT_S": 30.0,
     # Floor of the hang timeout; the effective one is max(floor, k x median step time).
@@ -33,8 +33,23 @@ _DEFAULTS: dict[str, float] = {
     # unavailable (a storage_unavailable event; the lines stay in memory).
     "STORAGE_STALL_S": 5.0,
     # At the end of a run, how long to keep retrying to store the run directory (metrics,
-    # events, result) while the object store is unreachable.
+    # events, result) while the object store is unreachable, and the pause between tries.
     "STORAGE_FINAL_WAIT_S": 120.0,
+    "STORAGE_FINAL_RETRY_INTERVAL_S": 2.0,
+    # The S3 client's timeouts: long enough for a busy store, short enough that a dead
+    # endpoint surfaces as an error instead of a silent hang of a checkpoint upload; and
+    # botocore's attempts per request.
+    "STORAGE_CONNECT_TIMEOUT_S": 10.0,
+    "STORAGE_READ_TIMEOUT_S": 60.0,
+    "STORAGE_REQUEST_ATTEMPTS": 3,
+    # The start-up storage probe's S3 client (one attempt: it fails fast).
+    "STORAGE_PROBE_CONNECT_TIMEOUT_S": 2.0,
+    "STORAGE_PROBE_READ_TIMEOUT_S": 5.0,
+    # One logical storage operation (write a file, list a directory): attempts, and the
+    # exponential backoff between them (first delay, cap).
+    "STORAGE_RETRY_ATTEMPTS": 5,
+    "STORAGE_RETRY_BASE_DELAY_S": 0.2,
+    "STORAGE_RETRY_MAX_DELAY_S": 5.0,
     # Emergency-checkpoint duration assumed before the run has measured one.
     "EMERGENCY_CHECKPOINT_DEFAULT_S": 10.0,
     # CPU niceness of the checkpoint upload thread (0 = as training): uploads take the
@@ -48,11 +63,15 @@ _DEFAULTS: dict[str, float] = {
 }
 
 
-def knob(name: str) -> float:
-    """Return the value of timing knob ``name`` (``RAYFLEX_<name>`` overrides the default)."""
+def _raw(name: str) -> Optional[str]:
     if name not in _DEFAULTS:
         raise KeyError(f"unknown rayflex knob {name!r}; known: {sorted(_DEFAULTS)}")
-    raw = os.environ.get(f"RAYFLEX_{name}")
+    return os.environ.get(f"RAYFLEX_{name}")
+
+
+def knob(name: str) -> float:
+    """Return the value of timing knob ``name`` (``RAYFLEX_<name>`` overrides the default)."""
+    raw = _raw(name)
     if raw is None:
         return _DEFAULTS[name]
     try:
@@ -61,6 +80,20 @@ def knob(name: str) -> float:
         raise ValueError(f"RAYFLEX_{name}={raw!r} is not a number of seconds") from None
     if value <= 0:
         raise ValueError(f"RAYFLEX_{name}={raw!r} must be > 0")
+    return value
+
+
+def count_knob(name: str) -> int:
+    """Return knob ``name`` that counts something (attempts): a whole number >= 1."""
+    raw = _raw(name)
+    if raw is None:
+        return int(_DEFAULTS[name])
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"RAYFLEX_{name}={raw!r} is not a whole number") from None
+    if value < 1:
+        raise ValueError(f"RAYFLEX_{name}={raw!r} must be >= 1")
     return value
 
 
@@ -79,6 +112,63 @@ def adopt_knobs(knobs: dict[str, str] | None) -> None:
     for k, v in (knobs or {}).items():
         if k.startswith("RAYFLEX_"):
             os.environ[k] = v
+
+
+# ------------------------------------------------------------------ test-only settings
+# Fault injection and test harness settings, also RAYFLEX_* variables so that actors get
+# them through knob_env(); none is set in production.
+
+
+@dataclass(frozen=True)
+class SlowUpload:
+    """``RAYFLEX_SLOW_UPLOAD="FROM_STEP:SECONDS[:TO_STEP]"``: delay every checkpoint upload
+    from ``from_step`` on (up to ``to_step`` inclusive when given) by ``seconds``."""
+
+    from_step: int
+    seconds: float
+    to_step: Optional[int] = None
+
+    def applies_to(self, step: int) -> bool:
+        return step >= self.from_step and (self.to_step is None or step <= self.to_step)
+
+
+def slow_upload() -> Optional[SlowUpload]:
+    """The slow-upload fault asked for in ``RAYFLEX_SLOW_UPLOAD``, or None."""
+    raw = os.environ.get("RAYFLEX_SLOW_UPLOAD")
+    if not raw:
+        return None
+    from_step, seconds, *to_step = raw.split(":")
+    return SlowUpload(int(from_step), float(seconds), int(to_step[0]) if to_step else None)
+
+
+def node_ip() -> Optional[str]:
+    """``RAYFLEX_NODE_IP``: the address a worker advertises for rendezvous, when set."""
+    return os.environ.get("RAYFLEX_NODE_IP")
+
+
+def injected_failure_steps() -> dict[int, int]:
+    """``RAYFLEX_FAIL_AT="RANK:STEP[,RANK:STEP...]"`` (tests): rank -> the step it raises at."""
+    out: dict[int, int] = {}
+    for item in filter(None, os.environ.get("RAYFLEX_FAIL_AT", "").split(",")):
+        rank, _, step = item.partition(":")
+        out.setdefault(int(rank), int(step))
+    return out
+
+
+def fault_log_path() -> Optional[str]:
+    """``RAYFLEX_FAULT_LOG``: where a worker appends each injected failure it raised (chaos runs)."""
+    return os.environ.get("RAYFLEX_FAULT_LOG") or None
+
+
+def default_storage() -> str:
+    """``RAYFLEX_DEMO_STORAGE``: where run directories go when no storage is named (the
+    example and ``rayflex report NAME``), else ``./runs``."""
+    return os.environ.get("RAYFLEX_DEMO_STORAGE") or "file://" + os.path.abspath("runs")
+
+
+def set_node_ip(ip: str) -> None:
+    """Make this process's workers advertise ``ip`` (local processes without Ray)."""
+    os.environ["RAYFLEX_NODE_IP"] = ip
 
 
 # The run's Controller actor: named after the run so other processes (``rayflex status``,

@@ -10,8 +10,8 @@ import pytest
 import rayflex as rf
 from rayflex.mesh.plan import plan_mesh
 from rayflex.planning.capacity.auto import resolve_parallel
-from rayflex.planning.capacity.memory import CapacityError, Layout, estimate_memory
-from rayflex.planning.capacity.search import ClusterDescription, describe_model
+from rayflex.planning.capacity.memory import CapacityError, Layout, describe_model, estimate_memory
+from rayflex.planning.capacity.search import ClusterDescription
 from rayflex.faults.policy import FailurePolicy, Restart, best_world_size, valid_world_sizes
 
 from conftest import SEQ_LEN, small_gpt

@@ -13,10 +13,10 @@ import time
 import pytest
 
 from rayflex.errors import PlacementError, RayflexError
+from rayflex.mesh.stage_split import stage_split
 from rayflex.planning.capacity.memory import (CapacityError, Layout, ModelDescription, estimate_memory, in_flight_peak,
                                        measure_activation_bytes, preset, transformer_activation_bytes_per_token)
-from rayflex.planning.capacity.search import (ClusterDescription, DeviceSpec, best_parallel_config, explain,
-                                              search, stage_split)
+from rayflex.planning.capacity.search import ClusterDescription, DeviceSpec, best_parallel_config, explain, search
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 

@@ -3,7 +3,8 @@
 import pytest
 
 from rayflex.telemetry import events as ev
-from rayflex.telemetry.metrics_export import METRICS, MetricsExporter, samples_for_event, samples_for_metrics
+from rayflex.telemetry.metrics_export import (METRICS, MetricsExporter, Sample, samples_for_event,
+                                              samples_for_metrics)
 
 
 class Recorder:
@@ -64,6 +65,22 @@ def test_every_sample_names_a_declared_metric_with_declared_tags():
     for s in samples:
         assert s.metric in METRICS
         assert {"run", *dict(s.tags)} == set(METRICS[s.metric].tag_keys)
+
+
+def test_a_stored_event_counts_as_its_typed_event():
+    for event in (ev.CheckpointCommitted(step=10, blocked_s=0.25), ev.Restarted(world_size=2, from_step=20),
+                  ev.WorkerFailed(rank=1), ev.HangDetected(ranks=[0]), ev.PlanChosen(world_size=4),
+                  ev.WorkersStarted(world_size=4), ev.PreemptionNotice(node_id="n1"), ev.RunStarted()):
+        assert samples_for_event(event.to_dict()) == samples_for_event(event)
+    failure = samples_for_event(ev.WorkerFailed(rank=1))
+    assert failure == [Sample("rayflex_failures", 1.0, (("kind", "worker_failed"),))]
+    assert type(dict(failure[0].tags)["kind"]) is str  # a plain tag value for Ray
+
+
+def test_an_unknown_event_kind_counts_nothing(exporter):
+    assert samples_for_event({"kind": "elastic_resize_planned", "time": 1.0, "world_size": 8}) == []
+    exporter.on_event({"kind": "elastic_resize_planned", "world_size": 8})
+    assert Recorder.calls == [] and not exporter._broken
 
 
 def test_a_broken_backend_never_reaches_the_run():

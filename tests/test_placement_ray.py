@@ -1,4 +1,5 @@
-"""PlacementManager on a real two-node Ray cluster: every actor lands on its planned node.
+"""The run's placement-group reservation on a real two-node Ray cluster: every actor lands
+on its planned node.
 
 Both "nodes" run on this machine and share 127.0.0.1, so only a node-id label selector can
 tell them apart; this is the one test that needs Ray.
@@ -13,13 +14,25 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import pytest  # noqa: E402
 
+import rayflex as rf  # noqa: E402
 from rayflex.errors import PlacementError  # noqa: E402
-from rayflex.planning.placement.planner import CommProfile, MeshShape, Plan, PlacementManager, Planner  # noqa: E402
+from rayflex.group.reservation import RunPlacement  # noqa: E402
+from rayflex.planning.placement.planner import CommProfile, MeshShape, Plan, Planner  # noqa: E402
 from rayflex.planning.topology import Topology  # noqa: E402
+
+from conftest import small_gpt  # noqa: E402
+
+
+def _spec(num_workers: int) -> rf.TrainSpec:
+    """A run asking for ``num_workers`` one-CPU workers (nothing here starts training)."""
+    return rf.TrainSpec(model=small_gpt(), data=rf.DataConfig(uri="file:///nonexistent/rayflex-placement",
+                                                               global_batch=8),
+                        run=rf.RunConfig(name="placement", storage="file:///tmp/rayflex-test"),
+                        scaling=rf.ScalingConfig(num_workers=num_workers, cpus_per_worker=1))
 
 
 @pytest.mark.cluster
-def test_actors_run_on_their_planned_nodes(two_node_cluster):
+def test_actors_run_on_their_planned_nodes(two_node_cluster, monkeypatch):
     import ray
 
     topology = Topology.from_ray(cpus_per_worker=1)
@@ -39,24 +52,29 @@ def test_actors_run_on_their_planned_nodes(two_node_cluster):
     a, b = plan.rank_to_node[0], plan.rank_to_node[2]
     swapped = dataclasses.replace(plan, rank_to_node=tuple(b if n == a else a for n in plan.rank_to_node))
     for wanted in (plan, swapped):
-        manager = PlacementManager(wanted, {"CPU": 1})
+        placement = RunPlacement(_spec(mesh.world_size))
+        probes = []
         try:
-            manager.place(timeout_s=60)
-            probes = [Probe.options(scheduling_strategy=manager.scheduling_strategy(rank)).remote()
-                      for rank in range(mesh.world_size)]
+            strategies, extra = placement.assign(wanted, survivors={})
+            assert extra == []
+            probes = [Probe.options(scheduling_strategy=s).remote() for s in strategies]
             assert ray.get([p.node_id.remote() for p in probes], timeout=60) == list(wanted.rank_to_node)
+        finally:
             for p in probes:
                 ray.kill(p)
-        finally:
-            manager.remove()
+            placement.remove()
 
     # a plan naming a node that does not exist times out, cleans up and says which node
+    monkeypatch.setenv("RAYFLEX_PLACEMENT_TIMEOUT_S", "2")
     ghost = "f" * 56
     bogus = Plan(mesh=MeshShape(1, 1), rank_to_node=(ghost,), rank_to_slot=(0,), modeled_comm_s=0.0,
                  naive_comm_s=0.0, explanation="")
-    stuck = PlacementManager(bogus, {"CPU": 1})
-    with pytest.raises(PlacementError, match=f"node {ghost}"):
-        stuck.place(timeout_s=2)
+    stuck = RunPlacement(_spec(1))
+    try:
+        with pytest.raises(PlacementError, match=f"on node {ghost}"):
+            stuck.assign(bogus, survivors={})
+    finally:
+        stuck.remove()
     from ray.util import placement_group_table
 
     assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())

@@ -152,3 +152,26 @@ def test_status_reads_runs_without_a_driver_from_their_directories(run_dir, tmp_
     assert rows["killed"]["step"] == 7 and rows["killed"]["target_steps"] == 100
     assert rows["killed"]["last_checkpoint"]["step"] == 5
     assert rows["killed"]["goodput"] == pytest.approx(5 / 7)
+
+
+def test_a_newer_event_kind_is_listed_but_changes_nothing_drawn(run_dir, tmp_path):
+    """A run directory written by a newer rayflex (a kind this version does not know):
+    the same markers, goodput and status, and the event table lists the new line."""
+    before = tmp_path / "before"
+    write_report(f"file://{run_dir}", str(before))
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(json.dumps(_ev("elastic_resize_planned", 45, 25, target=4, why="capacity returned")) + "\n")
+    after = tmp_path / "after"
+    write_report(f"file://{run_dir}", str(after))
+
+    old, new = (json.loads((d / "report.json").read_text()) for d in (before, after))
+    assert {k: v for k, v in new.items() if k not in ("png", "html")} == \
+        {k: v for k, v in old.items() if k not in ("png", "html")}
+    assert new["markers"] == 11 and new["goodput"] == pytest.approx(50 / 77)
+    page = (after / "report.html").read_text()
+    assert "<td>elastic_resize_planned</td><td>25</td><td>target=4 why=capacity returned</td>" in page
+
+    from rayflex.telemetry.status import row_from_run_dir
+
+    row = row_from_run_dir(f"file://{run_dir}")
+    assert row["state"] == "FINISHED" and row["goodput"] == pytest.approx(50 / 77)

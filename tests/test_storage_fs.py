@@ -149,6 +149,25 @@ def test_exhausted_retries_raise_storage_error_naming_the_operation(no_sleep):
     assert len(calls) == 3 and isinstance(info.value.__cause__, ConnectionRefusedError)
 
 
+def test_retry_attempts_and_s3_timeouts_follow_the_environment(no_sleep, monkeypatch):
+    monkeypatch.setenv("RAYFLEX_STORAGE_RETRY_ATTEMPTS", "2")
+    monkeypatch.setenv("RAYFLEX_STORAGE_RETRY_MAX_DELAY_S", "0.05")
+    monkeypatch.setenv("RAYFLEX_STORAGE_READ_TIMEOUT_S", "7")
+    calls = []
+
+    def down():
+        calls.append(1)
+        raise TimeoutError("slow")
+
+    with pytest.raises(StorageError, match="failed after 2 attempts"):
+        with_retries(down, what="op")
+    assert len(calls) == 2 and all(d <= 0.05 for d in no_sleep)
+    assert sfs.fsspec_kwargs("s3://b")["config_kwargs"]["read_timeout"] == 7
+    monkeypatch.setenv("RAYFLEX_STORAGE_RETRY_ATTEMPTS", "1.5")
+    with pytest.raises(ValueError, match="RAYFLEX_STORAGE_RETRY_ATTEMPTS='1.5' is not a whole number"):
+        with_retries(down, what="op")
+
+
 @pytest.mark.parametrize("err", [
     FileNotFoundError("no such key"), PermissionError("access denied"),
     _client_error("NoSuchBucket", 404), _client_error("AccessDenied", 403),

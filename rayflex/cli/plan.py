@@ -137,12 +137,11 @@ def _precision_name(model) -> str:
 def _placement(result):
     """The Planner's rank -> node plan for the chosen mesh (refines the search's layout)."""
     from rayflex.planning.capacity.search import _rank_params
-    from rayflex.planning.placement.planner import CommProfile, MeshShape, Planner
+    from rayflex.planning.comm_profile import layout_comm_profile
+    from rayflex.planning.placement.planner import MeshShape, Planner
 
     lay, model = result.best.layout, result.model
-    e = model.precision.param_bytes
-    scale = (2 * lay.accum_steps + 1) / 3 if lay.pp == 1 else 1.0
-    profile = CommProfile(stage_param_bytes=tuple(p * e * scale for p in _rank_params(model, lay)),
-                          activation_bytes=result.global_batch // lay.dp * model.seq_len * model.hidden_size * e,
-                          microbatches=lay.stages_per_rank, reshard_after_forward=lay.pp == 1)
+    profile = layout_comm_profile(_rank_params(model, lay), model.precision.param_bytes,
+                                  result.global_batch // lay.dp * model.seq_len, model.hidden_size,
+                                  lay.stages_per_rank, lay.accum_steps)
     return Planner(result.cluster.topology).plan(MeshShape(lay.pp, lay.dp), profile)

@@ -14,7 +14,7 @@ def add_subcommand(subparsers) -> None:
 
 
 def cmd_status(args) -> int:
-    from rayflex.telemetry.status import run_statuses
+    from rayflex.telemetry.status import COLUMNS, run_statuses
 
     rows = run_statuses(name=args.name, storage=args.storage)
     if args.json:
@@ -23,12 +23,10 @@ def cmd_status(args) -> int:
     if not rows:
         print("no runs found" + (f" named {args.name!r}" if args.name else ""))
         return 1 if args.name else 0
-    cols = ("name", "state", "step", "target_steps", "loss", "tokens_per_s", "world_size", "last_checkpoint",
-            "restarts", "goodput")
-    print("  ".join(f"{c:>14}" for c in cols))
+    print("  ".join(f"{c:>14}" for c in COLUMNS))
     for r in rows:
         vals = []
-        for c in cols:
+        for c in COLUMNS:
             v = r.get(c)
             if isinstance(v, float):
                 v = f"{v:.4g}"

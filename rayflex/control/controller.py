@@ -192,7 +192,7 @@ def _goodput(metrics: list[dict], timeline) -> Optional[float]:
     try:
         from rayflex.telemetry.goodput import goodput
 
-        return goodput(metrics, [e.to_dict() for e in timeline.events])
+        return goodput(metrics, timeline.events)
     except Exception as e:  # noqa: BLE001 - a report number must not fail the run
         log.warning("goodput unavailable: %s", e)
         return None

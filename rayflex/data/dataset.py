@@ -16,18 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rayflex.storage.fs import ensure_dir
+from rayflex.storage.fs import ensure_dir, redact_uri, resolve, with_retries
 
 log = logging.getLogger(__name__)
 
 TOKENS_COLUMN = "tokens"
-
-
-def _fs(uri: str):
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(uri)
-    return fs, path
 
 
 class TokenDataset:
@@ -38,24 +31,20 @@ class TokenDataset:
     """
 
     def __init__(self, uri: str, *, cache_shards: int = 4):
-        import pyarrow.parquet as pq
-
         from rayflex.errors import ConfigError
 
         self.uri = uri
-        self._fs, root = _fs(uri)
+        self._fs, root = resolve(uri)
         try:
-            names = sorted(p for p in self._fs.ls(root, detail=False) if p.endswith(".parquet"))
+            listed = with_retries(lambda: self._fs.ls(root, detail=False), what=f"list {redact_uri(uri)}")
+            names = sorted(p for p in listed if p.endswith(".parquet"))
         except FileNotFoundError:
             names = []
         if not names:
             raise ConfigError("DataConfig.uri", f"no Parquet shards (*.parquet) under {uri!r}",
                               "write a dataset first, e.g. rayflex.data.dataset.write_synthetic_dataset(uri)")
         self._shards = names
-        counts = []
-        for name in names:
-            with self._fs.open(name, "rb") as f:
-                counts.append(pq.ParquetFile(f).metadata.num_rows)
+        counts = [with_retries(lambda: self._num_rows(name), what=f"read the footer of {name}") for name in names]
         self._starts = np.concatenate([[0], np.cumsum(counts)])
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._cache_shards = cache_shards
@@ -65,14 +54,24 @@ class TokenDataset:
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def _load(self, shard: int) -> np.ndarray:
+    def _num_rows(self, path: str) -> int:
         import pyarrow.parquet as pq
 
+        with self._fs.open(path, "rb") as f:
+            return pq.ParquetFile(f).metadata.num_rows
+
+    def _read_column(self, path: str):
+        import pyarrow.parquet as pq
+
+        with self._fs.open(path, "rb") as f:
+            return pq.read_table(f, columns=[TOKENS_COLUMN])
+
+    def _load(self, shard: int) -> np.ndarray:
         if shard in self._cache:
             self._cache.move_to_end(shard)
             return self._cache[shard]
-        with self._fs.open(self._shards[shard], "rb") as f:
-            table = pq.read_table(f, columns=[TOKENS_COLUMN])
+        path = self._shards[shard]
+        table = with_retries(lambda: self._read_column(path), what=f"read {path}")
         col = table.column(TOKENS_COLUMN).combine_chunks()
         rows = np.asarray(col.flatten().to_numpy(zero_copy_only=False), dtype=np.int64)
         arr = rows.reshape(len(col), -1)
@@ -130,7 +129,7 @@ def write_synthetic_dataset(uri: str, *, num_samples: int = 4096, seq_len: int =
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    fs, root = _fs(uri)
+    fs, root = resolve(uri)
     ensure_dir(fs, root)
     rng = np.random.default_rng(seed)
     successors = rng.integers(0, vocab_size, size=(vocab_size, branching))

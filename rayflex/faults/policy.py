@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from rayflex.config import TrainSpec, auto_pp_options
+from rayflex.config import TrainSpec
+from rayflex.mesh import rules
 
 
 @dataclass(frozen=True)
@@ -38,30 +39,15 @@ Decision = Union[Restart, WaitForResources, Fail]
 
 
 def valid_world_sizes(spec: TrainSpec) -> list[int]:
-    """World sizes the run can use, largest first: multiples of pp whose dp divides the
-    global batch (and, with a pipeline, leaves a per-rank batch the microbatches divide).
+    """World sizes in [min_workers, max_workers] the run can use, largest first: those
+    where ``plan_mesh`` accepts the spec's pipeline and batch (``rayflex.mesh.rules``).
 
-    With ``pp="auto"`` a size is valid when some pp could run there (``auto_pp_options``);
+    With ``pp="auto"`` a size is valid when some pp could run there (``rules.pp_options``);
     whether that mesh fits in memory is decided when the restart re-plans (CapacityError).
     """
-    if spec.parallel.is_auto:
-        return [n for n in range(spec.scaling.max_size, spec.scaling.min_size - 1, -1)
-                if auto_pp_options(n, spec.data.global_batch, spec.model.num_blocks)]
-    pp = spec.parallel.pp
-    out = []
-    for n in range(spec.scaling.max_size, spec.scaling.min_size - 1, -1):
-        if n % pp:
-            continue
-        dp = n // pp
-        if spec.data.global_batch % dp:
-            continue
-        per_rank = spec.data.global_batch // dp
-        if pp > 1 and per_rank % (spec.parallel.microbatches or spec.parallel.num_stages):
-            continue
-        if pp == 1 and spec.data.micro_batch and per_rank % spec.data.micro_batch:
-            continue
-        out.append(n)
-    return out
+    return rules.valid_world_sizes(spec.parallel.pipeline, spec.data.global_batch,
+                                   min_size=spec.scaling.min_size, max_size=spec.scaling.max_size,
+                                   micro_batch=spec.data.micro_batch, num_blocks=spec.model.num_blocks)
 
 
 def best_world_size(spec: TrainSpec, usable_slots: int) -> Optional[int]:

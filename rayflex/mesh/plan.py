@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from rayflex.errors import ConfigError
+from rayflex.mesh.rules import split_batch
 from rayflex.mesh.stage_split import balanced_split
 
 if TYPE_CHECKING:
@@ -63,51 +64,25 @@ def plan_mesh(spec: ModelSpec, parallel: ParallelConfig, data: DataConfig, world
     """Derive the mesh, stage split and microbatch arithmetic for ``world_size`` ranks.
 
     The global batch stays fixed whatever the world size; what changes is how many samples
-    each dp rank takes and how they are cut into microbatches.
+    each dp rank takes and how they are cut into microbatches (``rayflex.mesh.rules``,
+    which raises ConfigError for a mesh the rules reject).
     """
     if parallel.is_auto:  # a TypeError further down otherwise
         raise ConfigError("ParallelConfig.pp", "pp='auto' must be resolved to a mesh for a world size first",
                           "pass rayflex.planning.capacity.auto.resolve_parallel(spec, world_size).parallel "
                           "(and its .data)")
-    pp = parallel.pp
-    if world_size % pp:
-        raise ConfigError("ScalingConfig.num_workers",
-                          f"world size {world_size} is not divisible by pp={pp}",
-                          f"use a multiple of {pp} workers")
-    dp = world_size // pp
-    if data.global_batch % dp:
-        raise ConfigError("DataConfig.global_batch",
-                          f"global_batch={data.global_batch} is not divisible by dp={dp}",
-                          f"use a multiple of {dp}")
-    per_rank = data.global_batch // dp
-    num_stages = parallel.num_stages
-    if pp == 1:
-        micro = data.micro_batch or per_rank
-        if per_rank % micro:
-            raise ConfigError("DataConfig.micro_batch", f"micro_batch={micro} does not divide the "
-                              f"per-rank batch {per_rank} at dp={dp}", f"use a divisor of {per_rank}")
-        microbatches, accum = 1, per_rank // micro
-    else:
-        microbatches = parallel.microbatches or num_stages
-        if per_rank % microbatches:
-            raise ConfigError("ParallelConfig.microbatches",
-                              f"{microbatches} microbatches do not divide the per-rank batch "
-                              f"{per_rank} (global_batch {data.global_batch} / dp {dp})",
-                              f"use a divisor of {per_rank} that is >= {pp}")
-        if microbatches < pp:
-            raise ConfigError("ParallelConfig.microbatches",
-                              f"{microbatches} microbatches for {pp} stages", f"use at least {pp}")
-        micro, accum = per_rank // microbatches, 1
+    split = split_batch(world_size, parallel.pipeline, data.global_batch, micro_batch=data.micro_batch,
+                        num_blocks=spec.num_blocks)
     if parallel.balance == "uniform":
         costs = [1.0] * spec.num_blocks
     elif block_costs is not None:
         costs = list(block_costs)
     else:
         costs = [float(c) for c in spec.param_counts()]
-    split = balanced_split(costs, num_stages)
-    stage_costs = tuple(sum(costs[i] for i in blocks) for blocks in split)
-    return MeshPlan(world_size=world_size, pp=pp, dp=dp, schedule=parallel.schedule,
+    stages = balanced_split(costs, parallel.num_stages)
+    stage_costs = tuple(sum(costs[i] for i in blocks) for blocks in stages)
+    return MeshPlan(world_size=world_size, pp=split.pp, dp=split.dp, schedule=parallel.schedule,
                     stages_per_rank=parallel.stages_per_rank,
-                    stage_blocks=tuple(tuple(b) for b in split), per_rank_batch=per_rank,
-                    microbatches=microbatches, micro_batch=micro, accum_steps=accum,
+                    stage_blocks=tuple(tuple(b) for b in stages), per_rank_batch=split.per_rank_batch,
+                    microbatches=split.microbatches, micro_batch=split.micro_batch, accum_steps=split.accum_steps,
                     balance=parallel.balance, stage_costs=stage_costs)

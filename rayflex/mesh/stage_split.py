@@ -3,7 +3,10 @@ use the very function the workers use without importing torch."""
 
 from __future__ import annotations
 
-from rayflex.errors import ConfigError
+import functools
+from typing import Sequence
+
+from rayflex.mesh.rules import check_stages
 
 
 def balanced_split(costs: list[float], num_stages: int) -> list[list[int]]:
@@ -11,9 +14,7 @@ def balanced_split(costs: list[float], num_stages: int) -> list[list[int]]:
     stage cost (classic linear partition, exact by dynamic programming; ties prefer the
     earlier cut so equal costs give equal-count stages)."""
     n = len(costs)
-    if not 1 <= num_stages <= n:
-        raise ConfigError("ParallelConfig.pp", f"cannot cut {n} blocks into {num_stages} stages",
-                          f"use pp * stages_per_rank <= {n}")
+    check_stages(num_stages, n)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
@@ -34,3 +35,14 @@ def balanced_split(costs: list[float], num_stages: int) -> list[list[int]]:
         bounds.append(list(range(j, i)))
         i = j
     return bounds[::-1]
+
+
+def stage_split(block_costs: Sequence[float], num_stages: int) -> tuple[tuple[int, ...], ...]:
+    """:func:`balanced_split` as tuples, memoised: the capacity search and its memory
+    model ask for the same few splits many times."""
+    return _cached_split(tuple(float(c) for c in block_costs), num_stages)
+
+
+@functools.lru_cache(maxsize=512)
+def _cached_split(costs: tuple, num_stages: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(stage) for stage in balanced_split(list(costs), num_stages))

@@ -23,3 +23,16 @@ class GPTConfig:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"GPTConfig.{name}", "must be >= 1", "use a positive size")
+
+
+def gpt_config_of(model) -> "GPTConfig | None":
+    """The GPTConfig of a model made by :func:`rayflex.models.gpt` (a ModelSpec, whose
+    ``build_block`` partial carries it, or a ModelSummary of one), else None."""
+    import functools
+
+    if hasattr(model, "gpt_config"):
+        return model.gpt_config
+    fn = getattr(model, "build_block", None)
+    if isinstance(fn, functools.partial) and getattr(fn.func, "__name__", "") == "build_gpt_block" and fn.args:
+        return fn.args[0]
+    return None

@@ -29,15 +29,12 @@ class ModelSummary:
     @classmethod
     def of(cls, spec) -> "ModelSummary":
         """Summarize a ModelSpec (on the driver: this builds each block on the meta device)."""
-        import functools
-
         import ray.cloudpickle as cloudpickle  # by value where pickle would need __main__
 
-        fn = spec.build_block
-        gpt = (fn.args[0] if isinstance(fn, functools.partial) and fn.args
-               and getattr(fn.func, "__name__", "") == "build_gpt_block" else None)
+        from rayflex.models.gpt_config import gpt_config_of
+
         return cls(name=spec.name, num_blocks=spec.num_blocks, hidden_size=spec.hidden_size,
-                   init_seed=spec.init_seed, block_params=tuple(spec.param_counts()), gpt_config=gpt,
+                   init_seed=spec.init_seed, block_params=tuple(spec.param_counts()), gpt_config=gpt_config_of(spec),
                    payload=cloudpickle.dumps(spec))
 
     def param_counts(self) -> list[int]:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from rayflex.constants import knob, slow_upload
 from rayflex.errors import CheckpointError
 from rayflex.storage import manifest as mf
 from rayflex.storage.fs import fsspec_kwargs
@@ -333,8 +334,6 @@ def _low_priority(fn: Callable) -> Callable:
     import os
     import threading
 
-    from rayflex.constants import knob
-
     def renice(tid: Optional[int], value: int) -> Optional[int]:
         if tid is None or not hasattr(os, "setpriority"):
             return None
@@ -369,22 +368,16 @@ def _low_priority(fn: Callable) -> Callable:
 
 
 def _maybe_slow_upload(writer, step: int) -> None:
-    """Fault injection for crash tests: ``RAYFLEX_SLOW_UPLOAD="FROM_STEP:SECONDS[:TO_STEP]"``
-    delays the background upload of every save from ``FROM_STEP`` on (up to ``TO_STEP``
-    inclusive when given; staging is not delayed). Worker processes keep the variable
-    across restarts, so a bound keeps the saves after a recovery fast."""
-    import os
-
-    raw = os.environ.get("RAYFLEX_SLOW_UPLOAD")
-    if not raw:
-        return
-    from_step, seconds, *to_step = raw.split(":")
-    if step < int(from_step) or (to_step and step > int(to_step[0])):
+    """Fault injection for crash tests (``constants.slow_upload``): delays the background
+    upload of the saves it names (staging is not delayed). Worker processes keep the
+    variable across restarts, so a bound keeps the saves after a recovery fast."""
+    fault = slow_upload()
+    if fault is None or not fault.applies_to(step):
         return
     original = writer.write_data
 
     def slow_write_data(*args, **kwargs):
-        time.sleep(float(seconds))
+        time.sleep(fault.seconds)
         return original(*args, **kwargs)
 
     writer.write_data = slow_write_data

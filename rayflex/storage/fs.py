@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import fsspec
 
+from rayflex.constants import count_knob, knob
 from rayflex.errors import ConfigError, StorageError
 
 logger = logging.getLogger(__name__)
@@ -45,13 +46,19 @@ T = TypeVar("T")
 
 SUPPORTED_SCHEMES = ("file", "s3", "memory")
 
-# Timeouts of the regular S3 client: long enough for a busy store, short enough that a
-# dead endpoint surfaces as an error instead of a silent hang of a checkpoint upload.
-_S3_CONFIG = {"connect_timeout": 10, "read_timeout": 60,
-              "retries": {"max_attempts": 3, "mode": "standard"}}
-# The start-up probe fails fast: one attempt, short connect timeout.
-_PROBE_S3_CONFIG = {"connect_timeout": 2, "read_timeout": 5,
-                    "retries": {"max_attempts": 1, "mode": "standard"}}
+
+def _s3_config() -> dict:
+    """botocore settings of the regular S3 client (timeouts: ``constants``)."""
+    return {"connect_timeout": knob("STORAGE_CONNECT_TIMEOUT_S"), "read_timeout": knob("STORAGE_READ_TIMEOUT_S"),
+            "retries": {"max_attempts": count_knob("STORAGE_REQUEST_ATTEMPTS"), "mode": "standard"}}
+
+
+def _probe_s3_config() -> dict:
+    """The start-up probe's: one attempt, short timeouts, so it fails fast."""
+    return {"connect_timeout": knob("STORAGE_PROBE_CONNECT_TIMEOUT_S"),
+            "read_timeout": knob("STORAGE_PROBE_READ_TIMEOUT_S"),
+            "retries": {"max_attempts": 1, "mode": "standard"}}
+
 
 _SECRET_KEY = re.compile(r"secret|token|password|passwd|credential|key", re.IGNORECASE)
 
@@ -154,7 +161,7 @@ def fsspec_kwargs(uri: str, options: Optional[StorageOptions] = None) -> dict:
     scheme = scheme_of(uri)
     if scheme != "s3":
         return dict(options.extra)
-    kwargs: dict[str, Any] = {"config_kwargs": dict(_S3_CONFIG)}
+    kwargs: dict[str, Any] = {"config_kwargs": _s3_config()}
     endpoint = options.resolved_endpoint()
     if endpoint:
         kwargs["endpoint_url"] = endpoint
@@ -198,6 +205,12 @@ def is_s3(fs: fsspec.AbstractFileSystem) -> bool:
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in _protocols(fs) or "local" in _protocols(fs)
+
+
+def can_append(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether files on ``fs`` can be appended to in place (local disk, memory); an object
+    store cannot, so a file that grows is rewritten whole there."""
+    return is_local(fs) or "memory" in _protocols(fs)
 
 
 def has_directories(fs: fsspec.AbstractFileSystem) -> bool:
@@ -283,14 +296,18 @@ def backoff_delay(attempt: int, base_delay_s: float, max_delay_s: float) -> floa
     return ceiling / 2 + random.uniform(0, ceiling / 2)
 
 
-def with_retries(fn: Callable[[], T], *, attempts: int = 5, base_delay_s: float = 0.2,
-                 max_delay_s: float = 5.0, what: str = "storage operation") -> T:
+def with_retries(fn: Callable[[], T], *, attempts: Optional[int] = None, base_delay_s: Optional[float] = None,
+                 max_delay_s: Optional[float] = None, what: str = "storage operation") -> T:
     """Call ``fn()``; retry transient failures with backoff, logging each at WARNING.
 
     Non-transient errors (not found, access denied, bad request) propagate unchanged at
     once, so callers can still catch ``FileNotFoundError``. When the attempts run out the
     last error is wrapped in StorageError naming ``what`` (the operation and the URI).
+    Unset, ``attempts`` and the delays are the ``STORAGE_RETRY_*`` knobs.
     """
+    attempts = count_knob("STORAGE_RETRY_ATTEMPTS") if attempts is None else attempts
+    base_delay_s = knob("STORAGE_RETRY_BASE_DELAY_S") if base_delay_s is None else base_delay_s
+    max_delay_s = knob("STORAGE_RETRY_MAX_DELAY_S") if max_delay_s is None else max_delay_s
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     for attempt in range(1, attempts + 1):
@@ -433,7 +450,7 @@ def check_storage(uri: str, options: Optional[StorageOptions] = None) -> None:
     shown = redact_uri(uri)
     kwargs = fsspec_kwargs(uri, options)
     if scheme == "s3":
-        kwargs = _merge(kwargs, {"config_kwargs": _PROBE_S3_CONFIG, "skip_instance_cache": True})
+        kwargs = _merge(kwargs, {"config_kwargs": _probe_s3_config(), "skip_instance_cache": True})
     fs, root = fsspec.core.url_to_fs(uri, **kwargs)
     if scheme == "s3":
         fs.retries = 1  # s3fs's own retry loop (a class attribute, not a constructor kwarg)

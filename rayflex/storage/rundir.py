@@ -17,9 +17,8 @@ import threading
 import time
 from typing import Any, Optional
 
-import fsspec
-
-from rayflex.storage.fs import ensure_dir
+from rayflex.constants import knob
+from rayflex.storage import fs as rfs
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +26,8 @@ log = logging.getLogger(__name__)
 class RunDirectory:
     def __init__(self, uri: str):
         self.uri = uri.rstrip("/")
-        self.fs, self.path = fsspec.core.url_to_fs(self.uri)
-        self._can_append = self.fs.protocol in ("file", "local", "memory") or \
-            (isinstance(self.fs.protocol, tuple) and set(self.fs.protocol) & {"file", "local", "memory"})
+        self.fs, self.path = rfs.resolve(self.uri)
+        self._can_append = rfs.can_append(self.fs)
         self._lines: dict[str, list[str]] = {}
         self._flushed: dict[str, int] = {}
         self._stale: set[str] = set()  # the stored file must be rewritten whole
@@ -37,18 +35,17 @@ class RunDirectory:
         self._lock = threading.Lock()
 
     def ensure(self) -> None:
-        ensure_dir(self.fs, self.path)
+        rfs.ensure_dir(self.fs, self.path)
 
     def file(self, name: str) -> str:
         return f"{self.path}/{name}"
 
     def exists(self, name: str) -> bool:
-        return self.fs.exists(self.file(name))
+        return rfs.exists(rfs.join(self.uri, name))
 
     def read_text(self, name: str) -> Optional[str]:
         try:
-            with self.fs.open(self.file(name), "r") as f:
-                return f.read()
+            return rfs.read_text(rfs.join(self.uri, name))
         except FileNotFoundError:
             return None
 
@@ -61,11 +58,8 @@ class RunDirectory:
         return [json.loads(line) for line in text.splitlines() if line.strip()]
 
     def write_json(self, name: str, obj: Any) -> None:
-        """Write via a temporary name then move, so readers never see half a file."""
-        tmp = self.file(f".{name}.tmp")
-        with self.fs.open(tmp, "w") as f:
-            f.write(json.dumps(obj, indent=2, default=str))
-        self.fs.mv(tmp, self.file(name))
+        """Written atomically: readers never see half a file."""
+        rfs.write_text_atomic(rfs.join(self.uri, name), json.dumps(obj, indent=2, default=str))
 
     def load_lines(self, name: str) -> None:
         """Adopt the existing lines of a file (a resumed run continues its files)."""
@@ -118,9 +112,11 @@ class RunDirectory:
                     self._stale.discard(name)
         return error
 
-    def flush_until_stored(self, timeout_s: float, interval_s: float = 2.0) -> None:
+    def flush_until_stored(self, timeout_s: float, interval_s: Optional[float] = None) -> None:
         """Flush, retrying for up to ``timeout_s`` (the end of a run: nothing may be lost to
-        a short outage); raises OSError naming the problem if storage never came back."""
+        a short outage) every ``interval_s`` (default: the STORAGE_FINAL_RETRY_INTERVAL_S
+        knob); raises OSError naming the problem if storage never came back."""
+        interval_s = knob("STORAGE_FINAL_RETRY_INTERVAL_S") if interval_s is None else interval_s
         deadline = time.time() + timeout_s
         while True:
             error = self.flush()

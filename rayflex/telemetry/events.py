@@ -2,49 +2,81 @@
 
 Everything that happens to a run is one frozen dataclass on the timeline, written as a
 line of ``events.jsonl``. Goodput and the report are computed from the timeline alone.
+
+Readers never switch on the stored ``"kind"`` strings: :func:`parse_event` turns a stored
+line back into its class (``isinstance`` or ``event.kind is EventKind.X``). A kind this
+version does not know (written by a newer rayflex) parses to :class:`UnknownEvent`, which
+keeps the line whole: every reader skips it, the report still lists it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Iterable, Optional, Union
 
-_REGISTRY: dict[str, type["Event"]] = {}
+
+class EventKind(enum.StrEnum):
+    """The ``"kind"`` of an ``events.jsonl`` line (the stored strings, unchanged)."""
+
+    RUN_STARTED = "run_started"
+    PLAN_CHOSEN = "plan_chosen"
+    WORKERS_STARTED = "workers_started"
+    CHECKPOINT_COMMITTED = "checkpoint_committed"
+    CHECKPOINT_FAILED = "checkpoint_failed"
+    CHECKPOINT_LOADED = "checkpoint_loaded"
+    WORKER_FAILED = "worker_failed"
+    WORKER_DIED = "worker_died"
+    NODE_LOST = "node_lost"
+    HANG_DETECTED = "hang_detected"
+    STRAGGLER_DETECTED = "straggler_detected"
+    PREEMPTION_NOTICE = "preemption_notice"
+    RESTARTED = "restarted"
+    STORAGE_UNAVAILABLE = "storage_unavailable"
+    STORAGE_RECOVERED = "storage_recovered"
+    RUN_STOPPED = "run_stopped"
+    RUN_FINISHED = "run_finished"
+    RUN_FAILED = "run_failed"
+    # Not a stored kind: the kind of an UnknownEvent (its stored kind is in ``stored_kind``).
+    UNKNOWN = "unknown"
+
+
+_REGISTRY: dict[EventKind, type["Event"]] = {}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Event:
-    kind: ClassVar[str] = "event"
-    time: float = field(default_factory=time.time)
+    kind: ClassVar[EventKind]
+    # None only for a stored line that had no time (hand-written, or foreign).
+    time: Optional[float] = field(default_factory=time.time)
     step: Optional[int] = None
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
-        _REGISTRY[cls.kind] = cls
+        kind = cls.__dict__.get("kind")
+        if kind is None:
+            raise TypeError(f"event class {cls.__name__} must set kind: ClassVar[EventKind]")
+        if kind is not EventKind.UNKNOWN:
+            if kind in _REGISTRY:
+                raise TypeError(f"{cls.__name__} and {_REGISTRY[kind].__name__} both have kind {kind.value!r}")
+            _REGISTRY[kind] = cls
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"kind": self.kind}
+        d: dict[str, Any] = {"kind": self.kind.value}
         d.update(dataclasses.asdict(self))
         return d
 
     def describe(self) -> str:
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("time",)}
-        return f"{self.kind} " + " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, "", [], {}))
-
-
-def event_from_dict(d: dict[str, Any]) -> Event:
-    d = dict(d)
-    cls = _REGISTRY.get(d.pop("kind"), Event)
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in d.items() if k in names})
+        return f"{self.kind.value} " + " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, "", [], {}))
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunStarted(Event):
-    kind: ClassVar[str] = "run_started"
+    kind: ClassVar[EventKind] = EventKind.RUN_STARTED
     name: str = ""
     target_steps: int = 0
     resumed_from: Optional[int] = None
@@ -52,7 +84,7 @@ class RunStarted(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class PlanChosen(Event):
-    kind: ClassVar[str] = "plan_chosen"
+    kind: ClassVar[EventKind] = EventKind.PLAN_CHOSEN
     world_size: int = 0
     pp: int = 1
     dp: int = 1
@@ -72,7 +104,7 @@ class PlanChosen(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class WorkersStarted(Event):
-    kind: ClassVar[str] = "workers_started"
+    kind: ClassVar[EventKind] = EventKind.WORKERS_STARTED
     world_size: int = 0
     # From the start of placement: spawning processes, rendezvous, building, restoring.
     setup_s: float = 0.0
@@ -84,7 +116,7 @@ class WorkersStarted(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointCommitted(Event):
-    kind: ClassVar[str] = "checkpoint_committed"
+    kind: ClassVar[EventKind] = EventKind.CHECKPOINT_COMMITTED
     uri: str = ""
     blocked_s: float = 0.0
     total_s: float = 0.0
@@ -94,13 +126,13 @@ class CheckpointCommitted(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointFailed(Event):
-    kind: ClassVar[str] = "checkpoint_failed"
+    kind: ClassVar[EventKind] = EventKind.CHECKPOINT_FAILED
     reason: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointLoaded(Event):
-    kind: ClassVar[str] = "checkpoint_loaded"
+    kind: ClassVar[EventKind] = EventKind.CHECKPOINT_LOADED
     uri: str = ""
     world_size: int = 0
     saved_world_size: int = 0
@@ -111,7 +143,7 @@ class CheckpointLoaded(Event):
 class WorkerFailed(Event):
     """A worker raised in its training loop (the traceback is in ``error``)."""
 
-    kind: ClassVar[str] = "worker_failed"
+    kind: ClassVar[EventKind] = EventKind.WORKER_FAILED
     rank: int = -1
     node_id: str = ""
     error: str = ""
@@ -122,7 +154,7 @@ class WorkerFailed(Event):
 class WorkerDied(Event):
     """A worker's process is gone (actor death)."""
 
-    kind: ClassVar[str] = "worker_died"
+    kind: ClassVar[EventKind] = EventKind.WORKER_DIED
     rank: int = -1
     node_id: str = ""
     error: str = ""
@@ -131,14 +163,14 @@ class WorkerDied(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class NodeLost(Event):
-    kind: ClassVar[str] = "node_lost"
+    kind: ClassVar[EventKind] = EventKind.NODE_LOST
     node_id: str = ""
     ranks: list = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
 class HangDetected(Event):
-    kind: ClassVar[str] = "hang_detected"
+    kind: ClassVar[EventKind] = EventKind.HANG_DETECTED
     ranks: list = field(default_factory=list)
     phases: dict = field(default_factory=dict)
     stalled_s: float = 0.0
@@ -147,7 +179,7 @@ class HangDetected(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class StragglerDetected(Event):
-    kind: ClassVar[str] = "straggler_detected"
+    kind: ClassVar[EventKind] = EventKind.STRAGGLER_DETECTED
     rank: int = -1
     node_id: str = ""
     ratio: float = 0.0
@@ -155,7 +187,7 @@ class StragglerDetected(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class PreemptionNotice(Event):
-    kind: ClassVar[str] = "preemption_notice"
+    kind: ClassVar[EventKind] = EventKind.PREEMPTION_NOTICE
     node_id: str = ""
     deadline: Optional[float] = None
     source: str = ""
@@ -169,7 +201,7 @@ class PreemptionNotice(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Restarted(Event):
-    kind: ClassVar[str] = "restarted"
+    kind: ClassVar[EventKind] = EventKind.RESTARTED
     world_size: int = 0
     from_step: int = 0
     reason: str = ""
@@ -183,37 +215,78 @@ class StorageUnavailable(Event):
     """The run directory could not be written (the object store is down or unreachable);
     its lines are kept and written when storage is back."""
 
-    kind: ClassVar[str] = "storage_unavailable"
+    kind: ClassVar[EventKind] = EventKind.STORAGE_UNAVAILABLE
     uri: str = ""
     error: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
 class StorageRecovered(Event):
-    kind: ClassVar[str] = "storage_recovered"
+    kind: ClassVar[EventKind] = EventKind.STORAGE_RECOVERED
     uri: str = ""
     down_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunStopped(Event):
-    kind: ClassVar[str] = "run_stopped"
+    kind: ClassVar[EventKind] = EventKind.RUN_STOPPED
     reason: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunFinished(Event):
-    kind: ClassVar[str] = "run_finished"
+    kind: ClassVar[EventKind] = EventKind.RUN_FINISHED
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunFailedEvent(Event):
-    kind: ClassVar[str] = "run_failed"
+    kind: ClassVar[EventKind] = EventKind.RUN_FAILED
     reason: str = ""
 
 
+@dataclass(frozen=True, kw_only=True)
+class UnknownEvent(Event):
+    """A stored event of a kind this version does not know (a newer rayflex wrote it).
+
+    Kept whole rather than dropped, so ``to_dict()`` gives the stored line back and the
+    report can list it; readers that count or draw known events skip it.
+    """
+
+    kind: ClassVar[EventKind] = EventKind.UNKNOWN
+    stored_kind: str = ""
+    data: dict = field(default_factory=dict)  # the stored line without its kind
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.stored_kind, **self.data}
+
+    def describe(self) -> str:
+        return f"{self.stored_kind} (unknown kind) " + " ".join(
+            f"{k}={v}" for k, v in self.data.items() if k != "time" and v not in (None, "", [], {}))
+
+
+def parse_event(d: dict[str, Any]) -> Event:
+    """The typed event of one stored ``events.jsonl`` line (``Event.to_dict()`` inverted).
+
+    Fields the class does not have (a newer version's) are dropped, missing ones take
+    their defaults, a missing ``time`` stays None; an unknown kind is an UnknownEvent.
+    """
+    d = dict(d)
+    kind = d.pop("kind", None)
+    try:
+        cls = _REGISTRY[EventKind(kind)]
+    except (ValueError, KeyError):
+        return UnknownEvent(stored_kind=str(kind), data=d, time=d.get("time"), step=d.get("step"))
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{"time": None, **{k: v for k, v in d.items() if k in names}})
+
+
+def as_events(items: Iterable[Union[Event, dict[str, Any]]]) -> list[Event]:
+    """Typed events from stored dicts; events already typed pass through."""
+    return [e if isinstance(e, Event) else parse_event(e) for e in items]
+
+
 class Timeline:
-    """Append-only list of events, serialisable to JSON lines."""
+    """Append-only list of events, read back from JSON lines."""
 
     def __init__(self, events: list[Event] | None = None):
         self.events: list[Event] = list(events or [])
@@ -225,9 +298,10 @@ class Timeline:
     def of(self, cls: type[Event]) -> list[Event]:
         return [e for e in self.events if isinstance(e, cls)]
 
-    def to_jsonl(self) -> str:
-        return "".join(json.dumps(e.to_dict(), default=str) + "\n" for e in self.events)
+    @classmethod
+    def from_dicts(cls, dicts: Iterable[dict[str, Any]]) -> "Timeline":
+        return cls(as_events(dicts))
 
     @classmethod
     def from_jsonl(cls, text: str) -> "Timeline":
-        return cls([event_from_dict(json.loads(line)) for line in text.splitlines() if line.strip()])
+        return cls.from_dicts(json.loads(line) for line in text.splitlines() if line.strip())

@@ -19,12 +19,24 @@ from __future__ import annotations
 import math
 import time as _time
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Union
 
-TERMINAL_KINDS = ("run_finished", "run_failed", "run_stopped")
-# Events after which training continues from the event's step: everything recorded above
-# that step before the event was rolled back.
-_ROLLBACK_STEP = {"workers_started": "step", "checkpoint_loaded": "step", "restarted": "from_step"}
+from rayflex.telemetry import events as ev
+
+TERMINAL_EVENTS = (ev.RunFinished, ev.RunFailedEvent, ev.RunStopped)
+
+# Stored dicts are accepted too (parsed on the way in): the events of a run directory.
+Events = Iterable[Union[ev.Event, dict]]
+
+
+def _rollback_step(event: ev.Event) -> Optional[int]:
+    """The step training continues from after ``event`` (everything recorded above it
+    before the event was rolled back); None for events that roll nothing back."""
+    if isinstance(event, (ev.WorkersStarted, ev.CheckpointLoaded)):
+        return event.step
+    if isinstance(event, ev.Restarted):
+        return event.from_step
+    return None
 
 
 @dataclass(frozen=True)
@@ -50,45 +62,44 @@ class Goodput:
                 "sessions": self.sessions, "committed_step": self.committed_step}
 
 
-def final_history(metrics: Iterable[dict], events: Iterable[dict]) -> tuple[dict[int, dict], list[dict]]:
+def final_history(metrics: Iterable[dict], events: Events) -> tuple[dict[int, dict], list[dict]]:
     """(step -> metrics line of the final history, the lines a restart rolled back)."""
-    timeline: list[tuple[float, int, str, dict]] = []
+    timeline: list[tuple[float, int, Optional[dict], Optional[int]]] = []
     for m in metrics:
         if m.get("step") is not None:
-            timeline.append((float(m.get("time") or 0.0), 1, "metric", m))
-    for e in events:
-        field = _ROLLBACK_STEP.get(e.get("kind", ""))
-        if field is not None and e.get(field) is not None and e.get("time") is not None:
-            timeline.append((float(e["time"]), 0, "rollback", e))
+            timeline.append((float(m.get("time") or 0.0), 1, m, None))
+    for e in ev.as_events(events):
+        k = _rollback_step(e)
+        if k is not None and e.time is not None:
+            timeline.append((float(e.time), 0, None, int(k)))
     # Stable sort: a metric line and a rollback with the same timestamp keep the rollback
     # first only when it really came first (priority 0), which is the conservative reading.
     timeline.sort(key=lambda t: (t[0], t[1]))
     history: dict[int, dict] = {}
     lost: list[dict] = []
-    for _, _, what, rec in timeline:
-        if what == "metric":
+    for _, _, rec, k in timeline:
+        if rec is not None:
             if rec["step"] in history:
                 lost.append(history[rec["step"]])
             history[rec["step"]] = rec
         else:
-            k = int(rec[_ROLLBACK_STEP[rec["kind"]]])
             for step in [s for s in history if s > k]:
                 lost.append(history.pop(step))
     return history, lost
 
 
-def sessions(metrics: list[dict], events: list[dict], now: Optional[float] = None) -> list[tuple[float, float]]:
+def sessions(metrics: list[dict], events: Events, now: Optional[float] = None) -> list[tuple[float, float]]:
     """(start, end) wall-clock intervals of the driver sessions, in order."""
-    evs = sorted((e for e in events if e.get("time") is not None), key=lambda e: e["time"])
-    starts = [e["time"] for e in evs if e.get("kind") == "run_started"]
-    times = sorted([e["time"] for e in evs] + [m["time"] for m in metrics if m.get("time") is not None])
+    evs = sorted((e for e in ev.as_events(events) if e.time is not None), key=lambda e: e.time)
+    starts = [e.time for e in evs if isinstance(e, ev.RunStarted)]
+    times = sorted([e.time for e in evs] + [m["time"] for m in metrics if m.get("time") is not None])
     if not starts:
         return [(times[0], times[-1])] if times else []
     out = []
     for i, start in enumerate(starts):
         nxt = starts[i + 1] if i + 1 < len(starts) else math.inf
-        inside = [e for e in evs if start <= e["time"] < nxt]
-        terminal = [e["time"] for e in inside if e.get("kind") in TERMINAL_KINDS]
+        inside = [e for e in evs if start <= e.time < nxt]
+        terminal = [e.time for e in inside if isinstance(e, TERMINAL_EVENTS)]
         if terminal:
             end = terminal[-1]
         else:
@@ -99,20 +110,20 @@ def sessions(metrics: list[dict], events: list[dict], now: Optional[float] = Non
     return out
 
 
-def goodput_breakdown(metrics: list[dict], events: list[dict], *, now: Optional[float] = None) -> Goodput:
+def goodput_breakdown(metrics: list[dict], events: Events, *, now: Optional[float] = None) -> Goodput:
     """The full accounting; ``now``: count a live run's wall time up to this moment."""
-    metrics, events = list(metrics or []), list(events or [])
+    metrics, events = list(metrics or []), ev.as_events(events or [])
     history, lost = final_history(metrics, events)
     spans = sessions(metrics, events, now)
     wall = sum(max(0.0, end - start) for start, end in spans)
-    terminal = [e for e in events if e.get("kind") in TERMINAL_KINDS]
-    finished = bool(terminal) and max(terminal, key=lambda e: e.get("time") or 0)["kind"] == "run_finished"
+    terminal = [e for e in events if isinstance(e, TERMINAL_EVENTS)]
+    finished = bool(terminal) and isinstance(max(terminal, key=lambda e: e.time or 0), ev.RunFinished)
     committed_step: Optional[int] = None
     if not finished:
         # The newest commit by time (after a rollback to an older checkpoint, that older
         # step is the one a resume would start from).
-        commits = [e for e in events if e.get("kind") == "checkpoint_committed" and e.get("step") is not None]
-        committed_step = max(commits, key=lambda e: e.get("time") or 0)["step"] if commits else 0
+        commits = [e for e in events if isinstance(e, ev.CheckpointCommitted) and e.step is not None]
+        committed_step = max(commits, key=lambda e: e.time or 0).step if commits else 0
     useful = uncommitted = 0.0
     for step, m in history.items():
         dt = float(m.get("step_time_s") or 0.0)
@@ -124,11 +135,11 @@ def goodput_breakdown(metrics: list[dict], events: list[dict], *, now: Optional[
                    uncommitted_s=uncommitted, sessions=len(spans), committed_step=committed_step)
 
 
-def goodput(metrics: list[dict], events: list[dict], *, now: Optional[float] = None) -> float:
+def goodput(metrics: list[dict], events: Events, *, now: Optional[float] = None) -> float:
     """Committed useful step time / wall time, in [0, 1] (0.0 for an empty timeline)."""
     return goodput_breakdown(metrics, events, now=now).value
 
 
-def live_goodput(metrics: list[dict], events: list[dict]) -> float:
+def live_goodput(metrics: list[dict], events: Events) -> float:
     """Goodput of a run that may still be going: its last session runs until now."""
     return goodput(metrics, events, now=_time.time())

@@ -12,40 +12,47 @@ it to metric objects built lazily, and never lets a metrics error reach the run.
 
 from __future__ import annotations
 
-import dataclasses
+import enum
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
+
+from rayflex.telemetry import events as ev
 
 log = logging.getLogger(__name__)
+
+
+class MetricType(enum.Enum):
+    GAUGE = "gauge"      # set to the value
+    COUNTER = "counter"  # incremented by the value
 
 
 @dataclass(frozen=True)
 class MetricDef:
     name: str
-    kind: str  # "gauge" (set to the value) | "counter" (incremented by the value)
+    type: MetricType
     description: str
     tag_keys: tuple[str, ...] = ("run",)
 
 
 METRICS: dict[str, MetricDef] = {m.name: m for m in (
-    MetricDef("rayflex_step", "gauge", "Last training step every rank finished"),
-    MetricDef("rayflex_step_time_seconds", "gauge", "Wall time of the last step (slowest rank)"),
-    MetricDef("rayflex_tokens_per_second", "gauge", "Training throughput of the last step"),
-    MetricDef("rayflex_loss", "gauge", "Training loss of the last step"),
-    MetricDef("rayflex_world_size", "gauge", "Number of training workers"),
-    MetricDef("rayflex_tokens", "counter", "Tokens trained (steps a restart rolls back count again)"),
-    MetricDef("rayflex_checkpoint_blocked_seconds", "gauge",
+    MetricDef("rayflex_step", MetricType.GAUGE, "Last training step every rank finished"),
+    MetricDef("rayflex_step_time_seconds", MetricType.GAUGE, "Wall time of the last step (slowest rank)"),
+    MetricDef("rayflex_tokens_per_second", MetricType.GAUGE, "Training throughput of the last step"),
+    MetricDef("rayflex_loss", MetricType.GAUGE, "Training loss of the last step"),
+    MetricDef("rayflex_world_size", MetricType.GAUGE, "Number of training workers"),
+    MetricDef("rayflex_tokens", MetricType.COUNTER, "Tokens trained (steps a restart rolls back count again)"),
+    MetricDef("rayflex_checkpoint_blocked_seconds", MetricType.GAUGE,
               "Training time blocked by the last checkpoint (staging to host memory)"),
-    MetricDef("rayflex_checkpoint_blocked_seconds_sum", "counter", "Training time blocked by checkpoints"),
-    MetricDef("rayflex_checkpoints", "counter", "Committed checkpoints"),
-    MetricDef("rayflex_restarts", "counter", "Restarts of the worker group (failure, preemption, resize)"),
-    MetricDef("rayflex_failures", "counter", "Worker failures, deaths, lost nodes and hangs",
+    MetricDef("rayflex_checkpoint_blocked_seconds_sum", MetricType.COUNTER, "Training time blocked by checkpoints"),
+    MetricDef("rayflex_checkpoints", MetricType.COUNTER, "Committed checkpoints"),
+    MetricDef("rayflex_restarts", MetricType.COUNTER, "Restarts of the worker group (failure, preemption, resize)"),
+    MetricDef("rayflex_failures", MetricType.COUNTER, "Worker failures, deaths, lost nodes and hangs",
               ("run", "kind")),
-    MetricDef("rayflex_preemptions", "counter", "Preemption notices received"),
+    MetricDef("rayflex_preemptions", MetricType.COUNTER, "Preemption notices received"),
 )}
 
-_FAILURE_KINDS = ("worker_failed", "worker_died", "node_lost", "hang_detected")
+_FAILURES = (ev.WorkerFailed, ev.WorkerDied, ev.NodeLost, ev.HangDetected)
 
 
 @dataclass(frozen=True)
@@ -68,32 +75,31 @@ def samples_for_metrics(line: dict) -> list[Sample]:
     return out
 
 
-def samples_for_event(event: Any) -> list[Sample]:
-    """What one timeline event (an ``Event`` or its dict) counts."""
-    d = event if isinstance(event, dict) else {"kind": event.kind, **dataclasses.asdict(event)}
-    kind = d.get("kind")
-    if kind == "checkpoint_committed":
-        blocked = float(d.get("blocked_s") or 0.0)
+def samples_for_event(event: Union[ev.Event, dict]) -> list[Sample]:
+    """What one timeline event (an ``Event``, or its stored dict) counts."""
+    e = event if isinstance(event, ev.Event) else ev.parse_event(event)
+    if isinstance(e, ev.CheckpointCommitted):
+        blocked = float(e.blocked_s or 0.0)
         return [Sample("rayflex_checkpoints", 1.0), Sample("rayflex_checkpoint_blocked_seconds", blocked),
                 Sample("rayflex_checkpoint_blocked_seconds_sum", blocked)]
-    if kind == "restarted":
+    if isinstance(e, ev.Restarted):
         out = [Sample("rayflex_restarts", 1.0)]
-        if d.get("world_size"):
-            out.append(Sample("rayflex_world_size", float(d["world_size"])))
+        if e.world_size:
+            out.append(Sample("rayflex_world_size", float(e.world_size)))
         return out
-    if kind in _FAILURE_KINDS:
-        return [Sample("rayflex_failures", 1.0, (("kind", kind),))]
-    if kind == "preemption_notice":
+    if isinstance(e, _FAILURES):
+        return [Sample("rayflex_failures", 1.0, (("kind", e.kind.value),))]
+    if isinstance(e, ev.PreemptionNotice):
         return [Sample("rayflex_preemptions", 1.0)]
-    if kind in ("plan_chosen", "workers_started") and d.get("world_size"):
-        return [Sample("rayflex_world_size", float(d["world_size"]))]
+    if isinstance(e, (ev.PlanChosen, ev.WorkersStarted)) and e.world_size:
+        return [Sample("rayflex_world_size", float(e.world_size))]
     return []
 
 
 def _ray_metric(defn: MetricDef):
     from ray.util import metrics
 
-    cls = metrics.Gauge if defn.kind == "gauge" else metrics.Counter
+    cls = metrics.Gauge if defn.type is MetricType.GAUGE else metrics.Counter
     return cls(defn.name, description=defn.description, tag_keys=defn.tag_keys)
 
 
@@ -113,7 +119,7 @@ class MetricsExporter:
     def on_metrics(self, line: dict) -> None:
         self._apply(samples_for_metrics(line))
 
-    def on_event(self, event: Any) -> None:
+    def on_event(self, event: Union[ev.Event, dict]) -> None:
         self._apply(samples_for_event(event))
 
     def _apply(self, samples: list[Sample]) -> None:
@@ -126,7 +132,7 @@ class MetricsExporter:
                 if metric is None:
                     metric = self._metrics[s.metric] = self._factory(defn)
                 tags = {"run": self.run_name, **dict(s.tags)}
-                if defn.kind == "gauge":
+                if defn.type is MetricType.GAUGE:
                     metric.set(s.value, tags=tags)
                 elif s.value > 0:  # Ray counters only take positive increments
                     metric.inc(s.value, tags=tags)

@@ -23,25 +23,29 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from rayflex.telemetry.goodput import final_history, goodput_breakdown, sessions
-from rayflex.storage.fs import ensure_dir
+from rayflex.storage import fs as rfs
+from rayflex.telemetry import events as ev
+from rayflex.telemetry.events import EventKind
+from rayflex.telemetry.goodput import TERMINAL_EVENTS, final_history, goodput_breakdown, sessions
 
 # Event kinds drawn on the timeline: label, colour, marker. Bookkeeping events
 # (run_started, plan_chosen, workers_started, run_finished) are not markers.
-MARKER_KINDS: dict[str, tuple[str, str, str]] = {
-    "checkpoint_committed": ("checkpoint committed", "tab:green", "v"),
-    "checkpoint_loaded": ("checkpoint loaded", "tab:cyan", "^"),
-    "checkpoint_failed": ("checkpoint failed", "tab:olive", "X"),
-    "preemption_notice": ("preemption notice", "tab:orange", "D"),
-    "node_lost": ("node lost", "tab:brown", "s"),
-    "worker_died": ("worker died", "tab:red", "x"),
-    "worker_failed": ("worker failed", "darkred", "P"),
-    "hang_detected": ("hang detected", "tab:pink", "h"),
-    "straggler_detected": ("straggler", "tab:gray", "<"),
-    "restarted": ("restarted", "tab:purple", "o"),
-    "run_stopped": ("run stopped", "black", "*"),
-    "run_failed": ("run failed", "crimson", "*"),
+MARKER_KINDS: dict[EventKind, tuple[str, str, str]] = {
+    EventKind.CHECKPOINT_COMMITTED: ("checkpoint committed", "tab:green", "v"),
+    EventKind.CHECKPOINT_LOADED: ("checkpoint loaded", "tab:cyan", "^"),
+    EventKind.CHECKPOINT_FAILED: ("checkpoint failed", "tab:olive", "X"),
+    EventKind.PREEMPTION_NOTICE: ("preemption notice", "tab:orange", "D"),
+    EventKind.NODE_LOST: ("node lost", "tab:brown", "s"),
+    EventKind.WORKER_DIED: ("worker died", "tab:red", "x"),
+    EventKind.WORKER_FAILED: ("worker failed", "darkred", "P"),
+    EventKind.HANG_DETECTED: ("hang detected", "tab:pink", "h"),
+    EventKind.STRAGGLER_DETECTED: ("straggler", "tab:gray", "<"),
+    EventKind.RESTARTED: ("restarted", "tab:purple", "o"),
+    EventKind.RUN_STOPPED: ("run stopped", "black", "*"),
+    EventKind.RUN_FAILED: ("run failed", "crimson", "*"),
 }
+# What the title says a run ended as, after its last terminal event.
+_STATUS_AFTER = {ev.RunFinished: "finished", ev.RunFailedEvent: "failed", ev.RunStopped: "stopped"}
 
 FILES = ("report.png", "report.html", "report.json")
 
@@ -49,8 +53,8 @@ FILES = ("report.png", "report.html", "report.json")
 @dataclass(frozen=True)
 class ReportData:
     name: str
-    metrics: list
-    events: list
+    metrics: list[dict]
+    events: list[ev.Event]
     result: Optional[dict]
 
     @classmethod
@@ -59,7 +63,7 @@ class ReportData:
         from rayflex.storage.rundir import RunDirectory
 
         rd = RunDirectory(run_dir_uri)
-        metrics, events = rd.read_jsonl("metrics.jsonl"), rd.read_jsonl("events.jsonl")
+        metrics, events = rd.read_jsonl("metrics.jsonl"), ev.as_events(rd.read_jsonl("events.jsonl"))
         if not metrics and not events:
             raise RayflexError(f"{run_dir_uri} holds no metrics.jsonl or events.jsonl: not a rayflex run "
                                f"directory (check NAME and --storage)")
@@ -68,13 +72,12 @@ class ReportData:
 
     @property
     def live(self) -> bool:
-        return not any(e.get("kind") in ("run_finished", "run_failed", "run_stopped") for e in self.events[-3:])
+        return not any(isinstance(e, TERMINAL_EVENTS) for e in self.events[-3:])
 
 
-def marker_events(events: list[dict]) -> list[dict]:
+def marker_events(events: list[ev.Event]) -> list[ev.Event]:
     """The events the timeline marks, in time order."""
-    return sorted((e for e in events if e.get("kind") in MARKER_KINDS and e.get("time") is not None),
-                  key=lambda e: e["time"])
+    return sorted((e for e in events if e.kind in MARKER_KINDS and e.time is not None), key=lambda e: e.time)
 
 
 def _broken(points: list[dict], key: str, breaks: list[float], x) -> tuple[list, list]:
@@ -93,14 +96,14 @@ def _broken(points: list[dict], key: str, breaks: list[float], x) -> tuple[list,
     return xs, ys
 
 
-def _setup_spans(events: list[dict]) -> list[tuple[float, float]]:
+def _setup_spans(events: list[ev.Event]) -> list[tuple[float, float]]:
     """(start, end) of each setup: from a run start or restart to its ``workers_started``."""
     out, opened = [], None
-    for e in sorted((e for e in events if e.get("time") is not None), key=lambda e: e["time"]):
-        if e.get("kind") in ("run_started", "restarted"):
-            opened = e["time"] if opened is None else opened
-        elif e.get("kind") == "workers_started" and opened is not None:
-            out.append((opened, e["time"]))
+    for e in sorted((e for e in events if e.time is not None), key=lambda e: e.time):
+        if isinstance(e, (ev.RunStarted, ev.Restarted)):
+            opened = e.time if opened is None else opened
+        elif isinstance(e, ev.WorkersStarted) and opened is not None:
+            out.append((opened, e.time))
             opened = None
     return out
 
@@ -127,7 +130,7 @@ def render(data: ReportData, now: Optional[float] = None) -> tuple[bytes, dict]:
     spans = sessions(data.metrics, data.events, now)
     history, _ = final_history(data.metrics, data.events)
     kept = {id(m) for m in history.values()}
-    all_times = [m["time"] for m in data.metrics if m.get("time")] + [e["time"] for e in data.events if e.get("time")]
+    all_times = [m["time"] for m in data.metrics if m.get("time")] + [e.time for e in data.events if e.time]
     t0 = spans[0][0] if spans else (min(all_times) if all_times else 0.0)
     t_end = max([s[1] for s in spans] + all_times + [t0 + 1.0])
     scale, unit = _time_unit(t_end - t0)
@@ -158,9 +161,9 @@ def render(data: ReportData, now: Optional[float] = None) -> tuple[bytes, dict]:
 
     # World size: from the metrics (per step) and the events that change it (plans, restarts).
     ws_points = sorted([(m["time"], m["world_size"]) for m in data.metrics if m.get("world_size") and m.get("time")]
-                       + [(e["time"], e["world_size"]) for e in data.events
-                          if e.get("kind") in ("plan_chosen", "workers_started", "restarted")
-                          and e.get("world_size") and e.get("time")])
+                       + [(e.time, e.world_size) for e in data.events
+                          if isinstance(e, (ev.PlanChosen, ev.WorkersStarted, ev.Restarted))
+                          and e.world_size and e.time])
     if ws_points:
         ws_x = [x(t) for t, _ in ws_points] + [x(t_end)]
         ws_y = [w for _, w in ws_points] + [ws_points[-1][1]]
@@ -179,11 +182,11 @@ def render(data: ReportData, now: Optional[float] = None) -> tuple[bytes, dict]:
             ax.axvspan(x(a), x(b), color="gold", alpha=0.15, zorder=0)
 
     markers = marker_events(data.events)
-    kinds = [k for k in MARKER_KINDS if any(e["kind"] == k for e in markers)]
+    kinds = [k for k in MARKER_KINDS if any(e.kind is k for e in markers)]
     drawn = 0
     for row, kind in enumerate(kinds):
         label, color, marker = MARKER_KINDS[kind]
-        xs = [x(e["time"]) for e in markers if e["kind"] == kind]
+        xs = [x(e.time) for e in markers if e.kind is kind]
         coll = ax_ev.scatter(xs, [row] * len(xs), marker=marker, color=color, s=60, zorder=3)
         drawn += len(coll.get_offsets())
         for ax in (ax_loss, ax_tps, ax_ws):
@@ -191,11 +194,11 @@ def render(data: ReportData, now: Optional[float] = None) -> tuple[bytes, dict]:
                 ax.axvline(xv, color=color, lw=0.9, ls="--", alpha=0.7, zorder=1)
         prev_x, lift = None, False
         for e in markers:
-            if e["kind"] == kind and e.get("step") is not None:
+            if e.kind is kind and e.step is not None:
                 # Neighbours closer than 3% of the axis: alternate label heights.
-                lift = (not lift) if prev_x is not None and x(e["time"]) - prev_x < 0.03 * x(t_end) else False
-                prev_x = x(e["time"])
-                ax_ev.annotate(str(e["step"]), (prev_x, row), textcoords="offset points",
+                lift = (not lift) if prev_x is not None and x(e.time) - prev_x < 0.03 * x(t_end) else False
+                prev_x = x(e.time)
+                ax_ev.annotate(str(e.step), (prev_x, row), textcoords="offset points",
                                xytext=(0, 15 if lift else 6), ha="center", fontsize=7, color=color)
     ax_ev.set_yticks(range(len(kinds)), [MARKER_KINDS[k][0] for k in kinds], fontsize=8)
     ax_ev.set_ylim(-0.7, max(len(kinds), 1) - 0.3)
@@ -217,29 +220,26 @@ def render(data: ReportData, now: Optional[float] = None) -> tuple[bytes, dict]:
     ax_ev.set_xlim(min(0.0, x(t0)) - 0.01 * x(t_end), x(t_end) * 1.02 + 1e-9)
 
     res = data.result or {}
-    terminal = [e for e in data.events if e.get("kind") in ("run_finished", "run_failed", "run_stopped")]
+    terminal = [e for e in data.events if isinstance(e, TERMINAL_EVENTS)]
     status = res.get("status") or ("running" if data.live else
-                                   terminal[-1]["kind"].split("_")[1] if terminal else "unknown")
+                                   _STATUS_AFTER[type(terminal[-1])] if terminal else "unknown")
     steps = max(history) if history else 0
-    target = res.get("target_steps") or next((e.get("target_steps") for e in data.events
-                                              if e.get("kind") == "run_started"), None)
+    target = res.get("target_steps") or next((e.target_steps for e in data.events
+                                              if isinstance(e, ev.RunStarted)), None)
     fig.suptitle(f"rayflex run {data.name!r} ({status}, step {steps}/{target})  —  goodput {gp.value:.1%}  "
                  f"({gp.useful_s:.1f}s committed step time / {gp.wall_s:.1f}s wall)", fontsize=12)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     summary = {"name": data.name, "status": status, "steps": steps, "target_steps": target,
-               "markers": drawn, "marker_kinds": {k: sum(e["kind"] == k for e in markers) for k in kinds},
+               "markers": drawn, "marker_kinds": {k.value: sum(e.kind is k for e in markers) for k in kinds},
                "rolled_back_points": len(lost), "sessions": len(spans), **gp.to_dict()}
     return buf.getvalue(), summary
 
 
-def _html(png: bytes, summary: dict, events: list[dict]) -> str:
-    rows = "\n".join(
-        f"<tr><td>{e['time'] - (events[0]['time'] if events else 0):.1f}</td><td>{html.escape(e['kind'])}</td>"
-        f"<td>{'' if e.get('step') is None else e['step']}</td>"
-        f"<td>{html.escape(_event_detail(e))}</td></tr>"
-        for e in events if e.get("time") is not None)
+def _html(png: bytes, summary: dict, events: list[ev.Event]) -> str:
+    t0 = events[0].time if events else 0
+    rows = "\n".join(_html_row(e.to_dict(), t0) for e in events if e.time is not None)
     facts = "".join(f"<li><b>{html.escape(k)}</b>: {html.escape(_fmt(v))}</li>" for k, v in summary.items())
     b64 = base64.b64encode(png).decode()
     return f"""<!doctype html>
@@ -262,6 +262,13 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else json.dumps(v) if isinstance(v, (dict, list)) else str(v)
 
 
+def _html_row(d: dict, t0: float) -> str:
+    """One row of the event table, from the event's stored form (an unknown kind too)."""
+    return (f"<tr><td>{d['time'] - t0:.1f}</td><td>{html.escape(str(d['kind']))}</td>"
+            f"<td>{'' if d.get('step') is None else d['step']}</td>"
+            f"<td>{html.escape(_event_detail(d))}</td></tr>")
+
+
 def _event_detail(e: dict) -> str:
     skip = {"kind", "time", "step", "explanation", "rank_to_node", "planned_rank_to_node", "stage_costs"}
     parts = [f"{k}={v}" for k, v in e.items() if k not in skip and v not in (None, "", [], {}, 0, 0.0)]
@@ -273,23 +280,24 @@ def write_report(run_dir_uri: str, out_dir: Optional[str] = None) -> tuple[str, 
 
     Returns the URIs of the PNG and the HTML page; ``report.json`` lies beside them.
     """
-    import fsspec
-
     data = ReportData.load(run_dir_uri)
     png, summary = render(data)
     out = (out_dir or run_dir_uri).rstrip("/")
     if "://" not in out:
         out = "file://" + os.path.abspath(out)
-    fs, path = fsspec.core.url_to_fs(out)
-    ensure_dir(fs, path)
+    fs, path = rfs.resolve(out)
+    rfs.ensure_dir(fs, path)
     uris = {name: f"{out}/{name}" for name in FILES}
     summary.update({"png": uris["report.png"], "html": uris["report.html"]})
     payloads = {"report.png": png, "report.html": _html(png, summary, data.events).encode(),
                 "report.json": json.dumps(summary, indent=2, default=str).encode()}
     for name, payload in payloads.items():
-        with fs.open(f"{path}/{name}", "wb") as f:
-            f.write(payload)
+        _write(fs, f"{path}/{name}", payload, uris[name])
     return uris["report.png"], uris["report.html"]
+
+
+def _write(fs, path: str, payload: bytes, uri: str) -> None:
+    rfs.with_retries(lambda: fs.pipe_file(path, payload), what=f"write {rfs.redact_uri(uri)}")
 
 
 # ------------------------------------------------------------------ command line
@@ -300,7 +308,9 @@ def resolve_run_dir(name: str, storage: Optional[str] = None) -> str:
         return name if "://" in name else "file://" + os.path.abspath(name)
     if storage:
         return storage.rstrip("/") + "/" + name
-    default = os.environ.get("RAYFLEX_DEMO_STORAGE") or "file://" + os.path.abspath("runs")
+    from rayflex.constants import default_storage
+
+    default = default_storage()
     candidate = default.rstrip("/") + "/" + name
     from rayflex.storage.rundir import RunDirectory
 

@@ -12,9 +12,12 @@ import logging
 from typing import Optional
 
 from rayflex.constants import CONTROLLER_NAMESPACE
-from rayflex.telemetry.goodput import TERMINAL_KINDS, goodput
+from rayflex.telemetry import events as ev
+from rayflex.telemetry.goodput import TERMINAL_EVENTS, goodput
 
 log = logging.getLogger(__name__)
+
+_STATE_AFTER = {ev.RunFinished: "FINISHED", ev.RunFailedEvent: "FAILED", ev.RunStopped: "STOPPED"}
 
 COLUMNS = ("name", "state", "step", "target_steps", "loss", "tokens_per_s", "world_size", "last_checkpoint",
            "restarts", "goodput")
@@ -32,11 +35,11 @@ def live_runs() -> dict[str, object]:
     return out
 
 
-def _timeline(run_dir: str) -> tuple[list[dict], list[dict]]:
+def _timeline(run_dir: str) -> tuple[list[dict], list[ev.Event]]:
     from rayflex.storage.rundir import RunDirectory
 
     rd = RunDirectory(run_dir)
-    return rd.read_jsonl("metrics.jsonl"), rd.read_jsonl("events.jsonl")
+    return rd.read_jsonl("metrics.jsonl"), ev.as_events(rd.read_jsonl("events.jsonl"))
 
 
 def row_from_run_dir(run_dir: str) -> Optional[dict]:
@@ -50,12 +53,12 @@ def row_from_run_dir(run_dir: str) -> Optional[dict]:
         return None
     name = run_dir.rstrip("/").rsplit("/", 1)[-1]
     last = metrics[-1] if metrics else {}
-    ends = [e for e in events if e.get("kind") in TERMINAL_KINDS]
-    starts = [e for e in events if e.get("kind") == "run_started"]
-    commits = [e for e in events if e.get("kind") == "checkpoint_committed"]
-    newest = [e for e in ends if not starts or e["time"] >= starts[-1]["time"]]
+    ends = [e for e in events if isinstance(e, TERMINAL_EVENTS)]
+    starts = [e for e in events if isinstance(e, ev.RunStarted)]
+    commits = [e for e in events if isinstance(e, ev.CheckpointCommitted)]
+    newest = [e for e in ends if not starts or e.time >= starts[-1].time]
     if newest:
-        state = {"run_finished": "FINISHED", "run_failed": "FAILED", "run_stopped": "STOPPED"}[newest[-1]["kind"]]
+        state = _STATE_AFTER[type(newest[-1])]
     elif res is not None and not starts:
         state = res["status"].upper()
     else:
@@ -64,12 +67,12 @@ def row_from_run_dir(run_dir: str) -> Optional[dict]:
         state = "NO DRIVER"
     res = res or {}
     return {"name": name, "state": state, "step": res.get("steps_completed", last.get("step", 0)),
-            "target_steps": res.get("target_steps", starts[-1].get("target_steps") if starts else None),
+            "target_steps": res.get("target_steps", starts[-1].target_steps if starts else None),
             "loss": last.get("loss"), "tokens_per_s": last.get("tokens_per_s"),
             "world_size": res.get("world_size", last.get("world_size")),
             "last_checkpoint": res.get("last_checkpoint") or (
-                {"step": commits[-1]["step"], "uri": commits[-1].get("uri")} if commits else None),
-            "restarts": res.get("restarts", sum(e.get("kind") == "restarted" for e in events)),
+                {"step": commits[-1].step, "uri": commits[-1].uri} if commits else None),
+            "restarts": res.get("restarts", sum(isinstance(e, ev.Restarted) for e in events)),
             "goodput": res["goodput"] if res.get("goodput") is not None else goodput(metrics, events),
             "run_dir": run_dir}
 
@@ -77,14 +80,19 @@ def row_from_run_dir(run_dir: str) -> Optional[dict]:
 def finished_runs(storage: str) -> list[dict]:
     """Every run directory under ``storage`` (a run with no live Controller is finished,
     stopped, failed, or lost its driver)."""
-    import fsspec
+    from rayflex.storage import fs as rfs
 
-    fs, root = fsspec.core.url_to_fs(storage)
+    fs, root = rfs.resolve(storage)
+
+    def _ls() -> list[dict]:
+        fs.invalidate_cache(root)  # runs written by other processes since the last listing
+        try:
+            return fs.ls(root, detail=True)
+        except FileNotFoundError:
+            return []
+
     rows = []
-    try:
-        entries = fs.ls(root, detail=True)
-    except FileNotFoundError:
-        return rows
+    entries = rfs.with_retries(_ls, what=f"list {rfs.redact_uri(storage)}")
     for entry in sorted(entries, key=lambda e: e["name"]):
         if entry.get("type") != "directory":
             continue

@@ -29,7 +29,7 @@ from rayflex.worker.status import StepRecord, WorkerStatus
 from rayflex.worker.parallelize import (build_device_mesh, build_local_stages, build_schedule,
                                      clip_grads_, shard_stage)
 from rayflex.config import TrainSpec
-from rayflex.constants import knob
+from rayflex.constants import fault_log_path, injected_failure_steps, knob, node_ip
 
 log = logging.getLogger(__name__)
 
@@ -54,17 +54,15 @@ class InjectedFailure:
 def _fail_at_from_env(rank: int) -> Optional[InjectedFailure]:
     """Fault injection (tests): ``RAYFLEX_FAIL_AT="RANK:STEP[,RANK:STEP...]"`` makes that
     rank raise when it starts that step (in every attempt that reaches it)."""
-    for item in filter(None, os.environ.get("RAYFLEX_FAIL_AT", "").split(",")):
-        r, _, s = item.partition(":")
-        if int(r) == rank:
-            return InjectedFailure(int(s), f"injected failure (RAYFLEX_FAIL_AT) at rank {rank} step {int(s)}")
-    return None
+    step = injected_failure_steps().get(rank)
+    return InjectedFailure(step, f"injected failure (RAYFLEX_FAIL_AT) at rank {rank} step {step}") \
+        if step is not None else None
 
 
 def _log_injected_failure(rank: int, step: int, message: str) -> None:
     """Append that an injected failure fired to ``RAYFLEX_FAULT_LOG`` (if set): the chaos
     harness's ground truth, independent of whether the controller noticed."""
-    path = os.environ.get("RAYFLEX_FAULT_LOG")
+    path = fault_log_path()
     if not path:
         return
     line = json.dumps({"time": time.time(), "rank": rank, "step": step, "message": message, "pid": os.getpid()})
@@ -161,7 +159,7 @@ class TrainWorker:
 
     def node_info(self) -> dict[str, Any]:
         """Where this rank lives; rank 0 also offers the rendezvous address."""
-        ip = os.environ.get("RAYFLEX_NODE_IP")
+        ip = node_ip()
         if ip is None:
             try:
                 import ray

@@ -7,6 +7,7 @@ import urllib.request
 
 import pytest
 
+from rayflex.telemetry import events as ev
 from rayflex.testing.chaos import KINDS, plan_faults
 from rayflex.testing.chaos import invariants as inv
 from rayflex.testing.chaos.replay import Segment, segments_from_events
@@ -75,10 +76,40 @@ def test_every_fault_needs_its_detection_in_time():
               {"kind": "hang_detected", "time": 203.5, "ranks": [1]}]
     ok, rows = inv.faults_accounted(faults, events, heartbeat_s=3.0)
     assert ok and [r["detected_by"] for r in rows] == ["worker_died", "hang_detected"]
+    assert inv.faults_accounted(faults, ev.as_events(events), heartbeat_s=3.0) == (ok, rows)  # typed: the same
+    newer = [{"kind": "elastic_resize_planned", "time": 100.1}, *events]  # a kind this version does not know
+    assert inv.faults_accounted(faults, newer, heartbeat_s=3.0) == (ok, rows)
     late = [dict(events[0], time=104.0), events[1]]
     ok, rows = inv.faults_accounted(faults, late, heartbeat_s=3.0)
     assert not ok and rows[0]["after_s"] == 4.0
     assert not inv.faults_accounted(faults, events[:1], heartbeat_s=3.0)[0]
+
+
+def test_each_fault_kind_is_named_by_its_own_event():
+    def fault(i, kind, t, **kw):
+        return {"index": i, "kind": kind, "time": t, "rank": kw.pop("rank", None), "node_id": kw.pop("node_id", None),
+                "detail": kw}
+
+    faults = [fault(0, "remove_node", 10.0, node_id="n3"), fault(1, "preempt_long", 20.0, node_id="n2"),
+              fault(2, "preempt_short", 30.0, node_id="n1"), fault(3, "s3_down", 40.0, down_s=12.0),
+              fault(4, "corrupt_checkpoint", 50.0, rank=0, step=15)]
+    events = [ev.WorkerDied(time=10.5, rank=3, node_id="n3"), ev.NodeLost(time=11.0, node_id="n3"),
+              ev.PreemptionNotice(time=20.5, node_id="n2", action="restore_last_committed"),  # not this one
+              ev.PreemptionNotice(time=20.6, node_id="n2", action="emergency_checkpoint"),
+              ev.PreemptionNotice(time=30.5, node_id="n1", action="restore_last_committed"),
+              ev.CheckpointFailed(time=45.0, reason="StorageError"),
+              ev.WorkerDied(time=50.2, rank=0, node_id="n0"),
+              ev.CheckpointLoaded(time=52.0, step=10, skipped=["step 15: checksum mismatch"])]
+    ok, rows = inv.faults_accounted(faults, events, heartbeat_s=3.0)
+    assert ok, rows
+    assert [(r["detected_by"], r["after_s"]) for r in rows] == [
+        ("worker_died", 0.5), ("preemption_notice", 0.6), ("preemption_notice", 0.5), ("checkpoint_failed", 5.0),
+        ("checkpoint_loaded", 2.0)]
+    # The kill alone does not name a corruption: the restart must have skipped that step.
+    ok, rows = inv.faults_accounted(faults[4:], events[:-1], heartbeat_s=3.0)
+    assert not ok and rows[0]["detected_by"] is None
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        inv.faults_accounted([fault(5, "meteor", 1.0)], events, heartbeat_s=3.0)
 
 
 def test_injector_leaves_out_faults_too_close_to_the_end():

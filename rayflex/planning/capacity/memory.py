@@ -54,6 +54,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable, Optional, Sequence
 
 from rayflex.errors import ConfigError, PlacementError
+from rayflex.mesh.stage_split import stage_split
+from rayflex.models.gpt_config import gpt_config_of
 
 GB = 1e9
 KINDS = ("embedding", "transformer", "head", "other")
@@ -208,7 +210,7 @@ class ModelDescription:
         device and needs ``activation_bytes_per_token`` per block, e.g. from
         :func:`measure_activation_bytes` on this host.
         """
-        cfg = _gpt_config_of(spec)
+        cfg = gpt_config_of(spec)
         if cfg is not None and activation_bytes_per_token is None:
             # parameters from the model's config (its position table), activations at the
             # data's sequence length
@@ -250,13 +252,18 @@ class ModelDescription:
         return out
 
 
-def _gpt_config_of(spec):
-    import functools
-
-    fn = getattr(spec, "build_block", None)
-    if isinstance(fn, functools.partial) and getattr(fn.func, "__name__", "") == "build_gpt_block" and fn.args:
-        return fn.args[0]
-    return None
+def describe_model(model, seq_len: int, precision: Precision | None = None) -> ModelDescription:
+    """A ModelDescription from a ModelSpec (measured on CPU when it is not a rayflex GPT);
+    a ModelDescription passes through (at ``seq_len``)."""
+    if isinstance(model, ModelDescription):
+        return model if model.seq_len == seq_len else model.with_seq_len(seq_len)
+    if gpt_config_of(model) is not None:
+        return ModelDescription.from_spec(model, seq_len=seq_len, precision=precision)
+    # Not a rayflex GPT: activations are measured by running its blocks. A ModelSummary (the
+    # controller's torch-free view) must load the model for that, importing torch.
+    spec = model.load() if hasattr(model, "load") else model
+    return ModelDescription.from_spec(model, seq_len=seq_len, precision=precision,
+                                      activation_bytes_per_token=measure_activation_bytes(spec, seq_len))
 
 
 # The two famous sizes used by the docs and the CLI (``--model 7b|70b``): rayflex's GPT
@@ -489,7 +496,7 @@ def in_flight_peak(schedule: str, pp_index: int, pp: int, m: int, v: int = 1) ->
 def estimate_memory(model: ModelDescription, layout: Layout, runtime: Runtime | None = None) -> MemoryEstimate:
     """Peak bytes of every pp rank of ``layout`` (dp replicas of a stage hold the same)."""
     runtime = runtime or Runtime()
-    stage_blocks = layout.stage_blocks or _default_split(model, layout.num_stages)
+    stage_blocks = layout.stage_blocks or stage_split(model.block_params, layout.num_stages)
     if len(stage_blocks) != layout.num_stages:
         raise ConfigError("Layout.stage_blocks", f"{len(stage_blocks)} stages for pp={layout.pp} x "
                           f"stages_per_rank={layout.stages_per_rank}", "give one block list per stage")
@@ -497,12 +504,6 @@ def estimate_memory(model: ModelDescription, layout: Layout, runtime: Runtime | 
         return MemoryEstimate(layout, (_rank_memory_fsdp(model, layout, runtime),))
     ranks = tuple(_rank_memory_pipeline(model, layout, stage_blocks, i, runtime) for i in range(layout.pp))
     return MemoryEstimate(layout, ranks)
-
-
-def _default_split(model: ModelDescription, num_stages: int) -> tuple:
-    from rayflex.planning.capacity.search import stage_split
-
-    return stage_split(model.block_params, num_stages)
 
 
 def _state_bytes(model: ModelDescription, params: float, dp: int) -> tuple[float, float, float]:

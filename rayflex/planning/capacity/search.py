@@ -5,7 +5,9 @@ Two levels, as in Alpa: the stage split is a dynamic program over contiguous blo
 (``balanced_split``, the very function the workers use, so the stages modeled are the
 stages built), and inside a stage FSDP2 shards over the dp ranks. Every candidate is
 ``(pp, schedule, stages_per_rank, microbatches)`` for pp > 1, or ``(pp=1, micro_batch)``
-(gradient accumulation) without a pipeline; dp is what the world size leaves.
+(gradient accumulation) without a pipeline; dp is what the world size leaves. Which
+candidates exist is ``rayflex.mesh.rules``, the rules ``plan_mesh`` applies, so every
+candidate is a mesh the workers build.
 
 Step time (modeled, seconds, no overlap assumed so it is an upper bound):
 
@@ -27,7 +29,6 @@ Step time (modeled, seconds, no overlap assumed so it is an upper bound):
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -35,9 +36,12 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from rayflex.errors import ConfigError
-from rayflex.planning.capacity.memory import (GB, CapacityError, Layout, MemoryEstimate, ModelDescription, Precision,
-                                       Runtime, estimate_memory, fmt_bytes)
-from rayflex.planning.placement.planner import CommProfile, MeshShape, modeled_comm_seconds
+from rayflex.mesh import rules
+from rayflex.mesh.stage_split import stage_split
+from rayflex.planning.capacity.memory import (GB, CapacityError, Layout, MemoryEstimate, ModelDescription, Runtime,
+                                              describe_model, estimate_memory, fmt_bytes)
+from rayflex.planning.comm_profile import layout_comm_profile
+from rayflex.planning.placement.planner import MeshShape, modeled_comm_seconds
 from rayflex.planning.topology import Topology
 
 SCHEDULE_ORDER = ("none", "1f1b", "interleaved", "gpipe")
@@ -265,60 +269,49 @@ def _gb(b: float) -> str:
     return f"{b / GB:.1f}GB" if b >= 0.1 * GB else f"{b / 1e6:.1f}MB"
 
 
-@functools.lru_cache(maxsize=512)
-def stage_split_cached(costs: tuple, num_stages: int) -> tuple:
-    """The workers' own split (``rayflex.mesh.stage_split.balanced_split``), memoised:
-    the search asks for the same split many times."""
-    from rayflex.mesh.stage_split import balanced_split
-
-    return tuple(tuple(stage) for stage in balanced_split(list(costs), num_stages))
-
-
-def stage_split(block_params: Sequence[float], num_stages: int) -> tuple:
-    """The workers' split (by parameter count), cached."""
-    return stage_split_cached(tuple(float(c) for c in block_params), num_stages)
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
-
-
 def enumerate_layouts(model: ModelDescription, world: int, global_batch: int, *,
                       schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved"), max_stages_per_rank: int = 4,
                       max_microbatches: int = 0):
     """Every mesh rayflex can run for this world size and batch; yields Layouts and
-    ``("skip", what, why)`` for meshes it cannot."""
+    ``("skip", what, why)`` for meshes it cannot. Which meshes are runnable, and their
+    batch arithmetic, is ``rayflex.mesh.rules``: the same rules ``plan_mesh`` applies."""
     n = model.num_blocks
-    for pp in _divisors(world):
+    for pp in rules.divisors(world):
         dp = world // pp
-        if pp > n:
-            yield ("skip", f"pp={pp}", f"only {n} blocks to cut into stages")
-            continue
-        if global_batch % dp:
-            yield ("skip", f"pp={pp} x dp={dp}", f"global batch {global_batch} is not divisible by dp={dp}")
+        problem = rules.mesh_base_problem(world, pp, global_batch, n)
+        if problem is not None:
+            yield ("skip", f"pp={pp}" if pp > n else f"pp={pp} x dp={dp}", problem.problem)
             continue
         per_rank = global_batch // dp
         if pp == 1:
-            for micro in _divisors(per_rank):
-                yield Layout(pp=1, dp=dp, schedule="none", microbatches=1, micro_batch=micro,
-                             accum_steps=per_rank // micro, stage_blocks=stage_split(model.block_params, 1))
+            for micro in rules.divisors(per_rank):
+                split = rules.split_batch(world, rules.Pipeline(pp=1), global_batch, micro_batch=micro)
+                yield Layout(pp=1, dp=dp, schedule="none", microbatches=1, micro_batch=split.micro_batch,
+                             accum_steps=split.accum_steps, stage_blocks=stage_split(model.block_params, 1))
             continue
         shapes = [(s, 1) for s in schedules if s in ("gpipe", "1f1b")]
-        if "interleaved" in schedules:
-            shapes += [("interleaved", v) for v in range(2, max_stages_per_rank + 1) if pp * v <= n]
-        ms = [m for m in _divisors(per_rank) if m >= pp and (not max_microbatches or m <= max_microbatches)]
-        if not ms:
-            yield ("skip", f"pp={pp} x dp={dp}", f"per-rank batch {per_rank} cannot feed {pp} stages "
-                   f"(microbatches must be >= pp and divide it)")
+        if rules.INTERLEAVED in schedules:
+            shapes += [(rules.INTERLEAVED, v) for v in range(2, max_stages_per_rank + 1)
+                       if rules.stages_problem(pp * v, n) is None]
+        if not shapes:
+            yield ("skip", f"pp={pp} x dp={dp}", f"none of the schedules {', '.join(schedules)} can cut "
+                   f"{n} blocks into stages for pp={pp}")
             continue
+        fed = False
         for schedule, v in shapes:
+            ms = rules.microbatch_options(pp, per_rank, schedule, max_microbatches)
+            fed = fed or bool(ms)
+            if not ms:
+                continue
             split = stage_split(model.block_params, pp * v)
             for m in ms:
-                if schedule == "interleaved" and m % pp:
-                    continue
-                yield Layout(pp=pp, dp=dp, schedule=schedule, microbatches=m, micro_batch=per_rank // m,
-                             stages_per_rank=v, stage_blocks=split)
+                pipe = rules.Pipeline(pp=pp, schedule=schedule, stages_per_rank=v, microbatches=m)
+                batch = rules.split_batch(world, pipe, global_batch, num_blocks=n)
+                yield Layout(pp=pp, dp=dp, schedule=schedule, microbatches=batch.microbatches,
+                             micro_batch=batch.micro_batch, stages_per_rank=v, stage_blocks=split)
+        if not fed:
+            yield ("skip", f"pp={pp} x dp={dp}", f"per-rank batch {per_rank} cannot feed {pp} stages "
+                   f"(microbatches must be >= pp and divide it)")
 
 
 # ------------------------------------------------------------------------------ step time
@@ -351,19 +344,15 @@ class _CommModel:
         return self.cache[key]
 
     def _compute(self, layout: Layout) -> float:
-        model, e = self.model, self.model.precision.param_bytes
+        model = self.model
         pp, dp = layout.pp, layout.dp
-        scale = (2 * layout.accum_steps + 1) / 3 if pp == 1 else 1.0
-        stage_bytes = tuple(p * e * scale for p in _rank_params(model, layout))
-        per_rank_tokens = self.global_batch // dp * model.seq_len
-        # bytes of one crossing times crossings: per_rank_tokens * h * e per step per pass
-        profile = CommProfile(stage_param_bytes=stage_bytes,
-                              activation_bytes=per_rank_tokens * model.hidden_size * e,
-                              microbatches=layout.stages_per_rank, reshard_after_forward=pp == 1)
+        profile = layout_comm_profile(_rank_params(model, layout), model.precision.param_bytes,
+                                      self.global_batch // dp * model.seq_len, model.hidden_size,
+                                      layout.stages_per_rank, layout.accum_steps)
         mesh = MeshShape(pp, dp)
         dp_major = self.slots
         pipe_major = [""] * self.world
-        for i, node in enumerate(self.slots):  # slot i hosts pipeline i // pp, stage i % pp
+        for i, node in enumerate(self.slots):  # slot i hosts pipeline i // pp at stage (i mod pp)
             d, s = divmod(i, pp)
             pipe_major[s * dp + d] = node
         topo = self.cluster.topology
@@ -539,18 +528,6 @@ class ParallelChoice:
 
     def __iter__(self):
         return iter((self.pp, self.schedule, self.microbatches, self.stages_per_rank, self.explanation))
-
-
-def describe_model(model, seq_len: int, precision: Precision | None = None) -> ModelDescription:
-    """A ModelDescription from a ModelSpec (measured on CPU when it is not a rayflex GPT)."""
-    if isinstance(model, ModelDescription):
-        return model if model.seq_len == seq_len else model.with_seq_len(seq_len)
-    from rayflex.planning.capacity.memory import _gpt_config_of, measure_activation_bytes
-
-    if _gpt_config_of(model) is not None:
-        return ModelDescription.from_spec(model, seq_len=seq_len, precision=precision)
-    return ModelDescription.from_spec(model, seq_len=seq_len, precision=precision,
-                                      activation_bytes_per_token=measure_activation_bytes(model, seq_len))
 
 
 def best_parallel_config(model_spec_or_description, cluster, world_size: int, global_batch: int,

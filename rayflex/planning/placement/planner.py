@@ -1,5 +1,5 @@
 """Where each rank goes: the Planner (rank -> node and slot, minimising modeled
-communication) and the PlacementManager that makes Ray honour the plan.
+communication). Making Ray honour a plan is ``rayflex.group.reservation.RunPlacement``'s.
 
 This module is the facade; its public names are the placement API. The pieces:
 
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from rayflex.errors import ConfigError, PlacementError
+from rayflex.errors import PlacementError
 from rayflex.planning.cost_model import (
     REL_TOL,
     CommProfile,
@@ -44,13 +44,12 @@ from rayflex.planning.placement.bound import Relaxation
 from rayflex.planning.placement.exact import brute_force_assignment, exact_counts
 from rayflex.planning.placement.explain import explain, rank_ranges, short_id
 from rayflex.planning.placement.packer import realize
-from rayflex.planning.topology import MARKET_LABEL, NODE_ID_LABEL, Bandwidths, NodeInfo, Topology
+from rayflex.planning.topology import MARKET_LABEL, Bandwidths, NodeInfo, Topology
 
 __all__ = [
     "CommProfile",
     "MeshShape",
     "Plan",
-    "PlacementManager",
     "Planner",
     "brute_force_plan",
     "modeled_comm_seconds",
@@ -259,74 +258,3 @@ class Planner:
         method = best[2] + (" (optimal)" if optimal else "")
         return _make_plan(tree, costs, mesh, profile, best[1], naive_s, lower_bound, optimal, method, relax)
 
-
-class PlacementManager:
-    """Reserves each planned node's bundles in one placement group pinned to that node.
-
-    Pinning uses ``bundle_label_selector=[{"ray.io/node-id": <node id>}]``: Ray labels every
-    node with its id, and a label selector is a hard constraint (unlike
-    ``_soft_target_node_id``), and it tells nodes apart even when they share an IP, which
-    ``node:<ip>`` resources cannot. One group per node means a node that cannot host its
-    bundles is named precisely, and the other groups can be released at once.
-    """
-
-    def __init__(self, plan: Plan, resources_per_worker: Mapping[str, float], *, name: str = "rayflex"):
-        res = {k: float(v) for k, v in resources_per_worker.items() if v}
-        if not res or any(v < 0 for v in res.values()):
-            raise ConfigError("resources_per_worker", f"needs at least one positive resource, got "
-                              f"{dict(resources_per_worker)!r}", "e.g. {'CPU': 1} or {'GPU': 1}")
-        self.plan, self.resources, self.name = plan, res, name
-        self._node_ranks = plan.node_ranks()
-        # bundle i of a node's group is that node's i-th rank (Planner: its rank_to_slot)
-        self._bundle = {r: i for ranks in self._node_ranks.values() for i, r in enumerate(ranks)}
-        self._pgs: Dict[str, object] = {}
-
-    def place(self, timeout_s: Optional[float] = None) -> None:
-        """Create the groups and wait; on timeout remove them and raise PlacementError."""
-        import ray
-        from ray.util.placement_group import placement_group
-
-        from rayflex.constants import knob
-
-        if self._pgs:
-            return  # already placed; remove() first to place again
-        timeout = knob("PLACEMENT_TIMEOUT_S") if timeout_s is None else timeout_s
-        for node_id, ranks in self._node_ranks.items():
-            self._pgs[node_id] = placement_group(
-                [dict(self.resources) for _ in ranks], strategy="STRICT_PACK",
-                name=f"{self.name}-{node_id[:12]}",
-                bundle_label_selector=[{NODE_ID_LABEL: node_id} for _ in ranks])
-        refs = {pg.ready(): node_id for node_id, pg in self._pgs.items()}
-        _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=max(0.0, timeout))
-        if pending:
-            missing = [refs[r] for r in pending]
-            self.remove()
-            detail = "; ".join(f"node {n}: {len(self._node_ranks[n])} bundle(s) for ranks "
-                               f"{rank_ranges(self._node_ranks[n])}" for n in missing)
-            raise PlacementError(
-                f"could not reserve {self.resources} per worker within {timeout:.0f}s on "
-                f"{len(missing)} of {len(refs)} planned node(s): {detail}. The node may be gone, "
-                f"draining or short of resources; replan from a fresh Topology.from_ray()")
-
-    def scheduling_strategy(self, rank: int):
-        """The strategy that puts rank's actor in its bundle on its planned node."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        node_id = self.plan.rank_to_node[rank]
-        if node_id not in self._pgs:
-            raise PlacementError(f"rank {rank}: node {node_id} has no reserved bundles; call place() first")
-        return PlacementGroupSchedulingStrategy(placement_group=self._pgs[node_id],
-                                                placement_group_bundle_index=self._bundle[rank])
-
-    def remove(self) -> None:
-        """Release every group this manager created (idempotent)."""
-        if not self._pgs:
-            return
-        from ray.util.placement_group import remove_placement_group
-
-        pgs, self._pgs = self._pgs, {}
-        for pg in pgs.values():
-            try:
-                remove_placement_group(pg)
-            except Exception:  # noqa: BLE001 - a group already gone is what we wanted
-                pass

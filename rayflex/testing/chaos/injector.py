@@ -17,6 +17,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
+from rayflex.telemetry import events as ev
+
 log = logging.getLogger(__name__)
 
 
@@ -117,9 +119,7 @@ class Injector:
             self._armed = None
             log.warning("chaos fault %d: rank %d raised at step %d", fault.index + 1, fired["rank"], fired["step"])
             return
-        events = self.handle.events()
-        lost = fault.detail.get("arm_failed") or any(e["kind"] == "restarted" and e["time"] > self._armed_at
-                                                     for e in events)
+        lost = fault.detail.get("arm_failed") or any(e.time > self._armed_at for e in self._events(ev.Restarted))
         if not lost:
             return
         status = self.handle.status()
@@ -139,6 +139,10 @@ class Injector:
             return None
         return next((r for r in lines if r["message"] == message), None)
 
+    def _events(self, cls: type[ev.Event]) -> list[ev.Event]:
+        """The run's events of one class, as the controller has them now."""
+        return ev.Timeline.from_dicts(self.handle.events()).of(cls)
+
     def _healthy(self, status: dict, after: Optional[float] = None) -> bool:
         """Running at full size, far enough from the last fault and from the end, with a
         checkpoint committed since the last restart. ``after`` (re-arming): only that."""
@@ -150,9 +154,9 @@ class Injector:
             return False
         if after is None and status["step"] < self._last_step_injected + self.timing.min_steps_between:
             return False
-        events = self.handle.events()
-        last_restart = max((e["time"] for e in events if e["kind"] == "restarted"), default=0.0)
-        committed = [e["time"] for e in events if e["kind"] == "checkpoint_committed"]
+        events = ev.Timeline.from_dicts(self.handle.events())
+        last_restart = max((e.time for e in events.of(ev.Restarted)), default=0.0)
+        committed = [e.time for e in events.of(ev.CheckpointCommitted)]
         since = max(last_restart, self._quiet_since if after is None else after)
         return any(t > since for t in committed)
 
@@ -271,8 +275,7 @@ class Injector:
         self._signal(self._victim(fault, workers)["pid"], signal.SIGKILL)
         fault.time = time.time()
         deadline = time.time() + 5
-        while time.time() < deadline and not any(e["kind"] == "worker_died" and e["time"] >= fault.time - 0.5
-                                                  for e in self.handle.events()):
+        while time.time() < deadline and not any(e.time >= fault.time - 0.5 for e in self._events(ev.WorkerDied)):
             time.sleep(0.02)
         from rayflex.storage import manifest as mf
 

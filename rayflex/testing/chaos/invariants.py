@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Union
+
+from rayflex.telemetry import events as ev
 
 # How fast each kind of fault must be named, in seconds after it happened (sigstop: after
 # the heartbeat timeout, which is added by the caller).
 DETECTION_BOUND_S = {"kill_actor": 2.0, "remove_node": 5.0, "sigstop": 6.0, "preempt_long": 3.0,
                      "preempt_short": 3.0, "raise_once": 10.0, "corrupt_checkpoint": 60.0,
                      "s3_down": 10.0}  # RAYFLEX_STORAGE_STALL_S (5 s) + a flush interval
+# Faults named only once the heartbeat timeout has passed: it is added to their bound.
+_HEARTBEAT_BOUND = ("sigstop",)
 
 
 def all_steps_finished(result, steps: int, *, stopped: bool = False) -> tuple[bool, str]:
@@ -68,45 +72,73 @@ def samples_exact(samples: list[dict], sampler, steps: int) -> tuple[bool, str]:
                   f"{len(complete)} complete with every row once")
 
 
-def _match(fault: dict, events: list[dict], heartbeat_s: float) -> Optional[dict]:
-    kind, t = fault["kind"], fault["time"]
-    after = [e for e in events if e["time"] >= t - 0.5]
-    if kind in ("kill_actor", "corrupt_checkpoint"):
-        died = next((e for e in after if e["kind"] == "worker_died" and e["rank"] == fault["rank"]), None)
-        if kind == "kill_actor" or died is None:
-            return died
-        loaded = next((e for e in after if e["kind"] == "checkpoint_loaded"
-                       and any(f"step {fault['detail']['step']}:" in s for s in e.get("skipped", []))), None)
-        return loaded and {**loaded, "worker_died": died}
-    if kind == "remove_node":
-        return next((e for e in after if (e["kind"] == "node_lost" and e["node_id"] == fault["node_id"]) or
-                     (e["kind"] == "worker_died" and e["node_id"] == fault["node_id"])), None)
-    if kind == "sigstop":
-        return next((e for e in after if e["kind"] == "hang_detected" and fault["rank"] in e["ranks"]), None)
-    if kind in ("preempt_long", "preempt_short"):
-        action = "emergency_checkpoint" if kind == "preempt_long" else "restore_last_committed"
-        return next((e for e in after if e["kind"] == "preemption_notice" and e["node_id"] == fault["node_id"]
-                     and e["action"] == action), None)
-    if kind == "s3_down":  # whichever notices first: the controller's run-directory writes or a save
-        up = t + fault["detail"]["down_s"]
-        return next((e for e in after if e["kind"] in ("storage_unavailable", "checkpoint_failed")
-                     and e["time"] <= up + 30), None)
-    if kind == "raise_once":
-        return next((e for e in after if e["kind"] == "worker_failed" and e["rank"] == fault["rank"]
-                     and fault["detail"]["message"] in e["error"]), None)
-    raise ValueError(f"unknown fault kind {kind!r}")
+def _kill_actor(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
+    return next((e for e in after if isinstance(e, ev.WorkerDied) and e.rank == fault["rank"]), None)
 
 
-def faults_accounted(faults: list[dict], events: list[dict], heartbeat_s: float) -> tuple[bool, list[dict]]:
+def _corrupt_checkpoint(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
+    """The restart after the kill skipped the corrupted step's checkpoint."""
+    if _kill_actor(fault, after) is None:
+        return None
+    skipped = f"step {fault['detail']['step']}:"
+    return next((e for e in after if isinstance(e, ev.CheckpointLoaded)
+                 and any(skipped in s for s in e.skipped)), None)
+
+
+def _remove_node(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
+    return next((e for e in after if isinstance(e, (ev.NodeLost, ev.WorkerDied))
+                 and e.node_id == fault["node_id"]), None)
+
+
+def _sigstop(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
+    return next((e for e in after if isinstance(e, ev.HangDetected) and fault["rank"] in e.ranks), None)
+
+
+def _preemption(action: str) -> Callable[[dict, list[ev.Event]], Optional[ev.Event]]:
+    def match(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
+        return next((e for e in after if isinstance(e, ev.PreemptionNotice) and e.node_id == fault["node_id"]
+                     and e.action == action), None)
+    return match
+
+
+def _s3_down(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
+    """Whichever notices first: the controller's run-directory writes or a save."""
+    up = fault["time"] + fault["detail"]["down_s"]
+    return next((e for e in after if isinstance(e, (ev.StorageUnavailable, ev.CheckpointFailed))
+                 and e.time <= up + 30), None)
+
+
+def _raise_once(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
+    return next((e for e in after if isinstance(e, ev.WorkerFailed) and e.rank == fault["rank"]
+                 and fault["detail"]["message"] in e.error), None)
+
+
+# Fault kind -> the event that names the fault (None: not detected).
+_DETECTED_BY = {"kill_actor": _kill_actor, "corrupt_checkpoint": _corrupt_checkpoint, "remove_node": _remove_node,
+               "sigstop": _sigstop, "preempt_long": _preemption("emergency_checkpoint"),
+               "preempt_short": _preemption("restore_last_committed"), "s3_down": _s3_down,
+               "raise_once": _raise_once}
+
+
+def _match(fault: dict, events: list[ev.Event]) -> Optional[ev.Event]:
+    matcher = _DETECTED_BY.get(fault["kind"])
+    if matcher is None:
+        raise ValueError(f"unknown fault kind {fault['kind']!r}")
+    return matcher(fault, [e for e in events if e.time >= fault["time"] - 0.5])
+
+
+def faults_accounted(faults: list[dict], events: list[Union[ev.Event, dict]],
+                     heartbeat_s: float) -> tuple[bool, list[dict]]:
     """For every injected fault: the event that named it, which detector, how fast."""
+    events = ev.as_events(events)
     rows, ok = [], True
     for f in faults:
-        e = _match(f, events, heartbeat_s)
+        e = _match(f, events)
         row = {"index": f["index"], "kind": f["kind"], "rank": f.get("rank"), "node_id": (f.get("node_id") or "")[:8],
-               "detected_by": e["kind"] if e else None,
-               "after_s": round(e["time"] - f["time"], 3) if e else None}
+               "detected_by": e.kind.value if e else None,
+               "after_s": round(e.time - f["time"], 3) if e else None}
         bound = DETECTION_BOUND_S.get(f["kind"])
-        if f["kind"] == "sigstop":
+        if f["kind"] in _HEARTBEAT_BOUND:
             bound += heartbeat_s
         row["ok"] = e is not None and (bound is None or row["after_s"] <= bound)
         row["bound_s"] = bound

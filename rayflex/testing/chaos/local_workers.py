@@ -15,9 +15,9 @@ from rayflex.worker.train_worker import free_port
 
 
 def _serve(commands, answers) -> None:
-    import os
+    from rayflex.constants import set_node_ip
 
-    os.environ["RAYFLEX_NODE_IP"] = "127.0.0.1"
+    set_node_ip("127.0.0.1")
     from rayflex.mesh.plan import plan_mesh
     from rayflex.worker.train_worker import TrainWorker
 

@@ -21,13 +21,14 @@ class Segment:
     to_step: int
 
 
-def segments_from_events(events: list[dict], total_steps: int) -> list[Segment]:
+def segments_from_events(events, total_steps: int) -> list[Segment]:
     """Each attempt that trained: (world size, the step it resumed from, where the next
-    one resumed from — or the end)."""
-    starts = []
-    first = next(e for e in events if e["kind"] == "plan_chosen")
-    starts.append((first["world_size"], 0))
-    starts += [(e["world_size"], e["step"]) for e in events if e["kind"] == "checkpoint_loaded"]
+    one resumed from — or the end). ``events``: typed events (or their stored dicts)."""
+    from rayflex.telemetry import events as ev
+
+    events = ev.as_events(events)
+    first = next(e for e in events if isinstance(e, ev.PlanChosen))
+    starts = [(first.world_size, 0)] + [(e.world_size, e.step) for e in events if isinstance(e, ev.CheckpointLoaded)]
     out = []
     for i, (world, start) in enumerate(starts):
         end = starts[i + 1][1] if i + 1 < len(starts) else total_steps

@@ -16,6 +16,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
+from rayflex.telemetry import events as ev
 from rayflex.testing.chaos.injector import FaultTiming, Injector, corrupt_newest_file
 from rayflex.testing.chaos.schedule import plan_faults
 
@@ -175,6 +176,7 @@ def run_chaos(cfg: ChaosConfig) -> dict:
         faults = [f.to_dict() for f in injector.injected]
         report["faults"] = faults
         events = _read_lines(f"{spec.run.run_dir}/events.jsonl")
+        timeline = ev.Timeline.from_dicts(events)
         samples = _read_lines(f"{spec.run.run_dir}/samples.jsonl")
         checks: dict = {}
 
@@ -191,13 +193,13 @@ def run_chaos(cfg: ChaosConfig) -> dict:
         sampler = GlobalSampler(len(TokenDataset(data_uri)), spec.data.global_batch, spec.data.seed)
         ok, detail = inv.samples_exact(samples, sampler, last)
         checks["samples_once_per_epoch"] = {"ok": ok, "detail": detail}
-        ok, rows = inv.faults_accounted(faults, events, cfg.heartbeat_timeout_s)
+        ok, rows = inv.faults_accounted(faults, timeline.events, cfg.heartbeat_timeout_s)
         checks["faults_accounted"] = {"ok": ok, "detail": rows}
-        report["world_sizes"] = [e["world_size"] for e in events if e["kind"] in ("plan_chosen",)]
-        report["restarts"] = sum(1 for e in events if e["kind"] == "restarted")
+        report["world_sizes"] = [e.world_size for e in timeline.of(ev.PlanChosen)]
+        report["restarts"] = len(timeline.of(ev.Restarted))
         if checks["finished_every_step"]["ok"]:
             t1 = time.time()
-            segments = segments_from_events(events, last)
+            segments = segments_from_events(timeline.events, last)
             replay_root = replay(spec, segments, f"file://{workdir}/replay")
             cmp = compare(step_dir(root, last), step_dir(replay_root, last))
             ok = cmp.get("bitwise_equal", False)

@@ -1,0 +1,356 @@
+"""Stand-ins for everything outside the controller: a fake clock, and a cluster whose
+workers train by script (one step per poll), die, freeze, raise, lose their node or get a
+spot notice at the step a test names. No Ray, no processes, no sleeping."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from rayflex.faults.preemption import Notice
+from rayflex.group.standby import Readiness
+from rayflex.group.worker_group import PollResult
+from rayflex.planning.topology import NodeInfo, Topology
+from rayflex.worker.status import StepRecord, WorkerStatus
+
+_ids = itertools.count()
+
+
+class FakeClock:
+    def __init__(self, start: float = 1_000_000.0):
+        self.now = start
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(seconds, 0.01)
+
+
+@dataclass(eq=False)
+class FakeActor:
+    node: str
+    id: str = field(default_factory=lambda: f"actor-{next(_ids)}")
+    alive: bool = True
+    frozen: bool = False
+
+
+class FakeReservation:
+    """Bundles per node as a mapping actor id -> node; a spawn 'strategy' names the node."""
+
+    def __init__(self, cluster: "FakeCluster"):
+        self.cluster = cluster
+        self.bound: dict[str, str] = {}
+        self.removed = False
+
+    def slot_of(self, aid: str) -> Optional[dict]:
+        return {"node": self.bound[aid]} if aid in self.bound else None
+
+    def node_of_actor(self, aid: str) -> Optional[str]:
+        return self.bound.get(aid)
+
+    def vacate(self, aid: str) -> None:
+        self.bound.pop(aid, None)
+
+    def assign(self, plan, survivors: dict[str, Any]):
+        members: list[Any] = [None] * len(plan.rank_to_node)
+        pool = dict(survivors)
+        for node, ranks in plan.node_ranks().items():
+            here = [aid for aid in pool if self.bound.get(aid) == node]
+            for rank in ranks:
+                members[rank] = pool.pop(here.pop(0)) if here else ("spawn", node)
+        for aid in pool:
+            self.vacate(aid)
+        return members, list(pool.values())
+
+    def bind_slot(self, slot: dict, aid: str) -> None:
+        self.bound[aid] = slot["node"]
+
+    def bind(self, rank: int, aid: str) -> None:
+        self.bound[aid] = self.cluster.actors[aid].node
+
+    def release_unused(self) -> None:
+        pass
+
+    def reserve_standby(self, node: str):
+        return {"node": node}, ("spawn", node)
+
+    def remove(self) -> None:
+        self.removed = True
+
+
+class FakeStandbyPool:
+    """Standbys are warm one poll after they start."""
+
+    def __init__(self, cluster: "FakeCluster", reservation: FakeReservation):
+        self.cluster, self.reservation = cluster, reservation
+        self.standbys: dict[str, tuple[FakeActor, bool]] = {}  # id -> (actor, ready)
+
+    def count(self, node=None) -> int:
+        return sum(1 for a, _ in self.standbys.values() if node is None or a.node == node)
+
+    def count_ready(self, node) -> int:
+        return sum(1 for a, ready in self.standbys.values() if a.node == node and ready)
+
+    def nodes(self) -> set:
+        return {a.node for a, _ in self.standbys.values()}
+
+    @property
+    def warming(self) -> int:
+        return sum(1 for _, ready in self.standbys.values() if not ready)
+
+    @property
+    def ready(self) -> int:
+        return sum(1 for _, ready in self.standbys.values() if ready)
+
+    def start(self, node: str, count: int) -> None:
+        for _ in range(count):
+            actor = self.cluster.new_actor(node)
+            self.reservation.bind_slot({"node": node}, actor.id)
+            self.standbys[actor.id] = (actor, False)
+            self.cluster.standbys_started += 1
+
+    def adopt(self, aid, actor, node) -> None:
+        self.standbys[aid] = (actor, True)
+
+    def poll(self) -> list[str]:
+        self.standbys = {aid: (a, True) for aid, (a, _) in self.standbys.items() if a.node in self.cluster.alive}
+        return []
+
+    def wait(self, timeout_s: float) -> list[str]:
+        return self.poll()
+
+    def readiness(self, timeout_s: float) -> Readiness:
+        self.poll()
+        return Readiness.READY if self.warming == 0 else Readiness.WARMING
+
+    def take(self) -> dict:
+        out = {aid: a for aid, (a, ready) in self.standbys.items() if ready}
+        for aid in out:
+            del self.standbys[aid]
+        return out
+
+    def clear(self) -> None:
+        for aid, (actor, _) in list(self.standbys.items()):
+            self.cluster.kill(actor)
+            self.reservation.vacate(aid)
+        self.standbys = {}
+
+
+class FakeWatcher:
+    def __init__(self, cluster: "FakeCluster"):
+        self.cluster = cluster
+
+    def watch_nodes(self, nodes) -> None:
+        pass
+
+    def poll(self) -> list[Notice]:
+        out, self.cluster.notices = self.cluster.notices, []
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class FakeGroup:
+    """The ranks of one attempt, in lockstep: every poll, each live rank finishes a step."""
+
+    def __init__(self, cluster: "FakeCluster", plan, members: list):
+        self.cluster, self.plan = cluster, plan
+        self.actors, self.reused = [], []
+        for rank, m in enumerate(members):
+            if isinstance(m, FakeActor):
+                self.actors.append(m)
+                self.reused.append(rank)
+            else:
+                self.actors.append(cluster.new_actor(m[1]))
+        self.node_of = {r: a.node for r, a in enumerate(self.actors)}
+        self.pids = {r: 1000 + r for r in range(len(self.actors))}
+        self.step = 0
+        self.end = 0
+        self.stopping = False
+        self.failed: dict[int, str] = {}
+
+    def setup(self, restore: bool = True) -> list[dict]:
+        self.step = self.cluster.committed if restore else 0
+        restored = {"uri": f"mem://ckpt/{self.step}", "world_size": 0} if self.step else None
+        return [{"step": self.step, "restored": restored} for _ in self.actors]
+
+    def start(self, end_step: int) -> list[int]:
+        self.end = end_step
+        return [self.step] * len(self.actors)
+
+    def _live(self, rank: int) -> bool:
+        a = self.actors[rank]
+        return a.alive and a.node in self.cluster.alive
+
+    def poll(self) -> PollResult:
+        out = PollResult({}, {}, [])
+        world = range(len(self.actors))
+        healthy = all(self._live(r) and not self.actors[r].frozen for r in world) and not self.failed
+        finished_now = None
+        if healthy and not self.stopping and self.step < self.end:
+            self.step += 1
+            finished_now = self.step
+        for r in world:
+            if not self._live(r):
+                out.dead[r] = "ActorDiedError: the actor died"
+            elif self.actors[r].frozen:
+                out.unresponsive.append(r)
+            else:
+                out.statuses[r] = self._status(r, finished_now)
+        if finished_now is not None:
+            for action in self.cluster.script.pop(finished_now, []):
+                action(self)
+        return out
+
+    def _status(self, rank: int, finished_now: Optional[int]) -> WorkerStatus:
+        state = ("failed" if rank in self.failed else "stopped" if self.stopping
+                 else "done" if self.step >= self.end else "running")
+        now = self.cluster.clock.time()
+        records, checkpoints = [], []
+        if finished_now is not None:
+            pp_index, dp_index = self.plan.coords(rank)
+            records.append(StepRecord(step=finished_now, loss=5.0 / finished_now, step_time_s=0.1, lr=1e-3,
+                                      grad_norm=1.0, time=now, samples=self.plan.per_rank_batch,
+                                      pp_index=pp_index, dp_index=dp_index))
+            every = self.cluster.every_steps
+            if rank == 0 and every and finished_now % every == 0:
+                checkpoints.append(self._commit(finished_now, "periodic"))
+        if rank == 0 and self.stopping and not self._stop_saved:
+            self._stop_saved = True
+            checkpoints.append(self._commit(self.step, "stop"))
+        return WorkerStatus(rank=rank, node_id=self.node_of[rank], state=state, step=self.step,
+                            phase="collective" if state == "running" else "idle", phase_since=now, heartbeat=now,
+                            records=records, error=self.failed.get(rank), error_step=self.step + 1 if rank in
+                            self.failed else None, checkpoints=checkpoints)
+
+    _stop_saved = False
+
+    def _commit(self, step: int, reason: str) -> dict:
+        self.cluster.committed = max(self.cluster.committed, step)
+        return {"committed": True, "step": step, "uri": f"mem://ckpt/{step}", "blocked_s": 0.1, "total_s": 0.2,
+                "bytes": 1, "reason": reason}
+
+    def broadcast(self, method: str, *args) -> None:
+        if method == "request_stop":
+            self.stopping = True
+
+    def call(self, rank, method, *args):
+        return None
+
+    def kill(self, ranks) -> None:
+        for r in ranks:
+            self.cluster.kill(self.actors[r])
+
+    def release(self, ranks, timeout_s=10.0, checkpoint_grace_s=3.0, abort=False) -> dict[int, bool]:
+        self.cluster.releases.append((tuple(ranks), abort))
+        return {r: self._live(r) and not self.actors[r].frozen for r in ranks}
+
+    def shutdown(self, graceful_s: float = 5.0) -> None:
+        self.kill(range(len(self.actors)))
+
+
+class FakeCluster:
+    """``nodes``: node id -> worker slots. ``script``: step -> actions run when the ranks
+    finish that step (see the helpers below)."""
+
+    def __init__(self, nodes: dict[str, int], clock: FakeClock, *, every_steps: int = 0, watch: bool = False):
+        self.nodes, self.clock, self.every_steps = dict(nodes), clock, every_steps
+        self.alive = set(nodes)
+        self.watch = watch
+        self.actors: dict[str, FakeActor] = {}
+        self.groups: list[FakeGroup] = []
+        self.script: dict[int, list[Callable]] = {}
+        self.notices: list[Notice] = []
+        self.committed = 0
+        self.killed: list[FakeActor] = []
+        self.releases: list[tuple] = []
+        self.capacity_requests = 0
+        self.standbys_started = 0
+
+    # the controller's view
+    def topology(self) -> Topology:
+        return Topology(tuple(NodeInfo(node_id=n, slots=s) for n, s in self.nodes.items() if n in self.alive))
+
+    def alive_nodes(self) -> set[str]:
+        return set(self.alive)
+
+    def request_capacity(self) -> None:
+        self.capacity_requests += 1
+
+    def kill(self, actor) -> None:
+        actor.alive = False
+        self.killed.append(actor)
+
+    @staticmethod
+    def actor_id(actor) -> str:
+        return actor.id
+
+    def reservation(self) -> FakeReservation:
+        return FakeReservation(self)
+
+    def worker_group(self, plan, members) -> FakeGroup:
+        group = FakeGroup(self, plan, members)
+        self.groups.append(group)
+        return group
+
+    def standby_pool(self, reservation, plan_now) -> FakeStandbyPool:
+        return FakeStandbyPool(self, reservation)
+
+    def preemption_watcher(self):
+        return FakeWatcher(self) if self.watch else None
+
+    def set_fail_at(self, actor, at_step: int, message: str) -> int:
+        return 0
+
+    # test helpers
+    def new_actor(self, node: str) -> FakeActor:
+        actor = FakeActor(node=node)
+        self.actors[actor.id] = actor
+        return actor
+
+    def at(self, step: int, action: Callable[[FakeGroup], None]) -> None:
+        self.script.setdefault(step, []).append(action)
+
+
+def kill_rank(rank: int):
+    return lambda group: group.cluster.kill(group.actors[rank])
+
+
+def lose_node(node: str, *, forever: bool = True):
+    def act(group):
+        group.cluster.alive.discard(node)
+        if forever:
+            group.cluster.nodes.pop(node, None)
+    return act
+
+
+def freeze_rank(rank: int):
+    def act(group):
+        group.actors[rank].frozen = True
+    return act
+
+
+def raise_in_rank(rank: int, message: str, *, every_attempt: bool = False):
+    """The rank's loop raises after this step (again in every attempt that reaches it)."""
+    def act(group):
+        group.failed[rank] = message
+        if every_attempt:
+            group.cluster.at(group.step, act)
+    return act
+
+
+def notice(node: str, seconds_left: float):
+    def act(group):
+        group.cluster.notices.append(Notice(node_id=node, deadline=group.cluster.clock.time() + seconds_left,
+                                            source="test"))
+    return act
+
+
+def add_node(node: str, slots: int):
+    def act(group):
+        group.cluster.nodes[node] = slots
+        group.cluster.alive.add(node)
+    return act

@@ -1,0 +1,234 @@
+"""The control plane without Ray: the Controller driven through a fake cluster and clock.
+
+Each test scripts what happens to the workers (a rank dies, a node goes, a rank freezes or
+raises, a spot notice arrives, capacity returns) and asserts what a user of the run sees:
+the states it went through, the events in its timeline, its result. Runs in seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import rayflex as rf
+from rayflex.control.controller import Controller
+from rayflex.control.states import RunState as S
+from rayflex.models.summary import ModelSummary
+from rayflex.telemetry import events as ev
+
+from controller_fakes import (FakeClock, FakeCluster, add_node, freeze_rank, kill_rank, lose_node, notice,
+                              raise_in_rank)
+
+START = [(S.INITIALIZING, S.PLACING), (S.PLACING, S.RUNNING)]
+RESTART = [(S.RUNNING, S.RESTARTING), (S.RESTARTING, S.PLACING), (S.PLACING, S.RUNNING)]
+
+
+@pytest.fixture(autouse=True)
+def _production_timing(monkeypatch):
+    # The fake clock makes production timing free: one step per 0.2 s poll, notices read
+    # every 0.5 s, capacity checked every 2 s (the suite shortens the poll for real runs).
+    monkeypatch.setenv("RAYFLEX_POLL_INTERVAL_S", "0.2")
+    # The run report (a plot) is tested in test_report.py; here it would only cost time.
+    monkeypatch.setattr("rayflex.telemetry.report.write_report", lambda *a, **k: None)
+
+
+def _spec(tmp_path, *, workers=4, min_workers=None, max_workers=None, steps=8, every=0, **elastic):
+    model = ModelSummary(name="m", num_blocks=4, hidden_size=8, init_seed=1, block_params=(10, 10, 10, 10))
+    return rf.TrainSpec(model=model, data=rf.DataConfig(uri="file:///nowhere", seq_len=8, global_batch=8),
+                        run=rf.RunConfig(name="r", storage=f"file://{tmp_path}", steps=steps),
+                        scaling=rf.ScalingConfig(num_workers=workers, min_workers=min_workers,
+                                                 max_workers=max_workers),
+                        checkpoint=rf.CheckpointConfig(every_steps=every, resume=True),
+                        elastic=rf.ElasticConfig(watch_ray_drain=False, **elastic))
+
+
+def _run(spec, nodes, *, script=(), watch=False):
+    clock = FakeClock()
+    cluster = FakeCluster(nodes, clock, every_steps=spec.checkpoint.every_steps, watch=watch)
+    for step, action in script:
+        cluster.at(step, action)
+    controller = Controller(spec, cluster=cluster, clock=clock)
+    result = controller.run()
+    return controller, cluster, result
+
+
+def _timeline(controller):
+    return controller.ctx.recorder.timeline
+
+
+def test_a_clean_run_places_runs_and_finishes(tmp_path):
+    c, cluster, result = _run(_spec(tmp_path), {"a": 2, "b": 2})
+    assert c.transitions == START + [(S.RUNNING, S.FINISHED)]
+    assert result["status"] == "finished" and result["steps_completed"] == 8 and result["world_size"] == 4
+    plan = _timeline(c).of(ev.PlanChosen)[0]
+    assert sorted(plan.rank_to_node) == ["a", "a", "b", "b"]
+    assert [m["step"] for m in c.metrics()] == list(range(1, 9))
+    assert all(a.alive is False for a in cluster.groups[0].actors), "teardown kills every worker"
+
+
+def test_a_killed_worker_restarts_smaller_when_its_slot_is_gone(tmp_path):
+    spec = _spec(tmp_path, min_workers=2, every=2)
+
+    def kill_and_shrink(group):
+        kill_rank(3)(group)
+        group.cluster.nodes["b"] = 1  # its slot went with it
+
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, kill_and_shrink)])
+    assert c.transitions == START + RESTART + [(S.RUNNING, S.FINISHED)]
+    died = _timeline(c).of(ev.WorkerDied)
+    assert [e.rank for e in died] == [3]
+    restart = _timeline(c).of(ev.Restarted)[0]
+    assert restart.world_size == 2 and restart.from_step == 2, "2 is the largest size the batch of 8 allows in 3 slots"
+    assert restart.reused_workers == 2, "two survivors keep their processes"
+    assert result["status"] == "finished" and result["steps_completed"] == 8 and result["world_size"] == 2
+    assert [m["step"] for m in c.metrics()] == list(range(1, 9)), "the rolled-back step 3 is not counted twice"
+
+
+def test_a_lost_node_is_named_and_the_run_continues_on_the_others(tmp_path):
+    spec = _spec(tmp_path, min_workers=2, every=2)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, lose_node("b"))])
+    assert c.transitions == START + RESTART + [(S.RUNNING, S.FINISHED)]
+    lost = _timeline(c).of(ev.NodeLost)
+    assert [(e.node_id, e.ranks) for e in lost] == [("b", [2, 3])]
+    restart = _timeline(c).of(ev.Restarted)[0]
+    assert restart.world_size == 2 and restart.from_step == 4
+    assert set(_timeline(c).of(ev.PlanChosen)[-1].rank_to_node) == {"a"}
+    assert result["status"] == "finished" and result["restarts"] == 1
+
+
+def test_a_frozen_rank_is_found_by_its_silence_and_replaced(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYFLEX_HEARTBEAT_TIMEOUT_S", "5")
+    spec = _spec(tmp_path, every=2)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(5, freeze_rank(1))])
+    assert c.transitions == START + RESTART + [(S.RUNNING, S.FINISHED)]
+    hang = _timeline(c).of(ev.HangDetected)[0]
+    assert hang.ranks == [1] and hang.phases["1"] == "unresponsive" and hang.stalled_s > 5
+    assert cluster.groups[0].actors[1] in cluster.killed, "the frozen process is killed, not waited for"
+    restart = _timeline(c).of(ev.Restarted)[0]
+    assert restart.world_size == 4 and restart.from_step == 4
+    assert cluster.standbys_started == 1 and restart.reused_workers == 4, \
+        "the replacement warmed while the survivors left, and all four processes are reused"
+    assert result["status"] == "finished"
+
+
+def test_a_spot_notice_with_time_takes_an_emergency_checkpoint_first(tmp_path):
+    spec = _spec(tmp_path, min_workers=2, every=100, emergency_margin_s=1.0)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, notice("b", seconds_left=60))], watch=True)
+    assert c.transitions == START + RESTART + [(S.RUNNING, S.FINISHED)]
+    (n,) = _timeline(c).of(ev.PreemptionNotice)
+    assert n.action == "emergency_checkpoint" and n.ranks == [2, 3]
+    saved = _timeline(c).of(ev.CheckpointCommitted)[0]
+    assert saved.reason == "stop" and saved.step >= 3, "the stop left a checkpoint after the notice"
+    restart = _timeline(c).of(ev.Restarted)[0]
+    assert restart.from_step == saved.step and restart.world_size == 2 and restart.lost_steps == 0
+    assert "preemption" in restart.reason
+    assert set(_timeline(c).of(ev.PlanChosen)[-1].rank_to_node) == {"a"}, "the noticed node gets no ranks"
+    assert result["preemptions"] == 1 and result["status"] == "finished"
+
+
+def test_a_spot_notice_without_time_restores_the_last_committed_checkpoint(tmp_path):
+    spec = _spec(tmp_path, min_workers=2, every=10, steps=20)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(12, notice("b", seconds_left=1))], watch=True)
+    assert c.transitions == START + RESTART + [(S.RUNNING, S.FINISHED)]
+    (n,) = _timeline(c).of(ev.PreemptionNotice)
+    assert n.action == "restore_last_committed" and "checkpoint (step 10)" in n.reason
+    restart = _timeline(c).of(ev.Restarted)[0]
+    assert restart.from_step == 10 and restart.world_size == 2 and restart.lost_steps >= 2
+    assert not [e for e in _timeline(c).of(ev.CheckpointCommitted) if e.reason == "stop"], "no time to save"
+    assert result["status"] == "finished" and result["steps_completed"] == 20
+
+
+def test_the_run_grows_back_when_capacity_returns(tmp_path):
+    spec = _spec(tmp_path, workers=4, min_workers=2, max_workers=4, steps=40, every=2)
+    c, cluster, result = _run(spec, {"a": 2}, script=[(3, add_node("b", 2))])
+    assert c.transitions == START + [(S.RUNNING, S.PLACING), (S.PLACING, S.RUNNING), (S.RUNNING, S.FINISHED)]
+    first, grown = _timeline(c).of(ev.PlanChosen)
+    assert first.world_size == 2 and grown.world_size == 4
+    restart = _timeline(c).of(ev.Restarted)[0]
+    assert restart.reason.startswith("capacity returned: growing from 2 to 4") and restart.lost_steps == 0
+    assert restart.reused_workers == 4, "both old workers and both warmed newcomers are reused"
+    assert cluster.standbys_started == 2 and cluster.capacity_requests >= 1
+    assert result["status"] == "finished" and result["world_size"] == 4
+
+
+def test_the_same_failure_twice_with_no_progress_fails_the_run(tmp_path):
+    spec = _spec(tmp_path, every=2)
+    boom = "ValueError: a poison batch"
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, raise_in_rank(1, boom, every_attempt=True))])
+    # the restart from the step-2 checkpoint hits the same failure at the same step
+    assert c.transitions == START + RESTART + [(S.RUNNING, S.RESTARTING), (S.RESTARTING, S.FAILED)]
+    assert result["status"] == "failed"
+    assert "the same failure repeated at step" in result["reason"]
+    assert result["error_type"] == "WorkerError" and result["error_rank"] == 1
+
+
+def test_a_repeated_failure_with_progress_in_between_restarts_again(tmp_path):
+    spec = _spec(tmp_path, every=2, max_failures=3)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2},
+                              script=[(3, raise_in_rank(1, "boom")), (7, raise_in_rank(2, "boom"))])
+    assert c.transitions == START + RESTART + RESTART + [(S.RUNNING, S.FINISHED)]
+    assert [e.rank for e in _timeline(c).of(ev.WorkerFailed)] == [1, 2]
+    assert result["status"] == "finished" and result["restarts"] == 2 and result["failures"] == 2
+
+
+def test_the_failure_budget_ends_the_run(tmp_path):
+    spec = _spec(tmp_path, every=1, max_failures=1, steps=12)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(2, kill_rank(0)), (5, kill_rank(1))])
+    assert c.transitions == START + RESTART + [(S.RUNNING, S.RESTARTING), (S.RESTARTING, S.FAILED)]
+    assert result["status"] == "failed" and "failure budget exhausted" in result["reason"]
+    assert cluster.groups[-1].actors[0] in cluster.killed and all(not a.alive for a in cluster.groups[-1].actors)
+
+
+def test_too_few_slots_waits_for_resources_then_gives_up(tmp_path):
+    spec = _spec(tmp_path, min_workers=4, every=2, resource_wait_s=30)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, lose_node("b"))])
+    assert c.transitions == START + [(S.RUNNING, S.RESTARTING), (S.RESTARTING, S.FAILED)]
+    assert result["status"] == "failed" and "gave up waiting for resources after 30s" in result["reason"]
+    assert cluster.capacity_requests >= 1, "the autoscaler was asked for the missing workers"
+
+
+def test_resources_that_return_in_time_resume_the_run(tmp_path):
+    spec = _spec(tmp_path, min_workers=4, every=2, resource_wait_s=30)
+
+    def lose_then_return(group):
+        lose_node("b", forever=False)(group)
+        clock, start = group.cluster.clock, group.cluster.clock.time()
+        original = group.cluster.topology
+
+        def topology():
+            if clock.time() - start > 10:
+                group.cluster.alive.add("b")
+            return original()
+        group.cluster.topology = topology
+
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, lose_then_return)])
+    assert c.transitions == START + RESTART + [(S.RUNNING, S.FINISHED)]
+    assert _timeline(c).of(ev.Restarted)[0].world_size == 4
+    assert result["status"] == "finished"
+
+
+def test_a_stop_request_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):
+    spec = _spec(tmp_path, steps=50, every=100)
+    holder = {}
+
+    def stop(group):
+        holder["c"].request_stop("stopped by the test")
+
+    clock = FakeClock()
+    cluster = FakeCluster({"a": 2, "b": 2}, clock, every_steps=100)
+    cluster.at(4, stop)
+    holder["c"] = c = Controller(spec, cluster=cluster, clock=clock)
+    result = c.run()
+    assert c.transitions == START + [(S.RUNNING, S.STOPPED)]
+    assert result["status"] == "stopped" and result["reason"] == "stopped by the test"
+    assert _timeline(c).of(ev.CheckpointCommitted)[0].reason == "stop"
+    assert _timeline(c).of(ev.RunStopped)[0].reason == "stopped by the test"
+
+
+def test_an_error_inside_the_controller_fails_the_run_with_its_reason(tmp_path):
+    spec = _spec(tmp_path)
+    clock = FakeClock()
+    cluster = FakeCluster({"a": 1}, clock)  # 4 workers asked, 1 slot: placement cannot succeed
+    c = Controller(spec, cluster=cluster, clock=clock)
+    result = c.run()
+    assert c.transitions == [(S.INITIALIZING, S.PLACING), (S.PLACING, S.FAILED)]
+    assert result["status"] == "failed" and result["error_type"] == "PlacementError"
