@@ -60,6 +60,22 @@ _DEFAULTS: dict[str, float] = {
     # How long a worker started ahead of a growth restart may take to come up before the
     # growth is put off (and retried at the next capacity check).
     "WORKER_START_TIMEOUT_S": 180.0,
+    # Reserving one more bundle for a standby (short: a standby is an optimization, and
+    # the controller's loop waits on this).
+    "STANDBY_RESERVE_TIMEOUT_S": 5.0,
+    # The controller's cadences while a run trains: refreshing which nodes are alive,
+    # reading spot notices, checking whether capacity returned, storing the run directory;
+    # and while it waits for resources, how often it looks again.
+    "NODES_REFRESH_S": 0.5,
+    "NOTICE_POLL_S": 0.5,
+    "CAPACITY_CHECK_S": 2.0,
+    "RUNDIR_FLUSH_S": 1.0,
+    "RESOURCE_POLL_S": 1.0,
+    # How long survivors of a fault that killed no peer may take to commit a checkpoint
+    # they are uploading before they leave the attempt.
+    "RELEASE_CHECKPOINT_GRACE_S": 3.0,
+    # A single call to an actor (start the loop, arm a fault) that must answer quickly.
+    "ACTOR_CALL_TIMEOUT_S": 60.0,
 }
 
 

@@ -36,6 +36,11 @@ class FakeActor:
     frozen: bool = False
 
 
+@dataclass
+class FakeSlot:
+    node: str
+
+
 class FakeReservation:
     """Bundles per node as a mapping actor id -> node; a spawn 'strategy' names the node."""
 
@@ -44,8 +49,8 @@ class FakeReservation:
         self.bound: dict[str, str] = {}
         self.removed = False
 
-    def slot_of(self, aid: str) -> Optional[dict]:
-        return {"node": self.bound[aid]} if aid in self.bound else None
+    def slot_of(self, aid: str) -> Optional[FakeSlot]:
+        return FakeSlot(self.bound[aid]) if aid in self.bound else None
 
     def node_of_actor(self, aid: str) -> Optional[str]:
         return self.bound.get(aid)
@@ -64,8 +69,8 @@ class FakeReservation:
             self.vacate(aid)
         return members, list(pool.values())
 
-    def bind_slot(self, slot: dict, aid: str) -> None:
-        self.bound[aid] = slot["node"]
+    def bind_slot(self, slot: FakeSlot, aid: str) -> None:
+        self.bound[aid] = slot.node
 
     def bind(self, rank: int, aid: str) -> None:
         self.bound[aid] = self.cluster.actors[aid].node
@@ -74,7 +79,7 @@ class FakeReservation:
         pass
 
     def reserve_standby(self, node: str):
-        return {"node": node}, ("spawn", node)
+        return FakeSlot(node), ("spawn", node)
 
     def remove(self) -> None:
         self.removed = True
@@ -107,7 +112,7 @@ class FakeStandbyPool:
     def start(self, node: str, count: int) -> None:
         for _ in range(count):
             actor = self.cluster.new_actor(node)
-            self.reservation.bind_slot({"node": node}, actor.id)
+            self.reservation.bind_slot(FakeSlot(node), actor.id)
             self.standbys[actor.id] = (actor, False)
             self.cluster.standbys_started += 1
 
@@ -222,7 +227,7 @@ class FakeGroup:
             self._stop_saved = True
             checkpoints.append(self._commit(self.step, "stop"))
         return WorkerStatus(rank=rank, node_id=self.node_of[rank], state=state, step=self.step,
-                            phase="collective" if state == "running" else "idle", phase_since=now, heartbeat=now,
+                            phase="collective" if state == "running" else "idle",
                             records=records, error=self.failed.get(rank), error_step=self.step + 1 if rank in
                             self.failed else None, checkpoints=checkpoints)
 

@@ -21,8 +21,8 @@ LAYERS: list[set[str]] = [
     {"mesh", "local_ray"},
     {"config", "models", "storage"},
     {"planning", "data", "telemetry"},
-    {"worker", "faults"},
-    {"group"},
+    {"worker"},
+    {"faults", "group"},
     {"control"},
     {"api"},
     {"cli", "testing"},
@@ -147,3 +147,15 @@ def _module_level(module: str, target: str) -> bool:
         if isinstance(node, ast.Import) and any(a.name == target for a in node.names):
             return True
     return False
+
+
+def test_the_worker_actor_shell_forwards_every_public_method():
+    """``TrainWorkerActor`` (torch-free) exposes exactly TrainWorker's public methods."""
+    import inspect
+
+    from rayflex.worker.actor import ACTOR_METHODS, TrainWorkerActor
+    from rayflex.worker.train_worker import TrainWorker
+
+    public = {n for n, f in inspect.getmembers(TrainWorker, inspect.isfunction) if not n.startswith("_")}
+    assert set(ACTOR_METHODS) == public
+    assert all(callable(getattr(TrainWorkerActor, n)) for n in ACTOR_METHODS)

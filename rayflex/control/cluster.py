@@ -12,7 +12,7 @@ import time
 from typing import Any, Optional
 
 from rayflex.config import TrainSpec
-from rayflex.constants import knob_env
+from rayflex.constants import knob, knob_env
 from rayflex.group.actors import actor_id, kill_quietly
 
 
@@ -94,4 +94,4 @@ class RayCluster:
     def set_fail_at(self, actor, at_step: int, message: str) -> int:
         import ray
 
-        return ray.get(actor.set_fail_at.remote(at_step, message), timeout=30)
+        return ray.get(actor.set_fail_at.remote(at_step, message), timeout=knob("ACTOR_CALL_TIMEOUT_S"))

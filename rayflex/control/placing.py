@@ -99,9 +99,9 @@ def _start_group(ctx, plan, placement, survivors: dict, world: int, *, shrinking
         aid = cluster.actor_id(actor)
         slot = slots.get(aid)
         if (ctx.standby is not None and world < ctx.spec.scaling.max_size and slot is not None
-                and slot["node"] in alive and slot["node"] not in ctx.excluded):
+                and slot.node in alive and slot.node not in ctx.excluded):
             reservation.bind_slot(slot, aid)
-            ctx.standby.adopt(aid, actor, slot["node"])
+            ctx.standby.adopt(aid, actor, slot.node)
         else:
             cluster.kill(actor)
     reservation.release_unused()

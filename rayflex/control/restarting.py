@@ -41,7 +41,7 @@ def restart(ctx, state: Restarting):
         if ctx.clock.time() > deadline or ctx.stop_requested.is_set():
             _kill_all(ctx, survivors)
             return Failed(f"gave up waiting for resources after {decision.timeout_s:.0f}s: {decision.reason}")
-        ctx.clock.sleep(1.0)
+        ctx.clock.sleep(knob("RESOURCE_POLL_S"))
         decision = ctx.policy.resize(usable_slots=ctx.usable_slots())
     if isinstance(decision, Fail):
         _kill_all(ctx, survivors)
@@ -84,7 +84,8 @@ def collect_survivors(ctx, attempt: Attempt, bad_ranks: set[int], raised: frozen
     # other survivors are blocked on close now. A dead or raising peer leaves the others in
     # collectives that cannot complete: abort them (after the checkpoint grace, so a save
     # in flight can still commit). A growth stop is at a step boundary and leaves gracefully.
-    released = (group.release(others, timeout_s=knob("RELEASE_TIMEOUT_S"), checkpoint_grace_s=0.0 if kill_now else 3.0,
+    grace = 0.0 if kill_now else knob("RELEASE_CHECKPOINT_GRACE_S")
+    released = (group.release(others, timeout_s=knob("RELEASE_TIMEOUT_S"), checkpoint_grace_s=grace,
                               abort=bool(kill_now or raised)) if others else {})
     survivors = {}
     for r in others:

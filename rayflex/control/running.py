@@ -17,6 +17,7 @@ from rayflex.control.states import Attempt, Finished, Placing, Restarting, Runni
 from rayflex.control.warming import growth_target
 from rayflex.group.standby import Readiness
 from rayflex.telemetry import events as ev
+from rayflex.worker.status import WorkerState
 
 
 @dataclass
@@ -61,10 +62,10 @@ def _cycle(ctx, loop: AttemptLoop):
     for rank, st in sorted(result.statuses.items()):
         ctx.ledger.absorb(rank, st, attempt.plan, attempt.detector)
     now = ctx.clock.time()
-    if now - loop.last_nodes > 0.5:
+    if now - loop.last_nodes > knob("NODES_REFRESH_S"):
         loop.alive_nodes, loop.last_nodes = frozenset(ctx.alive_nodes()), now
     fault = attempt.detector.check(result, set(loop.alive_nodes), now=now)
-    if not fault and ctx.watcher is not None and now - loop.last_notice > 0.5:
+    if not fault and ctx.watcher is not None and now - loop.last_notice > knob("NOTICE_POLL_S"):
         loop.last_notice = now
         fault = handle_notices(ctx, loop)
     if fault:
@@ -74,10 +75,10 @@ def _cycle(ctx, loop: AttemptLoop):
             ctx.record(event)
         return Restarting(attempt=attempt, fault=fault, fault_time=now)
     states = {st.state for st in result.statuses.values()}
-    if len(result.statuses) == attempt.plan.world_size and states <= {"done", "stopped"}:
+    if len(result.statuses) == attempt.plan.world_size and states <= {WorkerState.DONE, WorkerState.STOPPED}:
         return _attempt_over(ctx, loop, states, now)
     _watch_capacity(ctx, loop, now)
-    if now - loop.last_flush > 1.0:
+    if now - loop.last_flush > knob("RUNDIR_FLUSH_S"):
         ctx.recorder.flush()
         loop.last_flush = now
     return None
@@ -85,7 +86,7 @@ def _cycle(ctx, loop: AttemptLoop):
 
 def _attempt_over(ctx, loop: AttemptLoop, states: set, now: float):
     ctx.recorder.flush()
-    if states == {"done"} and ctx.ledger.step >= ctx.spec.run.steps:
+    if states == {WorkerState.DONE} and ctx.ledger.step >= ctx.spec.run.steps:
         return Finished()
     group = loop.attempt.group
     if loop.preempting is not None:
@@ -104,7 +105,8 @@ def _watch_capacity(ctx, loop: AttemptLoop, now: float) -> None:
     they are all up (the stop leaves a checkpoint; the restart reuses every worker)."""
     if loop.stop_sent or loop.preempting is not None:
         return
-    if loop.grow_to is None and now - loop.last_capacity > 2.0 and loop.attempt.plan.world_size < ctx.spec.scaling.max_size:
+    if (loop.grow_to is None and now - loop.last_capacity > knob("CAPACITY_CHECK_S")
+            and loop.attempt.plan.world_size < ctx.spec.scaling.max_size):
         loop.last_capacity = now
         loop.grow_to = growth_target(ctx, loop.attempt.plan.world_size)
     if loop.grow_to is not None:

@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 from rayflex.constants import knob
 from rayflex.telemetry import events as ev
+from rayflex.worker.status import WorkerState
 
 
 @dataclass
@@ -94,7 +95,7 @@ class FaultDetector:
             fault.error = fault.error or f"worker rank {rank} died: {err}"
         # Loops that raised: the first failure is the cause; peers failing in a collective
         # right after are consequences, reported in the event but replaced all the same.
-        failed = sorted((st for st in poll.statuses.values() if st.state == "failed"),
+        failed = sorted((st for st in poll.statuses.values() if st.state == WorkerState.FAILED),
                         key=lambda s: (s.error_step or 0, _is_consequence(s.error)))
         if failed and not fault.bad_ranks:
             first = failed[0]
@@ -115,7 +116,7 @@ class FaultDetector:
             fault.error = f"ranks {frozen} stopped answering (frozen process)"
         # Collective hangs: everyone answers, nobody progresses.
         stalled = now - self.last_progress
-        running = [st for st in poll.statuses.values() if st.state == "running"]
+        running = [st for st in poll.statuses.values() if st.state == WorkerState.RUNNING]
         if not fault.bad_ranks and running and stalled > self.hang_timeout_s():
             phases = {r: st.phase for r, st in poll.statuses.items()}
             culprits = sorted(r for r, p in phases.items() if p not in ("collective",)) or sorted(phases)

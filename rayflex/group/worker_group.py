@@ -91,7 +91,7 @@ class RayWorkerGroup:
     def start(self, end_step: int) -> list[int]:
         import ray
 
-        return ray.get([a.start.remote(end_step) for a in self.actors], timeout=60)
+        return ray.get([a.start.remote(end_step) for a in self.actors], timeout=knob("ACTOR_CALL_TIMEOUT_S"))
 
     def poll(self, timeout_s: Optional[float] = None) -> PollResult:
         import ray

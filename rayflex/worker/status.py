@@ -5,8 +5,18 @@ Torch-free, so the controller unpickles poll answers without importing torch.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Optional
+
+
+class WorkerState(enum.StrEnum):
+    IDLE = "idle"
+    RUNNING = "running"
+    DONE = "done"  # reached the run's last step
+    STOPPED = "stopped"  # left at a step boundary it was asked to stop at
+    FAILED = "failed"  # the training loop raised
+    RELEASED = "released"  # left the attempt (its process may be reused)
 
 # Phases a rank reports, so a hang can be attributed to what the rank was doing.
 PHASES = ("idle", "setup", "data", "forward_backward", "optimizer", "collective", "checkpoint", "done")
@@ -37,11 +47,9 @@ class StepRecord:
 class WorkerStatus:
     rank: int
     node_id: str
-    state: str  # idle | running | done | stopped | failed
+    state: WorkerState
     step: int  # last finished step (0 = none)
     phase: str
-    phase_since: float
-    heartbeat: float
     records: list = field(default_factory=list)
     error: Optional[str] = None
     error_step: Optional[int] = None

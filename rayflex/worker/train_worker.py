@@ -1,7 +1,7 @@
 """TrainWorker: one rank of a run. A plain class, made a Ray actor at spawn time.
 
 The training loop runs in a thread so the actor always answers ``poll()`` (step, loss,
-phase, heartbeat, error) even while a collective blocks. Every decision that must be the
+phase, error) even while a collective blocks. Every decision that must be the
 same on all ranks (stop here, checkpoint now) travels in a tiny all-reduce at the end of
 each step, so ranks agree on the step boundary where it happens.
 """
@@ -25,7 +25,7 @@ from rayflex.data.dataset import GlobalSampler, TokenDataset
 from rayflex.worker.gloo_abort import GlooSockets
 from rayflex.worker.instrument import ActivationCounter, pipeline_wait_timer
 from rayflex.mesh.plan import MeshPlan
-from rayflex.worker.status import StepRecord, WorkerStatus
+from rayflex.worker.status import StepRecord, WorkerState, WorkerStatus
 from rayflex.worker.parallelize import (build_device_mesh, build_local_stages, build_schedule,
                                      clip_grads_, shard_stage)
 from rayflex.config import TrainSpec
@@ -131,8 +131,8 @@ class TrainWorker:
         self.plan = plan
         self._records: list[StepRecord] = []
         self._checkpoint_events: list[dict] = []
-        self._state = "idle"
-        self._phase, self._phase_since = "idle", time.time()
+        self._state = WorkerState.IDLE
+        self._phase = "idle"
         self._step = 0
         self._error: Optional[str] = None
         self._error_step: Optional[int] = None
@@ -249,14 +249,14 @@ class TrainWorker:
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError(f"rank {self.rank}: training loop already running")
         self._stop.clear()
-        self._state = "running"
+        self._state = WorkerState.RUNNING
         self._thread = threading.Thread(target=self._loop, args=(end_step,), name=f"rayflex-rank{self.rank}",
                                         daemon=True)
         self._thread.start()
         return self._step
 
     def _set_phase(self, phase: str) -> None:
-        self._phase, self._phase_since = phase, time.time()
+        self._phase = phase
 
     def _loop(self, end_step: int) -> None:
         import torch.distributed as dist
@@ -307,12 +307,12 @@ class TrainWorker:
                                "emergency" if emergency else "stop")
                 self._set_phase("checkpoint")
                 self._note_checkpoint(self.checkpointer.wait())
-            self._state = "done" if self._step >= end_step else "stopped"
+            self._state = WorkerState.DONE if self._step >= end_step else WorkerState.STOPPED
             self._set_phase("done")
         except BaseException:  # noqa: BLE001 - every failure must reach the controller
             self._error = traceback.format_exc()
             self._error_step = self._step + 1
-            self._state = "failed"
+            self._state = WorkerState.FAILED
             log.error("rank %d failed at step %d:\n%s", self.rank, self._error_step, self._error)
 
     def _train_step(self, step: int) -> tuple[float, float, dict]:
@@ -397,9 +397,8 @@ class TrainWorker:
             records, self._records = self._records, []
             ckpts, self._checkpoint_events = self._checkpoint_events, []
             return WorkerStatus(rank=self.rank, node_id=self.node_id, state=self._state, step=self._step,
-                                phase=self._phase, phase_since=self._phase_since, heartbeat=time.time(),
-                                records=records, error=self._error, error_step=self._error_step,
-                                checkpoints=ckpts)
+                                phase=self._phase, records=records, error=self._error,
+                                error_step=self._error_step, checkpoints=ckpts)
 
     def request_stop(self, reason: str = "stop") -> None:
         """Stop at the next step boundary (agreed by every rank), leaving a checkpoint there
@@ -442,7 +441,7 @@ class TrainWorker:
                             self._phase, timeout_s)
                 return False
         self.shutdown(checkpoint_grace_s=grace)
-        self._state = "released"
+        self._state = WorkerState.RELEASED
         return True
 
     def _wait_for_save(self, timeout_s: float) -> None:
