@@ -325,6 +325,13 @@ class OptimizerConfig:
         progress = (step - self.warmup_steps) / max(1, total_steps - self.warmup_steps)
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
+    def lr_of_step(self, step: int, total_steps: int) -> float:
+        """The learning rate optimizer step ``step`` (1-based) trains at: the factor after
+        ``step - 1`` steps. A pure function of the step and the run's *current* total, so a
+        run resumed with a different ``run.steps`` follows the new schedule from its first
+        step on (nothing about the learning rate is restored from a checkpoint)."""
+        return self.lr * self.lr_factor(step - 1, total_steps)
+
 
 @dataclass(kw_only=True, frozen=True)
 class RunConfig:

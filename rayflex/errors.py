@@ -48,7 +48,7 @@ class WorkerError(RayflexError):
         self.step = step
         self.traceback = traceback
         super().__init__(
-            f"worker rank {rank} on node {node_id[:12]} failed at step {step}:\n{traceback}"
+            f"worker rank {rank} on node {node_id[:12] or '(unknown)'} failed at step {step}:\n{traceback}"
         )
 
     def __reduce__(self):

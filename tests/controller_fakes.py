@@ -179,7 +179,10 @@ class FakeGroup:
 
     def setup(self, restore: bool = True) -> list[dict]:
         self.step = self.cluster.committed if restore else 0
-        restored = {"uri": f"mem://ckpt/{self.step}", "world_size": 0} if self.step else None
+        # A test sets cluster.saved_total_steps to the run.steps the checkpoint was trained
+        # toward (unset: a checkpoint without that record).
+        restored = ({"uri": f"mem://ckpt/{self.step}", "world_size": 0,
+                     "total_steps": getattr(self.cluster, "saved_total_steps", None)} if self.step else None)
         return [{"step": self.step, "restored": restored} for _ in self.actors]
 
     def start(self, end_step: int) -> list[int]:

@@ -159,6 +159,7 @@ def test_the_same_failure_twice_with_no_progress_fails_the_run(tmp_path):
     assert result["status"] == "failed"
     assert "the same failure repeated at step" in result["reason"]
     assert result["error_type"] == "WorkerError" and result["error_rank"] == 1
+    assert result["error_node"] == "a" and result["error_step"] == 4, "where and when it failed"
 
 
 def test_a_repeated_failure_with_progress_in_between_restarts_again(tmp_path):

@@ -65,7 +65,8 @@ def test_worker_exception_fails_the_run_with_its_traceback(two_node_cluster, dat
         handle.wait(timeout_s=120)
     assert time.time() - t0 < 120
     err = info.value
-    assert err.rank == 1
+    assert err.rank == 1 and err.step == 3
+    assert len(err.node_id) > 8 and f"worker rank 1 on node {err.node_id[:12]} failed at step 3" in str(err)
     assert "injected failure (RAYFLEX_FAIL_AT) at rank 1 step 3" in err.traceback
     assert "Traceback (most recent call last)" in err.traceback
     saved = json.loads((tmp_path / "runs" / "boom" / "result.json").read_text())

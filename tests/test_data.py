@@ -51,3 +51,31 @@ def test_synthetic_data_is_learnable():
     p = counts / counts.sum(1, keepdims=True).clip(min=1)
     h = -(counts * np.log(np.where(p > 0, p, 1))).sum() / counts.sum()
     assert h < 0.5 * math.log(64)
+
+
+def test_check_dataset_refuses_a_global_batch_larger_than_the_dataset(tmp_path):
+    from rayflex.config import DataConfig
+    from rayflex.data.dataset import check_dataset
+    from rayflex.errors import ConfigError
+
+    uri = write_synthetic_dataset(f"file://{tmp_path}/ds", num_samples=10, seq_len=8, vocab_size=16, num_shards=2)
+    assert len(check_dataset(DataConfig(uri=uri, seq_len=8, global_batch=10))) == 10
+    with pytest.raises(ConfigError, match=r"global_batch=11 is larger than the dataset: .* has 10 rows.*"
+                                          r"Fix: lower global_batch to at most 10, or write at least 11 rows"):
+        check_dataset(DataConfig(uri=uri, seq_len=8, global_batch=11))
+    with pytest.raises(ConfigError, match=r"DataConfig.seq_len: seq_len=9 needs rows of 10 tokens but .* has 9"):
+        check_dataset(DataConfig(uri=uri, seq_len=9, global_batch=4))
+
+
+def test_s3_dataset_missing_bucket_vs_missing_shards(s3_endpoint, s3_bucket):
+    from rayflex.errors import ConfigError, StorageError
+
+    with pytest.raises(StorageError) as info:
+        TokenDataset("s3://rayflex-no-such-bucket/tokens")
+    assert str(info.value).startswith(f"bucket 'rayflex-no-such-bucket' does not exist at {s3_endpoint} "
+                                      "(DataConfig.uri s3://rayflex-no-such-bucket/tokens)")
+    assert "aws s3 mb s3://rayflex-no-such-bucket" in str(info.value)
+    with pytest.raises(ConfigError, match="no Parquet shards"):  # the bucket exists, the data does not
+        TokenDataset(f"{s3_bucket}/tokens")
+    write_synthetic_dataset(f"{s3_bucket}/tokens", num_samples=12, seq_len=4, vocab_size=8, num_shards=2)
+    assert len(TokenDataset(f"{s3_bucket}/tokens")) == 12

@@ -20,7 +20,7 @@ STORED_KINDS = {
     "run_started", "plan_chosen", "workers_started", "checkpoint_committed", "checkpoint_failed",
     "checkpoint_loaded", "worker_failed", "worker_died", "node_lost", "hang_detected", "straggler_detected",
     "preemption_notice", "restarted", "storage_unavailable", "storage_recovered", "run_stopped",
-    "run_finished", "run_failed",
+    "run_finished", "run_failed", "schedule_changed",
 }
 
 
@@ -51,6 +51,8 @@ def one_of_each() -> list[ev.Event]:
                      reused_workers=2, fault_time=T0 + 20),
         ev.CheckpointLoaded(time=T0 + 23, step=10, uri="memory://ckpt/10", world_size=2, saved_world_size=4,
                             skipped=["step 15: bad"]),
+        ev.ScheduleChanged(time=T0 + 24, step=10, from_total_steps=30, to_total_steps=40, lr_before=3e-4,
+                           lr_after=6e-4),
         ev.RunStopped(time=T0 + 30, step=20, reason="stopped by user"),
         ev.RunStarted(time=T0 + 40, step=20, name="demo", target_steps=30),
         ev.RunFailedEvent(time=T0 + 41, step=20, reason="no workers"),
@@ -88,7 +90,7 @@ def test_a_stored_events_file_reads_back_as_the_same_typed_events(tmp_path):
     assert [e.to_dict() for e in timeline.events] == stored
     assert ev.Timeline.from_dicts(stored).events == written
     assert [type(e) for e in ev.as_events(stored)] == [type(e) for e in written]
-    assert timeline.of(ev.RunStarted) == [written[0], written[16]]
+    assert timeline.of(ev.RunStarted) == [written[0], written[17]]
     # Written again, a read-back line is the stored line, byte for byte.
     lines = rd.read_text("events.jsonl").splitlines()
     assert [json.dumps(e.to_dict(), default=str) for e in timeline.events] == lines

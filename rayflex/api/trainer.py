@@ -122,7 +122,8 @@ class RunHandle:
         if raise_on_failure and res.status == "failed":
             d = self._result
             if d.get("error_type") == "WorkerError":
-                raise WorkerError(d.get("error_rank", -1), "", d["steps_completed"] + 1, d.get("error") or "")
+                raise WorkerError(d.get("error_rank", -1), d.get("error_node") or "", d.get("error_step") or
+                                  d["steps_completed"] + 1, d.get("error") or "")
             typed = {"PlacementError": PlacementError, "StorageError": StorageError,
                      "CheckpointError": CheckpointError}.get(d.get("error_type") or "")
             if typed is not None:  # keep the type the controller raised
@@ -183,15 +184,17 @@ class Trainer:
     def with_overrides(self, overrides: dict[str, str]) -> "Trainer":
         return Trainer.from_spec(self.spec.with_overrides(overrides))
 
-    def submit(self) -> RunHandle:
-        """Start the run and return at once."""
+    def submit(self, *, checked: bool = False) -> RunHandle:
+        """Start the run and return at once. ``checked``: :meth:`preflight` already passed
+        (``rayflex run`` checks before it connects to Ray, then submits)."""
         import ray
 
         from rayflex.constants import CONTROLLER_NAMESPACE, controller_name
         from rayflex.control.controller import Controller
         from rayflex.models.summary import summarized
 
-        self._preflight()
+        if not checked:
+            self.preflight()
         ensure_ray(self.spec.scaling.num_workers * self.spec.scaling.cpus_per_worker)
         name = controller_name(self.spec.run.name)
         try:
@@ -214,9 +217,9 @@ class Trainer:
             summarized(self.spec), knobs=knob_env())
         return RunHandle(self.spec.run.name, controller, controller.run.remote())
 
-    def fit(self, *, progress: bool = True) -> Result:
+    def fit(self, *, progress: bool = True, checked: bool = False) -> Result:
         """Run to the end, showing progress; raises the worker's error if the run fails."""
-        handle = self.submit()
+        handle = self.submit(checked=checked)
         return handle.wait(progress=progress)
 
     def plan(self, topology=None, *, world_size: Optional[int] = None):
@@ -250,8 +253,10 @@ class Trainer:
             plan = dataclasses.replace(plan, explanation=f"{resolved.explanation}\n{plan.explanation}")
         return plan
 
-    def _preflight(self) -> None:
-        """Checks that touch the outside world, still before any actor: storage, data."""
+    def preflight(self) -> None:
+        """Everything that can be checked before Ray is touched: storage, checkpoints, data,
+        the model contract (on the meta device). ``fit()`` and ``submit()`` run it first;
+        call it alone to check a configuration without starting anything."""
         from rayflex.storage.fs import check_storage
 
         check_storage(self.spec.run.storage)
@@ -275,12 +280,9 @@ class Trainer:
             from rayflex.planning.capacity.auto import resolve_parallel
 
             resolve_parallel(self.spec, self.spec.scaling.num_workers)
-        from rayflex.data.dataset import TokenDataset
+        from rayflex.data.dataset import check_dataset
+        from rayflex.models.contract import DEFAULT_BATCH, check_model_contract
 
-        ds = TokenDataset(self.spec.data.uri)
-        if ds.row_len < self.spec.data.seq_len + 1:
-            from rayflex.errors import ConfigError
-
-            raise ConfigError("DataConfig.seq_len", f"seq_len={self.spec.data.seq_len} needs rows of "
-                              f"{self.spec.data.seq_len + 1} tokens but {self.spec.data.uri} has "
-                              f"{ds.row_len}", f"use seq_len <= {ds.row_len - 1}")
+        check_dataset(self.spec.data)
+        check_model_contract(self.spec.model, batch=self.spec.data.micro_batch or DEFAULT_BATCH,
+                             seq_len=self.spec.data.seq_len)

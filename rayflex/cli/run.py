@@ -136,11 +136,11 @@ def cmd_run(args) -> int:
     # graceful one must replace. Storage and data are probed before Ray starts, as in fit().
     from rayflex.local_ray import ensure_ray
 
-    trainer._preflight()
+    trainer.preflight()
     scaling = trainer.spec.scaling
     ensure_ray(scaling.num_workers * scaling.cpus_per_worker)
     with _GracefulStop(trainer.spec.run.name) as stop:
-        result = trainer.fit(progress=not args.no_progress)
+        result = trainer.fit(progress=not args.no_progress, checked=True)
     print(json.dumps({k: result.raw.get(k) for k in ("status", "steps_completed", "first_loss", "final_loss",
                                                        "tokens_per_s", "time_to_first_step_s", "run_dir")},
                      indent=2), flush=True)

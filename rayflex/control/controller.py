@@ -162,6 +162,8 @@ class Controller:
             "error_type": type(err).__name__ if err else None,
             "error": (err.traceback if isinstance(err, WorkerError) else str(err)) if err else None,
             "error_rank": getattr(err, "rank", None),
+            "error_node": getattr(err, "node_id", None),
+            "error_step": getattr(err, "step", None),
             "steps_completed": ledger.step,
             "target_steps": self.spec.run.steps,
             "start_step": ledger.start_step,

@@ -36,6 +36,12 @@ def place(ctx, state: Placing):
         ctx.record(ev.CheckpointLoaded(step=step, uri=restored.get("uri", ""), world_size=world,
                                        saved_world_size=restored.get("world_size", 0),
                                        skipped=restored.get("skipped", [])))
+        saved_total, total = restored.get("total_steps"), ctx.spec.run.steps
+        if saved_total is not None and saved_total != total:
+            opt = ctx.spec.run.optimizer
+            ctx.record(ev.ScheduleChanged(step=step, from_total_steps=saved_total, to_total_steps=total,
+                                          lr_before=opt.lr_of_step(step + 1, saved_total),
+                                          lr_after=opt.lr_of_step(step + 1, total)))
     lost = ctx.ledger.restored(step)
     if state.restart_reason is not None:
         ctx.record(ev.Restarted(step=step, world_size=world, from_step=step, reason=state.restart_reason,

@@ -12,11 +12,15 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from rayflex.storage.fs import ensure_dir, redact_uri, resolve, with_retries
+from rayflex.storage.fs import check_bucket, ensure_dir, redact_uri, resolve, with_retries
+
+if TYPE_CHECKING:
+    from rayflex.config import DataConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,7 @@ class TokenDataset:
         except FileNotFoundError:
             names = []
         if not names:
+            check_bucket(uri, field="DataConfig.uri")  # "no shards" would hide a missing bucket
             raise ConfigError("DataConfig.uri", f"no Parquet shards (*.parquet) under {uri!r}",
                               "write a dataset first, e.g. rayflex.data.dataset.write_synthetic_dataset(uri)")
         self._shards = names
@@ -88,6 +93,27 @@ class TokenDataset:
             mask = shard_of == shard
             out[mask] = self._load(int(shard))[indices[mask] - self._starts[shard]]
         return torch.from_numpy(out)
+
+
+def check_dataset(data: "DataConfig") -> TokenDataset:
+    """Open ``data``'s dataset on the driver and check that it can feed the run.
+
+    Reads the shards' footers (row counts) and the first shard, never the whole dataset.
+    A global batch larger than the dataset is refused: the sampler would wrap within one
+    step and train on duplicated rows of that very batch, silently.
+    """
+    from rayflex.errors import ConfigError
+
+    ds = TokenDataset(data.uri)
+    if ds.row_len < data.seq_len + 1:
+        raise ConfigError("DataConfig.seq_len", f"seq_len={data.seq_len} needs rows of {data.seq_len + 1} "
+                          f"tokens but {redact_uri(data.uri)} has {ds.row_len}", f"use seq_len <= {ds.row_len - 1}")
+    if data.global_batch > len(ds):
+        raise ConfigError("DataConfig.global_batch",
+                          f"global_batch={data.global_batch} is larger than the dataset: {redact_uri(data.uri)} "
+                          f"has {len(ds)} rows, so every step would repeat rows of its own batch",
+                          f"lower global_batch to at most {len(ds)}, or write at least {data.global_batch} rows")
+    return ds
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,19 @@ from torch import nn
 class ModelSpec:
     """What rayflex needs to know about a model.
 
-    ``build_block(i)`` returns block ``i`` (0 = first, takes token ids; the last one returns
-    logits); it must be a top-level function or a ``functools.partial`` so Ray can ship it.
-    ``loss_fn(output, targets)`` returns the mean loss of a microbatch.
+    ``build_block(i)`` returns block ``i`` as an ``nn.Module`` whose ``forward`` takes one
+    tensor and returns one tensor: block 0 takes int64 token ids ``[batch, seq_len]``, each
+    next block takes its predecessor's output, the last returns the logits.
+    ``loss_fn(output, targets)`` returns the mean loss of a microbatch as a scalar tensor
+    (``targets``: int64 ``[batch, seq_len]``). ``Trainer`` checks all of this on the meta
+    device before any actor starts (:mod:`rayflex.models.contract`).
+
+    Both may be any callables: top-level functions, ``functools.partial``, lambdas or
+    closures. The spec travels to the workers pickled with ``ray.cloudpickle``
+    (:mod:`rayflex.models.summary`): lambdas, closures and anything defined in ``__main__``
+    (a script, a notebook) go by value, with what they capture, so keep that small;
+    functions of an importable module go by reference, so that module must be importable
+    on the workers too.
     """
 
     name: str
@@ -42,7 +52,7 @@ class ModelSpec:
                               "return at least one block")
         if not callable(self.build_block) or not callable(self.loss_fn):
             raise ConfigError("ModelSpec.build_block", "build_block and loss_fn must be callables",
-                              "pass functions (top-level or functools.partial)")
+                              "pass functions, functools.partial objects, lambdas or closures")
 
     def block(self, index: int, device: torch.device | str = "cpu") -> nn.Module:
         """Build block ``index`` deterministically (same weights in every process)."""

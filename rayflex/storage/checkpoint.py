@@ -39,15 +39,22 @@ log = logging.getLogger(__name__)
 EXTRA_FILE = "rayflex_state.json"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainState:
-    """What a checkpoint holds for one rank: its stage modules and their optimizers and
-    schedulers, plus run-level scalars (step, data position, RNG, config)."""
+    """What a checkpoint holds for one rank: its stage modules and their optimizers, plus
+    run-level scalars (step, data position, RNG, config, the total steps it trains toward).
+
+    ``total_steps`` is recorded, not restored: a resume compares it with its own
+    ``run.steps`` to tell that the learning-rate schedule changed. rayflex's worker derives
+    the learning rate from (step, run.steps) and passes no ``schedulers``; torch schedulers
+    given here have their counters saved and restored.
+    """
 
     modules: list[nn.Module]
     optimizers: list[torch.optim.Optimizer]
-    schedulers: list[Any]
     get_step: Callable[[], int]
+    schedulers: list[Any] = field(default_factory=list)
+    total_steps: Optional[int] = None
     config: dict = field(default_factory=dict)
 
     def tensor_state(self) -> dict[str, Any]:
@@ -100,6 +107,7 @@ class TrainState:
         buf = io.BytesIO()
         torch.save(torch.get_rng_state(), buf)
         return {"step": self.get_step(), "data_position_steps": self.get_step(),
+                "total_steps": self.total_steps,
                 # The LR lambdas are code, not state: keep only the counters.
                 "schedulers": [{k: v for k, v in s.state_dict().items() if k != "lr_lambdas"}
                                for s in self.schedulers],
@@ -107,8 +115,12 @@ class TrainState:
 
     def load_extra(self, extra: dict[str, Any]) -> None:
         # Every stage's scheduler follows the same schedule; the saved split may differ.
-        for s in self.schedulers:
-            s.load_state_dict({**extra["schedulers"][0], "lr_lambdas": [None] * len(s.lr_lambdas)})
+        # (Counters a checkpoint holds for schedulers this state has none of are ignored:
+        # checkpoints written before the worker stopped using LambdaLR have them.)
+        saved = extra.get("schedulers") or []
+        if saved:
+            for s in self.schedulers:
+                s.load_state_dict({**saved[0], "lr_lambdas": [None] * len(s.lr_lambdas)})
         torch.set_rng_state(torch.load(io.BytesIO(base64.b64decode(extra["torch_rng"]))))
 
 
@@ -322,8 +334,11 @@ class AsyncCheckpointer:
         tensors = state.tensor_state()
         dcp.load(tensors, storage_reader=FsspecReader(path, **fsspec_kwargs(path)), process_group=self.group)
         state.load_tensor_state(tensors)
-        state.load_extra(json.loads(_read_bytes(fs_join(path, EXTRA_FILE))))
+        extra = json.loads(_read_bytes(fs_join(path, EXTRA_FILE)))
+        state.load_extra(extra)
         info["uri"] = path
+        # The run.steps it was trained toward (None: saved before rayflex recorded it).
+        info["total_steps"] = extra.get("total_steps")
         return info
 
 

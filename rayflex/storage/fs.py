@@ -437,6 +437,37 @@ def _is_connection_failure(err: BaseException) -> bool:
     return isinstance(err, (ConnectionError, TimeoutError))
 
 
+def missing_bucket_error(uri: str, options: Optional[StorageOptions] = None, *,
+                         field: str = "storage uri") -> StorageError:
+    """The error for an ``s3://`` URI whose bucket does not exist, naming the bucket, the
+    endpoint and the command that creates it (``field``: which setting holds the URI)."""
+    options = options or StorageOptions()
+    bucket = redact_uri(uri).split("://", 1)[-1].split("/", 1)[0]
+    endpoint = options.resolved_endpoint()
+    return StorageError(
+        f"bucket {bucket!r} does not exist at {endpoint or 'the default AWS endpoint'} "
+        f"({field} {redact_uri(uri)}). Fix: create it with `aws s3 mb s3://{bucket}"
+        + (f" --endpoint-url {endpoint}`" if endpoint else "`")
+        + f" or point the {field} at an existing bucket")
+
+
+def check_bucket(uri: str, options: Optional[StorageOptions] = None, *, field: str = "storage uri") -> None:
+    """Raise :func:`missing_bucket_error` if ``uri`` is on S3 and its bucket does not exist.
+
+    Read-only (one HEAD of the bucket), for URIs rayflex reads but must not write, such as
+    the dataset; a bucket that exists but refuses the HEAD counts as existing."""
+    if scheme_of(uri) != "s3":
+        return
+    fs, path = resolve(uri, options)
+    bucket = path.split("/", 1)[0]
+    try:
+        with_retries(lambda: fs.info(bucket, refresh=True), what=f"stat bucket {bucket!r}")
+    except FileNotFoundError as err:
+        raise missing_bucket_error(uri, options, field=field) from err
+    except PermissionError:
+        pass
+
+
 def check_storage(uri: str, options: Optional[StorageOptions] = None) -> None:
     """Write, read back and delete a tiny probe object under ``uri``.
 
@@ -458,7 +489,6 @@ def check_storage(uri: str, options: Optional[StorageOptions] = None) -> None:
     probe = f"{root}/.rayflex-probe-{uuid.uuid4().hex[:12]}"
     payload = f"rayflex storage probe {uuid.uuid4().hex}".encode()
     endpoint = options.resolved_endpoint() or "the default AWS endpoint"
-    bucket = root.split("/", 1)[0]
     t0 = time.monotonic()
     try:
         if scheme == "file":
@@ -475,11 +505,7 @@ def check_storage(uri: str, options: Optional[StorageOptions] = None) -> None:
         raise
     except FileNotFoundError as err:
         if scheme == "s3":
-            raise StorageError(
-                f"bucket {bucket!r} does not exist at {endpoint} (storage uri {shown}). "
-                f"Fix: create it with `aws s3 mb s3://{bucket}"
-                + (f" --endpoint-url {options.resolved_endpoint()}`" if options.resolved_endpoint() else "`")
-                + " or point the storage uri at an existing bucket") from err
+            raise missing_bucket_error(uri, options) from err
         raise StorageError(f"storage probe at {shown} failed: {err}. Fix: use a directory "
                            "this process can create and write") from err
     except PermissionError as err:

@@ -28,6 +28,7 @@ class EventKind(enum.StrEnum):
     CHECKPOINT_COMMITTED = "checkpoint_committed"
     CHECKPOINT_FAILED = "checkpoint_failed"
     CHECKPOINT_LOADED = "checkpoint_loaded"
+    SCHEDULE_CHANGED = "schedule_changed"
     WORKER_FAILED = "worker_failed"
     WORKER_DIED = "worker_died"
     NODE_LOST = "node_lost"
@@ -137,6 +138,28 @@ class CheckpointLoaded(Event):
     world_size: int = 0
     saved_world_size: int = 0
     skipped: list = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleChanged(Event):
+    """The run resumed from a checkpoint trained toward a different ``run.steps``.
+
+    The learning rate is a pure function of (step, the current ``run.steps``), so from
+    step ``step + 1`` on the run follows the new total's schedule: ``lr_before`` is what
+    step ``step + 1`` would have trained at under the saved total, ``lr_after`` what it
+    trains at now.
+    """
+
+    kind: ClassVar[EventKind] = EventKind.SCHEDULE_CHANGED
+    from_total_steps: int = 0
+    to_total_steps: int = 0
+    lr_before: float = 0.0
+    lr_after: float = 0.0
+
+    def describe(self) -> str:
+        return (f"{self.kind.value} at step {self.step}: total steps {self.from_total_steps} -> "
+                f"{self.to_total_steps}, lr of step {(self.step or 0) + 1} {self.lr_before:.3g} -> "
+                f"{self.lr_after:.3g}")
 
 
 @dataclass(frozen=True, kw_only=True)

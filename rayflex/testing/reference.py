@@ -7,26 +7,48 @@ pp x dp must reproduce these losses (fp32, to rounding).
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import torch
 
-from rayflex.data.dataset import GlobalSampler, TokenDataset
 from rayflex.config import TrainSpec
+from rayflex.data.dataset import GlobalSampler, TokenDataset
 from rayflex.models.spec import build_stage
 
 
-def single_process_losses(spec: TrainSpec, steps: int, *, start_state: dict | None = None) -> list[float]:
-    """Losses of steps 1..steps, training the whole model in this process."""
+@dataclass
+class ReferenceState:
+    """The reference's model and optimizer after ``step`` steps: what a checkpoint of that
+    step holds (the learning rate is not state; it follows the spec that continues)."""
+
+    step: int
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+
+def single_process_train(spec: TrainSpec, steps: int, *,
+                         start_state: ReferenceState | None = None) -> tuple[list[float], ReferenceState]:
+    """Losses of steps ``start_state.step + 1 .. steps`` (1..steps without a start state),
+    and the state after the last. Step ``s`` trains at ``lr_of_step(s, spec.run.steps)``
+    as a rayflex worker does, so continuing a state under a spec with another
+    ``run.steps`` is the reference of a resumed run that changed its total. The start
+    state is copied, never trained further in place."""
     torch.set_num_threads(spec.scaling.torch_threads)
-    model = build_stage(spec.model, list(range(spec.model.num_blocks)))
     opt_cfg = spec.run.optimizer
-    opt = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
-                            weight_decay=opt_cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: opt_cfg.lr_factor(s, spec.run.steps))
+    if start_state is None:
+        model = build_stage(spec.model, list(range(spec.model.num_blocks)))
+        opt = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
+                                weight_decay=opt_cfg.weight_decay)
+        state = ReferenceState(step=0, model=model, optimizer=opt)
+    else:
+        state = copy.deepcopy(start_state)  # the optimizer's state keys follow the copied parameters
+    model, opt = state.model, state.optimizer
     ds = TokenDataset(spec.data.uri)
     sampler = GlobalSampler(len(ds), spec.data.global_batch, spec.data.seed)
     seq = spec.data.seq_len
     losses = []
-    for step in range(1, steps + 1):
+    for step in range(state.step + 1, steps + 1):
         rows = ds.rows(sampler.indices(step - 1, 0, 1))
         x, y = rows[:, :seq], rows[:, 1:seq + 1]
         opt.zero_grad(set_to_none=True)
@@ -34,7 +56,15 @@ def single_process_losses(spec: TrainSpec, steps: int, *, start_state: dict | No
         loss.backward()
         if opt_cfg.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = opt_cfg.lr_of_step(step, spec.run.steps)
         opt.step()
-        sched.step()
         losses.append(float(loss.detach()))
-    return losses
+        state.step = step
+    return losses, state
+
+
+def single_process_losses(spec: TrainSpec, steps: int, *, start_state: ReferenceState | None = None) -> list[float]:
+    """Losses of steps 1..steps (or from ``start_state.step + 1``), training the whole model
+    in this process."""
+    return single_process_train(spec, steps, start_state=start_state)[0]

@@ -172,7 +172,12 @@ class TrainWorker:
 
     # ----------------------------------------------------------------- setup
     def setup(self, master_addr: str, master_port: int, restore: bool = True) -> dict[str, Any]:
-        """Join the process group, build and shard this rank's stage(s), restore state."""
+        """Join the process group, build and shard this rank's stage(s), restore state.
+
+        ``restored`` in the answer is None or the checkpoint loaded: its ``step``, ``uri``,
+        saved ``world_size`` and ``mesh``, ``skipped`` steps, and ``total_steps`` (the
+        run.steps it was trained toward; None for a checkpoint older than that record).
+        """
         import torch.distributed as dist
 
         self._set_phase("setup")
@@ -196,9 +201,10 @@ class TrainWorker:
         self.params = [p for _, m in self.stages for p in m.parameters()]
         opt = self.spec.run.optimizer
         # One optimizer per stage module: checkpoint keys then stay per-FQN whatever the split.
+        # No LR scheduler object: each step sets its learning rate from (step, run.steps)
+        # (_train_step), so a restore cannot bring back a stale one.
         self.optimizers = [torch.optim.AdamW(m.parameters(), lr=opt.lr, betas=tuple(opt.betas),
                                              weight_decay=opt.weight_decay) for _, m in self.stages]
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, self._lr_factor) for o in self.optimizers]
         self.schedule = (build_schedule(self.plan, self.stages, self.mesh["pp"].get_group(), self.device,
                                         self.spec.model.loss_fn) if pipelined else None)
         self.dataset = TokenDataset(self.spec.data.uri)
@@ -232,14 +238,14 @@ class TrainWorker:
         return {"rank": self.rank, "setup_s": t_end - t0, "step": self._step, "restored": restored,
                 "rendezvous_s": t_pg - t0, "build_s": t_build - t_pg, "restore_s": t_end - t_build}
 
-    def _lr_factor(self, step: int) -> float:
-        return self.spec.run.optimizer.lr_factor(step, self.spec.run.steps)
+    def _lr_of_step(self, step: int) -> float:
+        return self.spec.run.optimizer.lr_of_step(step, self.spec.run.steps)
 
     def _stateful(self):
         from rayflex.storage.checkpoint import TrainState
 
         return TrainState(modules=[m for _, m in self.stages], optimizers=self.optimizers,
-                          schedulers=self.schedulers, get_step=lambda: self._step,
+                          get_step=lambda: self._step, total_steps=self.spec.run.steps,
                           config={"run": self.spec.run.name, "world_size": self.plan.world_size,
                                   "pp": self.plan.pp, "dp": self.plan.dp})
 
@@ -288,7 +294,7 @@ class TrainWorker:
                 with self._lock:
                     self._step = step
                     self._records.append(StepRecord(step=step, loss=loss, step_time_s=dt,
-                                                    lr=self.schedulers[0].get_last_lr()[0], grad_norm=grad_norm,
+                                                    lr=self._lr_of_step(step), grad_norm=grad_norm,
                                                     time=time.time(), samples=self.spec.data.global_batch,
                                                     pp_index=self.pp_index, dp_index=self.dp_index, **probe))
                 if self.checkpointer is not None:
@@ -340,9 +346,14 @@ class TrainWorker:
             from rayflex.worker.parallelize import global_grad_norm
 
             grad_norm = float(global_grad_norm(self.params))
-        for o, sch in zip(self.optimizers, self.schedulers):
+        # The learning rate is set, not stepped: a LambdaLR restored from a checkpoint left
+        # the optimizer at the saved run's last LR for one step (its lambda, and so the
+        # current run.steps, took effect only at the next scheduler step).
+        lr = self._lr_of_step(step)
+        for o in self.optimizers:
+            for group in o.param_groups:
+                group["lr"] = lr
             o.step()
-            sch.step()
         return loss_contrib, grad_norm, probe
 
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> float:
@@ -469,7 +480,7 @@ class TrainWorker:
         FSDP and DTensor hold the process groups, whose sockets close only when freed."""
         import gc
 
-        for name in ("stages", "params", "optimizers", "schedulers", "schedule", "mesh", "dp_mesh", "pp_group",
+        for name in ("stages", "params", "optimizers", "schedule", "mesh", "dp_mesh", "pp_group",
                      "staging", "_gloo"):
             self.__dict__.pop(name, None)
         self.checkpointer = None
