@@ -333,6 +333,82 @@ class OptimizerConfig:
         return self.lr * self.lr_factor(step - 1, total_steps)
 
 
+PARAM_DTYPES = ("fp32", "bf16")
+ACTIVATION_CHECKPOINTING = ("none", "full", "every_k")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PrecisionConfig:
+    """Mixed precision of the forward/backward (FSDP2's ``MixedPrecisionPolicy``).
+
+    The model is built in fp32 and its sharded parameters stay fp32, so the optimizer
+    steps fp32 master weights and keeps fp32 states whatever is chosen here.
+    ``param_dtype`` is the dtype parameters are all-gathered and computed in;
+    ``reduce_dtype`` is the dtype gradients are reduce-scattered (and accumulated, between
+    microbatches) in. The model's last output is cast to fp32, so the loss is fp32.
+    """
+
+    param_dtype: str = "fp32"
+    reduce_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        c = "PrecisionConfig"
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value not in PARAM_DTYPES:
+                raise ConfigError(f"{c}.{name}", f"unknown dtype {value!r}",
+                                  f"use one of {', '.join(PARAM_DTYPES)} (bf16 compute usually pairs with "
+                                  "reduce_dtype='fp32')")
+
+    @property
+    def mixed(self) -> bool:
+        """Whether anything runs below fp32 (False: the fp32 reference behaviour)."""
+        return (self.param_dtype, self.reduce_dtype) != ("fp32", "fp32")
+
+
+@dataclass(kw_only=True, frozen=True)
+class MemoryConfig:
+    """Trading compute for memory, per block (the unit of ``fully_shard``).
+
+    ``activation_checkpointing``: "none" keeps every activation for backward; "full"
+    keeps only each block's input and recomputes the block in backward; "every_k"
+    does that for every ``ac_every``-th block (global block indices ``k-1, 2k-1, ...``,
+    so the choice does not depend on the pipeline split). Parameter names, and so
+    checkpoints, are the same whichever is chosen.
+
+    ``compile``: ``torch.compile`` each block's forward (after checkpointing, before
+    sharding) with ``compile_backend`` ("inductor" needs a C++ compiler on CPU;
+    "aot_eager" needs none and is what the tests use).
+    """
+
+    activation_checkpointing: str = "none"
+    ac_every: int = 2
+    compile: bool = False
+    compile_backend: str = "inductor"
+
+    def __post_init__(self) -> None:
+        c = "MemoryConfig"
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ConfigError(f"{c}.activation_checkpointing", f"unknown mode {self.activation_checkpointing!r}",
+                              f"use one of {', '.join(ACTIVATION_CHECKPOINTING)}")
+        _positive_int(c, "ac_every", self.ac_every, "use an integer >= 1 (1 checkpoints every block, like 'full')")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"{c}.compile", f"must be True or False, got {self.compile!r}",
+                              "use True to torch.compile each block, False to run eagerly")
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise ConfigError(f"{c}.compile_backend", f"must be a torch.compile backend name, got "
+                              f"{self.compile_backend!r}", "use 'inductor' (GPU) or 'aot_eager' (no compiler)")
+
+    def checkpointed(self, index: int) -> bool:
+        """Whether block ``index`` (global) recomputes its activations in backward; the one
+        rule the workers and the memory model both follow."""
+        if self.activation_checkpointing == "full":
+            return True
+        if self.activation_checkpointing == "every_k":
+            return (index + 1) % self.ac_every == 0
+        return False
+
+
 @dataclass(kw_only=True, frozen=True)
 class RunConfig:
     """Run identity and length. The run directory is ``{storage}/{name}/``."""
@@ -428,11 +504,13 @@ class TrainSpec:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self) -> None:
         for name, cls in (("data", DataConfig), ("run", RunConfig), ("scaling", ScalingConfig),
                           ("parallel", ParallelConfig), ("checkpoint", CheckpointConfig),
-                          ("elastic", ElasticConfig)):
+                          ("elastic", ElasticConfig), ("precision", PrecisionConfig), ("memory", MemoryConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"Trainer.{name}", f"expected a {cls.__name__}, got "
                                   f"{type(getattr(self, name)).__name__}", f"pass {cls.__name__}(...)")

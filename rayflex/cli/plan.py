@@ -70,7 +70,8 @@ def _inputs(args):
 
         spec = load_trainer(args.spec).spec
         seq_len = args.seq_len or spec.data.seq_len
-        model = describe_model(spec.model, seq_len, precision or Precision())
+        model = (describe_model(spec.model, seq_len, precision) if precision else
+                 describe_model(spec.model, seq_len).for_run(spec.precision, spec.memory))
         global_batch = args.global_batch or spec.data.global_batch
         world = args.world_size or spec.scaling.num_workers
         # an auto spec's own description: the table then shows what pp="auto" will pick

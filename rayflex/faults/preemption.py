@@ -163,13 +163,10 @@ class MetadataSource:
         return out
 
     def close(self) -> None:
-        import ray
+        from rayflex.group.actors import kill_quietly
 
         for agent in self.agents.values():
-            try:
-                ray.kill(agent)
-            except Exception:  # noqa: BLE001
-                pass
+            kill_quietly(agent)
         self.agents.clear()
 
 

@@ -106,7 +106,14 @@ class TrainState:
     def extra_state(self) -> dict[str, Any]:
         buf = io.BytesIO()
         torch.save(torch.get_rng_state(), buf)
-        return {"step": self.get_step(), "data_position_steps": self.get_step(),
+        extra = {}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # The generator of the device this rank trains on (dropout and other random
+            # ops of a model on GPU draw from it, not from the CPU generator above).
+            cuda_buf = io.BytesIO()
+            torch.save(torch.cuda.get_rng_state(), cuda_buf)
+            extra["cuda_rng"] = base64.b64encode(cuda_buf.getvalue()).decode()
+        return {**extra, "step": self.get_step(), "data_position_steps": self.get_step(),
                 "total_steps": self.total_steps,
                 # The LR lambdas are code, not state: keep only the counters.
                 "schedulers": [{k: v for k, v in s.state_dict().items() if k != "lr_lambdas"}
@@ -122,6 +129,8 @@ class TrainState:
             for s in self.schedulers:
                 s.load_state_dict({**saved[0], "lr_lambdas": [None] * len(s.lr_lambdas)})
         torch.set_rng_state(torch.load(io.BytesIO(base64.b64decode(extra["torch_rng"]))))
+        if extra.get("cuda_rng") and torch.cuda.is_available():
+            torch.cuda.set_rng_state(torch.load(io.BytesIO(base64.b64decode(extra["cuda_rng"]))))
 
 
 class HostStaging:
@@ -135,12 +144,17 @@ class HostStaging:
     DCP writes the same shards, with the same keys, as from the live tensors.
     """
 
-    def __init__(self, state: TrainState, *, pin: bool = False):
+    def __init__(self, state: TrainState, *, pin: Optional[bool] = None):
+        """``pin``: page-locked buffers (fast, asynchronous device-to-host copies); None
+        pins exactly when a live tensor is on CUDA (a CPU run on a GPU host pins nothing
+        and never initializes CUDA)."""
         from torch.distributed.tensor import DTensor
 
-        self._pin = pin
         self._key = state.identity()
         live = state.tensor_state()
+        if pin is None:
+            pin = any(t.is_cuda for t in _tensors(live))
+        self._pin = pin
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host buffer, live local tensor)
         self.nbytes = 0
 
@@ -172,9 +186,11 @@ class HostStaging:
 
     def stage(self) -> dict[str, Any]:
         for buf, live in self._pairs:
-            buf.copy_(live, non_blocking=self._pin)
+            buf.copy_(live, non_blocking=self._pin and live.is_cuda)
         if self._pin:
-            torch.cuda.current_stream().synchronize()  # the copies must land before training resumes
+            # The copies were queued on the training thread's current stream, behind the
+            # optimizer step that wrote the tensors; they must land before training resumes.
+            torch.cuda.current_stream().synchronize()
         optim = self._staged["optim"]
         for key, group, field_name in self._scalars:
             optim[key] = group[field_name]
@@ -218,7 +234,7 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         if self.use_async:
             if self._staging is None or not self._staging.matches(state):
-                self._staging = HostStaging(state, pin=torch.cuda.is_available())
+                self._staging = HostStaging(state)
             tensors = self._staging.stage()
         else:
             tensors = state.tensor_state()

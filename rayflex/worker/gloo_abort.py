@@ -14,6 +14,11 @@ peer's. ``GlooSockets`` notes the sockets that exist before the groups are creat
 publishes this rank's new listeners in the rendezvous store and reads everyone's. Ray's
 own connections (gRPC to the raylet, GCS and other workers) never match, so aborting
 leaves the actor reachable.
+
+Which groups are gloo (``worker/process_groups.py``): on CPU every group of an attempt
+(the default one, the device mesh's, the checkpoint group); on GPU the control and
+checkpoint groups, created after NCCL's default group, so the snapshot is taken between
+the two and NCCL's own sockets (created lazily, after ``register``) are never counted.
 """
 
 from __future__ import annotations

@@ -1,15 +1,22 @@
 """Parallelizing a rank's model: device mesh, FSDP2 sharding, pipeline schedules, grad norm.
 
 The mesh itself (ranks, stages, batch arithmetic) is :class:`rayflex.mesh.plan.MeshPlan`.
+Per stage the steps compose in torchtitan's order: activation checkpointing, then
+``torch.compile``, then ``fully_shard`` (with the mixed-precision policy), each per block.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
+from rayflex.config import MemoryConfig, PrecisionConfig
 from rayflex.mesh.plan import MeshPlan
 from rayflex.models.spec import ModelSpec, Stage, build_stage
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build_device_mesh(plan: MeshPlan, device_type: str):
@@ -18,17 +25,108 @@ def build_device_mesh(plan: MeshPlan, device_type: str):
     return init_device_mesh(device_type, (plan.pp, plan.dp), mesh_dim_names=("pp", "dp"))
 
 
-def shard_stage(stage: Stage, dp_mesh, *, pipelined: bool) -> Stage:
-    """``fully_shard`` each block, then the stage as root (torchtitan's recipe).
+class _KeepInput(torch.autograd.Function):
+    """Identity that saves its input for backward.
+
+    A recomputed block keeps its input alive (the recomputation needs it), but
+    non-reentrant checkpointing holds it in a Python closure that autograd's
+    ``saved_tensors_hooks`` never see. Saving it here (the same storage, no copy) puts it
+    where the activation probe (``worker/instrument.py``) counts it, so a step's measured
+    activation peak stays the bytes really kept for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class RecomputedForward:
+    """A block's ``forward`` that keeps only its input and recomputes the rest in backward.
+
+    Installed as the block's instance attribute ``forward`` rather than by wrapping the
+    block in torch's ``checkpoint_wrapper``: a wrapper is a new parent module, which
+    renames every parameter (``_checkpoint_wrapped_module.``) and with them the keys of
+    checkpoints, optimizer state and everything else keyed by name. Here the module tree
+    is untouched, so a checkpoint saved with recomputation loads without it and back.
+    FSDP2's hooks stay on the block's ``__call__``, outside the recomputed region: its
+    pre-backward all-gather has run by the time backward reaches the block and replays it.
+    """
+
+    def __init__(self, forward):
+        self.forward = forward
+
+    def __call__(self, x, *args, **kwargs):
+        from torch.utils.checkpoint import checkpoint
+
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            x = _KeepInput.apply(x)
+        return checkpoint(self.forward, x, *args, use_reentrant=False, **kwargs)
+
+
+def apply_activation_checkpointing(stage: Stage, memory: MemoryConfig) -> list[int]:
+    """Recompute the blocks ``memory`` selects (by global index); returns their indices."""
+    chosen = [i for i in stage.indices if memory.checkpointed(i)]
+    for i in chosen:
+        block = stage.blocks[str(i)]
+        block.forward = RecomputedForward(block.forward)
+    return chosen
+
+
+def apply_compile(stage: Stage, memory: MemoryConfig) -> None:
+    """``torch.compile`` each block's forward in place.
+
+    ``torch.compile(module)`` returns an ``OptimizedModule`` whose parameters are named
+    ``_orig_mod.*``; compiling the forward keeps names, and leaves FSDP2's hooks (added
+    next) outside the graph.
+    """
+    for i in stage.indices:
+        block = stage.blocks[str(i)]
+        block.forward = torch.compile(block.forward, backend=memory.compile_backend)
+
+
+def mixed_precision_policy(precision: PrecisionConfig, *, last: bool):
+    """FSDP2's policy for ``precision``; ``last``: the stage whose output is the loss's
+    input, cast to fp32 so the loss is computed in fp32 whatever the model computes in.
+
+    The sharded parameters keep the dtype the model was built in (fp32): the optimizer
+    updates fp32 master weights and its states are fp32. Other stages hand their output
+    on in the compute dtype (half the pipeline traffic in bf16).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not precision.mixed:
+        return MixedPrecisionPolicy()  # exactly the fp32 behaviour without a policy
+    return MixedPrecisionPolicy(param_dtype=DTYPES[precision.param_dtype],
+                                reduce_dtype=DTYPES[precision.reduce_dtype],
+                                output_dtype=torch.float32 if last else None)
+
+
+def shard_stage(stage: Stage, dp_mesh, *, pipelined: bool, precision: Optional[PrecisionConfig] = None,
+                memory: Optional[MemoryConfig] = None, last: bool = True) -> Stage:
+    """Checkpointing and compile per block (if asked), then ``fully_shard`` each block,
+    then the stage as root (torchtitan's recipe).
 
     With a pipeline the parameters stay gathered between forward and backward
     (``reshard_after_forward=False``): each microbatch would otherwise all-gather twice.
+    ``last``: this stage ends the model (its output goes to the loss).
     """
     from torch.distributed.fsdp import fully_shard
 
+    precision = precision or PrecisionConfig()
+    memory = memory or MemoryConfig()
+    apply_activation_checkpointing(stage, memory)
+    if memory.compile:
+        apply_compile(stage, memory)
+    block_policy = mixed_precision_policy(precision, last=False)
     for i in stage.indices:
-        fully_shard(stage.blocks[str(i)], mesh=dp_mesh, reshard_after_forward=not pipelined)
-    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=not pipelined)
+        fully_shard(stage.blocks[str(i)], mesh=dp_mesh, reshard_after_forward=not pipelined, mp_policy=block_policy)
+    fully_shard(stage, mesh=dp_mesh, reshard_after_forward=not pipelined,
+                mp_policy=mixed_precision_policy(precision, last=last))
     return stage
 
 
@@ -57,26 +155,38 @@ def global_grad_norm(params: list[nn.Parameter], group=None) -> torch.Tensor:
 
     Each rank owns a disjoint shard of each parameter of its own stage(s), so the sum of
     local squared norms, all-reduced over the world, is the global squared norm.
+
+    The local sum stays on the gradients' device (one device-to-host copy per step, not
+    one per parameter) and the all-reduce runs on the host: ``group`` must serve CPU
+    tensors — the worker passes ``ProcessGroups.host`` (on GPU the gloo control group;
+    an NCCL group would refuse the host tensor). Returns a 0-dim float64 CPU tensor.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    sq = torch.zeros((), dtype=torch.float64)
+    acc: Optional[torch.Tensor] = None
     for p in params:
         if p.grad is None:
             continue
         g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-        sq += g.detach().double().pow(2).sum().cpu()
+        if acc is None:
+            acc = torch.zeros((), dtype=torch.float64, device=g.device)
+        # An explicit float64 copy, squared in place: one temporary per gradient (and never
+        # the gradient itself, which .double() would return when it already is float64).
+        acc += g.detach().to(torch.float64, copy=True).square_().sum().to(acc.device)
+    sq = torch.zeros((), dtype=torch.float64) if acc is None else acc.cpu()
     if dist.is_initialized():
         dist.all_reduce(sq, group=group)
     return sq.sqrt()
 
 
 def clip_grads_(params: list[nn.Parameter], max_norm: float, group=None) -> float:
-    norm = global_grad_norm(params, group)
-    scale = max_norm / (float(norm) + 1e-6)
+    """Scale every gradient so the global norm is at most ``max_norm``; returns the norm
+    before clipping. ``group``: as for :func:`global_grad_norm` (a host group)."""
+    norm = float(global_grad_norm(params, group))
+    scale = max_norm / (norm + 1e-6)
     if scale < 1.0:
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(scale)
-    return float(norm)
+    return norm

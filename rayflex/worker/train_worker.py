@@ -22,12 +22,12 @@ from typing import Any, Optional
 import torch
 
 from rayflex.data.dataset import GlobalSampler, TokenDataset
-from rayflex.worker.gloo_abort import GlooSockets
+from rayflex.worker.process_groups import open_process_groups, process_group_layout
 from rayflex.worker.instrument import ActivationCounter, pipeline_wait_timer
 from rayflex.mesh.plan import MeshPlan
 from rayflex.worker.status import StepRecord, WorkerState, WorkerStatus
-from rayflex.worker.parallelize import (build_device_mesh, build_local_stages, build_schedule,
-                                     clip_grads_, shard_stage)
+from rayflex.worker.meta_init import build_sharded_stages
+from rayflex.worker.parallelize import build_device_mesh, build_schedule, clip_grads_, shard_stage
 from rayflex.config import TrainSpec
 from rayflex.constants import fault_log_path, injected_failure_steps, knob, node_ip
 
@@ -49,6 +49,17 @@ class InjectedFailure:
 
     def due(self, step: int) -> bool:
         return step >= self.step if self.or_later else step == self.step
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    """What every rank agreed on at a step boundary (the control all-reduce): the step's
+    mean loss, whether to stop, whether to checkpoint, and how long the reduce waited."""
+
+    loss: float
+    stop: bool
+    checkpoint: bool
+    wait_s: float
 
 
 def _fail_at_from_env(rank: int) -> Optional[InjectedFailure]:
@@ -178,26 +189,32 @@ class TrainWorker:
         saved ``world_size`` and ``mesh``, ``skipped`` steps, and ``total_steps`` (the
         run.steps it was trained toward; None for a checkpoint older than that record).
         """
-        import torch.distributed as dist
-
         self._set_phase("setup")
         t0 = time.time()
         _clear_sharding_caches()  # a reused process may hold decisions about its old rank
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        # Sockets that exist now are not this attempt's; on GPU only the checkpoint group is
-        # gloo (nccl has a real abort), so the snapshot is taken just before it.
-        self._gloo = GlooSockets() if backend == "gloo" else None
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                rank=self.rank, world_size=self.plan.world_size,
-                                timeout=timedelta(seconds=knob("COLLECTIVE_TIMEOUT_S")))
+        # The world groups (worker/process_groups.py): the default one on the training
+        # device's backend, a gloo control group for host scalars where that backend cannot
+        # take them (NCCL), and the checkpoint's own gloo group (DCP runs in a background
+        # thread, so its collectives must never interleave with training's).
+        self.groups = open_process_groups(process_group_layout(self.device.type),
+                                          init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                          world_size=self.plan.world_size,
+                                          timeout=timedelta(seconds=knob("COLLECTIVE_TIMEOUT_S")),
+                                          device=self.device)
+        self._gloo = self.groups.sockets
+        self.ckpt_group = self.groups.checkpoint
         t_pg = time.time()
         self.mesh = build_device_mesh(self.plan, self.device.type)
         self.pp_index, self.dp_index = self.plan.coords(self.rank)
         self.dp_mesh = self.mesh["dp"]
         pipelined = self.plan.pp > 1
-        self.stages = build_local_stages(self.spec.model, self.plan, self.rank, self.device)
-        for _, module in self.stages:
-            shard_stage(module, self.dp_mesh, pipelined=pipelined)
+        def shard(s: int, module):
+            return shard_stage(module, self.dp_mesh, pipelined=pipelined, precision=self.spec.precision,
+                               memory=self.spec.memory, last=s == self.plan.num_stages - 1)
+
+        # Built on the meta device, sharded, then filled block by block: a rank never holds
+        # more than its shards and one full block (weights identical to a plain build).
+        self.stages = build_sharded_stages(self.spec.model, self.plan, self.rank, self.device, shard=shard)
         self.params = [p for _, m in self.stages for p in m.parameters()]
         opt = self.spec.run.optimizer
         # One optimizer per stage module: checkpoint keys then stay per-FQN whatever the split.
@@ -215,12 +232,9 @@ class TrainWorker:
         self.sampler = GlobalSampler(len(self.dataset), self.spec.data.global_batch, self.spec.data.seed)
         self._has_first = 0 in [s for s, _ in self.stages]
         self._has_last = (self.plan.num_stages - 1) in [s for s, _ in self.stages]
-        # Checkpointing runs on its own gloo group so uploads never interleave with training
-        # collectives (on GPU the default group is nccl).
-        if self._gloo is None:
-            self._gloo = GlooSockets()
-        self.ckpt_group = dist.new_group(backend="gloo")
-        self._gloo.register(dist.distributed_c10d._get_default_store(), self.rank, self.plan.world_size)
+        # Every gloo group of the attempt exists now (on CPU the mesh's subgroups are gloo
+        # too): publish their listeners so an abort finds all of their connections.
+        self.groups.register_sockets(self.rank, self.plan.world_size)
         restored = None
         t_build = time.time()
         if self.spec.checkpoint.every_steps or self.spec.checkpoint.resume:
@@ -265,8 +279,6 @@ class TrainWorker:
         self._phase = phase
 
     def _loop(self, end_step: int) -> None:
-        import torch.distributed as dist
-
         try:
             stop_agreed = False
             while self._step < end_step and not stop_agreed:
@@ -279,17 +291,11 @@ class TrainWorker:
                     raise RuntimeError(failure.message)
                 t0 = time.perf_counter()
                 loss_sum, grad_norm, probe = self._train_step(step)
-                # One tiny all-reduce carries the loss and the control flags, so every rank
-                # agrees at this boundary on stopping and on checkpointing.
                 self._set_phase("collective")
-                wants_ckpt = self._checkpoint_request is not None
-                control = torch.tensor([loss_sum, float(self._stop.is_set()), float(wants_ckpt)],
-                                       dtype=torch.float64)
-                t_sync = time.perf_counter()
-                dist.all_reduce(control)
-                probe["sync_wait_s"] = time.perf_counter() - t_sync
-                loss = float(control[0]) / self.plan.dp
-                stop_agreed = control[1] > 0
+                agreed = self._agree(loss_sum)
+                probe["sync_wait_s"] = agreed.wait_s
+                loss = agreed.loss
+                stop_agreed = agreed.stop
                 dt = time.perf_counter() - t0
                 with self._lock:
                     self._step = step
@@ -300,10 +306,10 @@ class TrainWorker:
                 if self.checkpointer is not None:
                     self._note_checkpoint(self.checkpointer.completed())
                 periodic = self.spec.checkpoint.every_steps and step % self.spec.checkpoint.every_steps == 0
-                if control[2] > 0 or (periodic and step < end_step):
+                if agreed.checkpoint or (periodic and step < end_step):
                     reason = self._checkpoint_request or "periodic"
                     self._checkpoint_request = None
-                    self._save(step, reason if control[2] > 0 else "periodic")
+                    self._save(step, reason if agreed.checkpoint else "periodic")
             if self.checkpointer is not None:
                 # The end of a run and a graceful stop both leave a checkpoint of the last
                 # step, so a resubmitted run loses nothing.
@@ -339,13 +345,7 @@ class TrainWorker:
                  "forward_backward_s": time.perf_counter() - t_fb,
                  "sample_indices": indices.tolist() if self.spec.data.log_samples else None}
         self._set_phase("optimizer")
-        opt = self.spec.run.optimizer
-        if opt.grad_clip is not None:
-            grad_norm = clip_grads_(self.params, opt.grad_clip)
-        else:
-            from rayflex.worker.parallelize import global_grad_norm
-
-            grad_norm = float(global_grad_norm(self.params))
+        grad_norm = self._clip_grads()
         # The learning rate is set, not stepped: a LambdaLR restored from a checkpoint left
         # the optimizer at the saved run's last LR for one step (its lambda, and so the
         # current run.steps, took effect only at the next scheduler step).
@@ -356,17 +356,45 @@ class TrainWorker:
             o.step()
         return loss_contrib, grad_norm, probe
 
+    def _clip_grads(self) -> float:
+        """The global grad norm (clipping to ``grad_clip`` if set). The norm is a host
+        scalar reduced over the world, so it goes to the host group: on GPU the gloo
+        control group (NCCL would refuse it), on CPU the default group."""
+        from rayflex.worker.parallelize import global_grad_norm
+
+        clip = self.spec.run.optimizer.grad_clip
+        if clip is not None:
+            return clip_grads_(self.params, clip, self.groups.host)
+        return float(global_grad_norm(self.params, self.groups.host))
+
+    def _agree(self, loss_sum: float) -> "StepAgreement":
+        """One tiny all-reduce carries the loss and the control flags, so every rank agrees
+        at this step boundary on stopping and on checkpointing. Host scalars: it runs on
+        the host group (see ``_clip_grads``)."""
+        import torch.distributed as dist
+
+        wants_ckpt = self._checkpoint_request is not None
+        control = torch.tensor([loss_sum, float(self._stop.is_set()), float(wants_ckpt)], dtype=torch.float64)
+        t_sync = time.perf_counter()
+        dist.all_reduce(control, group=self.groups.host)
+        return StepAgreement(loss=float(control[0]) / self.plan.dp, stop=bool(control[1] > 0),
+                             checkpoint=bool(control[2] > 0), wait_s=time.perf_counter() - t_sync)
+
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> float:
         """Forward and backward of this rank's share of the step; returns its loss share."""
         if self.schedule is None:
             (_, model), = self.stages
             accum = self.plan.accum_steps
-            total = 0.0
+            losses = []
             for i, (xc, yc) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
                 model.set_requires_gradient_sync(i == accum - 1)
                 loss = loss_fn(model(xc), yc)
                 (loss / accum).backward()
-                total += float(loss.detach()) / accum
+                losses.append(loss.detach())
+            # One device-to-host copy per step, not a sync per microbatch; the same sum.
+            total = 0.0
+            for value in torch.stack(losses).tolist():
+                total += value / accum
             loss_contrib = total
         else:
             losses: list[torch.Tensor] = []
@@ -481,7 +509,7 @@ class TrainWorker:
         import gc
 
         for name in ("stages", "params", "optimizers", "schedule", "mesh", "dp_mesh", "pp_group",
-                     "staging", "_gloo"):
+                     "staging", "_gloo", "groups", "ckpt_group"):
             self.__dict__.pop(name, None)
         self.checkpointer = None
         self._thread = None

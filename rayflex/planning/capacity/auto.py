@@ -81,12 +81,14 @@ def _best(spec: TrainSpec, world_size: int, cluster: Any, cluster_key: tuple) ->
 
     # Cached because a non-GPT model is described by running its blocks once on CPU, and
     # elastic runs re-plan the same few sizes again and again.
-    key = (id(spec.model), spec.data.global_batch, spec.data.seq_len, world_size, cluster_key)
+    key = (id(spec.model), spec.data.global_batch, spec.data.seq_len, world_size, cluster_key, spec.precision,
+           spec.memory)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is spec.model:
         _CACHE.move_to_end(key)
         return hit[1]
-    choice = best_parallel_config(spec.model, cluster, world_size, spec.data.global_batch, spec.data.seq_len)
+    choice = best_parallel_config(spec.model, cluster, world_size, spec.data.global_batch, spec.data.seq_len,
+                                  precision_config=spec.precision, memory_config=spec.memory)
     _CACHE[key] = (spec.model, choice)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)

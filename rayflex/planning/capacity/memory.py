@@ -30,6 +30,11 @@ torch's pipelining schedules), so its terms are the tensors a rank really alloca
   each. On rank 0 that is ``L/pp * (pp + (pp - 1)/v)`` layer-microbatches, ``1 + (pp - 1) /
   (pp * v)`` times what 1F1B holds (Narayanan et al. 2021), in exchange for a bubble ``v``
   times smaller.
+* **Activation checkpointing** (``MemoryConfig.activation_checkpointing``; a block with
+  ``recompute``): the block keeps only its input for backward (the token ids for the
+  embedding; for the head also what the loss saves, which runs outside the block) and
+  replays its forward when backward reaches it, so during that block's backward its full
+  activations exist once more: the recompute peak, added to its backward working set.
 * **Pipeline buffers** (torch's ``PipelineStage``): a non-first stage allocates one
   receive buffer per microbatch (``m`` of them, kept across steps), and its memory grows by
   one input gradient per finished backward until the step ends (measured; the gradients
@@ -79,10 +84,16 @@ class Precision:
     param_bytes: int = 4
     master_weights: bool = False
     optimizer_states: int = 2  # AdamW: exp_avg and exp_avg_sq
+    # Bytes per element gradients are reduced and accumulated in (FSDP2's reduce_dtype);
+    # None: 4 with master weights, else the parameter dtype.
+    reduce_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.param_bytes not in (1, 2, 4, 8):
             raise ConfigError("Precision.param_bytes", f"got {self.param_bytes!r}", "use 4 (fp32) or 2 (bf16)")
+        if self.reduce_bytes is not None and self.reduce_bytes not in (2, 4, 8):
+            raise ConfigError("Precision.reduce_bytes", f"got {self.reduce_bytes!r}",
+                              "use 4 (fp32), 2 (bf16) or None (follow master_weights)")
         if not isinstance(self.optimizer_states, int) or self.optimizer_states < 0:
             raise ConfigError("Precision.optimizer_states", f"got {self.optimizer_states!r}",
                               "use 2 for Adam/AdamW, 1 for momentum SGD, 0 for plain SGD")
@@ -95,7 +106,21 @@ class Precision:
     @property
     def accum_grad_bytes(self) -> int:
         """Bytes per element of an unsharded gradient accumulated without sync."""
+        if self.reduce_bytes is not None:
+            return self.reduce_bytes
         return 4 if self.master_weights else self.param_bytes
+
+    @classmethod
+    def from_config(cls, config) -> "Precision":
+        """What a rayflex run with ``config`` (a :class:`rayflex.config.PrecisionConfig`)
+        holds. Workers build the model in fp32 and FSDP2 keeps the shards in it, so any
+        mixed policy has fp32 master weights; FSDP2 reduces and accumulates the unsharded
+        gradients in ``reduce_dtype``."""
+        size = {"fp32": 4, "bf16": 2}
+        if not config.mixed:
+            return cls()
+        param, reduce = size[config.param_dtype], size[config.reduce_dtype]
+        return cls(param_bytes=param, master_weights=True, reduce_bytes=None if reduce == 4 else reduce)
 
     @classmethod
     def named(cls, name: str) -> "Precision":
@@ -116,6 +141,8 @@ class BlockDescription:
     params: int
     # Measured bytes autograd saves per token (replaces the formula when set).
     activation_bytes_per_token: Optional[float] = None
+    # Activation checkpointing: keep only the input, recompute the block in backward.
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -171,6 +198,21 @@ class ModelDescription:
 
     def with_precision(self, precision: Precision) -> "ModelDescription":
         return replace(self, precision=precision)
+
+    def with_checkpointing(self, memory) -> "ModelDescription":
+        """Blocks recomputed as ``memory`` (a :class:`rayflex.config.MemoryConfig`) selects
+        them; the same rule (``MemoryConfig.checkpointed``) the workers follow."""
+        return replace(self, blocks=tuple(replace(b, recompute=memory.checkpointed(i))
+                                          for i, b in enumerate(self.blocks)))
+
+    def for_run(self, precision_config=None, memory_config=None) -> "ModelDescription":
+        """This model as a run with these rayflex configs executes it (None: the default)."""
+        model = self
+        if precision_config is not None:
+            model = model.with_precision(Precision.from_config(precision_config))
+        if memory_config is not None:
+            model = model.with_checkpointing(memory_config)
+        return model
 
     def with_seq_len(self, seq_len: int) -> "ModelDescription":
         """Same model at another sequence length (the learned position table grows too)."""
@@ -254,7 +296,8 @@ class ModelDescription:
 
 def describe_model(model, seq_len: int, precision: Precision | None = None) -> ModelDescription:
     """A ModelDescription from a ModelSpec (measured on CPU when it is not a rayflex GPT);
-    a ModelDescription passes through (at ``seq_len``)."""
+    a ModelDescription passes through (at ``seq_len``). For a run's precision and
+    activation checkpointing, follow with :meth:`ModelDescription.for_run`."""
     if isinstance(model, ModelDescription):
         return model if model.seq_len == seq_len else model.with_seq_len(seq_len)
     if gpt_config_of(model) is not None:
@@ -304,6 +347,25 @@ def transformer_activation_bytes_per_token(h: int, ffn: int, heads: int, e: int)
 def block_activation_bytes(model: ModelDescription, block: BlockDescription, tokens: int,
                            micro_batch: int) -> float:
     """Bytes a block saves for backward for one microbatch of ``tokens`` tokens."""
+    if block.recompute:
+        return recomputed_block_kept_bytes(model, block, tokens)
+    return _saved_bytes(model, block, tokens, micro_batch)
+
+
+def recomputed_block_kept_bytes(model: ModelDescription, block: BlockDescription, tokens: int) -> float:
+    """Bytes a recomputed block keeps through backward: its input (token ids for the
+    embedding, one hidden-width otherwise); the head also keeps what the loss after it
+    saves (fp32 log-softmax output and int64 targets), since the loss is not recomputed."""
+    h, e = model.hidden_size, model.precision.param_bytes
+    if block.kind == "embedding":
+        return 8 * tokens
+    if block.kind == "head" and block.activation_bytes_per_token is None:
+        return (h * e + 4 * model.vocab_size + 8) * tokens
+    return h * e * tokens
+
+
+def _saved_bytes(model: ModelDescription, block: BlockDescription, tokens: int, micro_batch: int) -> float:
+    """Bytes a block saves for backward without recomputation."""
     if block.activation_bytes_per_token is not None:
         return block.activation_bytes_per_token * tokens
     h, e = model.hidden_size, model.precision.param_bytes
@@ -319,8 +381,18 @@ def block_activation_bytes(model: ModelDescription, block: BlockDescription, tok
     return 2 * h * e * tokens
 
 
-def block_backward_workspace(model: ModelDescription, block: BlockDescription, tokens: int) -> float:
-    """Transient bytes while one block runs its backward (gradients of its intermediates)."""
+def block_backward_workspace(model: ModelDescription, block: BlockDescription, tokens: int,
+                             micro_batch: int = 1) -> float:
+    """Transient bytes while one block runs its backward (gradients of its intermediates);
+    a recomputed block has its activations again on top (the recompute peak)."""
+    work = _gradient_workspace(model, block, tokens)
+    if block.recompute:
+        work += max(0.0, _saved_bytes(model, block, tokens, micro_batch)
+                    - recomputed_block_kept_bytes(model, block, tokens))
+    return work
+
+
+def _gradient_workspace(model: ModelDescription, block: BlockDescription, tokens: int) -> float:
     h, e = model.hidden_size, model.precision.param_bytes
     if block.kind == "transformer":
         return (model.ffn_hidden / h - 1) * h * e * tokens
@@ -525,7 +597,7 @@ def _rank_memory_fsdp(model: ModelDescription, layout: Layout, runtime: Runtime)
     params_sh, opt, grads_sh = _state_bytes(model, total, dp)
     tokens = layout.micro_batch * model.seq_len
     acts = sum(block_activation_bytes(model, b, tokens, layout.micro_batch) for b in model.blocks)
-    workspace = max(block_backward_workspace(model, b, tokens) for b in model.blocks)
+    workspace = max(block_backward_workspace(model, b, tokens, layout.micro_batch) for b in model.blocks)
     gathered = 2 * largest * p.param_bytes  # this block and the prefetched next one (backward)
     if layout.accum_steps > 1:
         # every parameter's unsharded gradient from pass 2 on, and in the last pass the
@@ -578,7 +650,7 @@ def _rank_memory_pipeline(model: ModelDescription, layout: Layout, stage_blocks,
             saved += boundary  # the output waits in the forward cache until its backward
             persistent_buffers += m * boundary  # one gradient-receive buffer per microbatch
         chunk_acts.append(saved)
-        chunk_ws.append(max(block_backward_workspace(model, b, tokens) for b in blocks))
+        chunk_ws.append(max(block_backward_workspace(model, b, tokens, layout.micro_batch) for b in blocks))
         chunk_first_grads.append(_first_backward_growth(model, blocks, tokens, layout.micro_batch))
         chunk_in_grad.append(boundary if s > 0 else 0.0)
         chunk_keep.append(logits if (s == last_stage and runtime.keeps_outputs) else 0.0)

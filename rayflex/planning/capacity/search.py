@@ -431,7 +431,8 @@ def _nothing_fits(result: SearchResult) -> str:
             f"({result.model.total_params / 1e9:.2f}B params, seq {result.model.seq_len}, global batch "
             f"{result.global_batch}) in {fmt_bytes(c.usable_bytes)} usable per device. The smallest peak is "
             f"{fmt_bytes(c.peak_bytes)} ({c.label()}, pp rank {r.pp_index}, {r.phase}): {r.breakdown()}. "
-            f"Fix: more devices, a smaller seq_len or micro-batch, or activation recomputation.")
+            f"Fix: more devices, a smaller seq_len or micro-batch, or activation recomputation "
+            f"(MemoryConfig(activation_checkpointing='full')).")
 
 
 # ------------------------------------------------------------------------------ explanation
@@ -531,11 +532,14 @@ class ParallelChoice:
 
 
 def best_parallel_config(model_spec_or_description, cluster, world_size: int, global_batch: int,
-                         seq_len: int, **search_kwargs) -> ParallelChoice:
+                         seq_len: int, *, precision_config=None, memory_config=None,
+                         **search_kwargs) -> ParallelChoice:
     """The fastest mesh that fits, for the launcher and every elastic restart.
 
     ``cluster``: a ClusterDescription, a path to its YAML, a dict, or a Topology (then the
-    devices are this host's CPUs). Raises CapacityError when nothing fits.
+    devices are this host's CPUs). ``precision_config`` / ``memory_config``: the run's
+    ``TrainSpec.precision`` / ``.memory`` (bf16 compute, activation checkpointing); None
+    plans fp32 without recomputation. Raises CapacityError when nothing fits.
     """
     if isinstance(cluster, (str, Path)):
         cluster = ClusterDescription.from_file(cluster)
@@ -544,7 +548,7 @@ def best_parallel_config(model_spec_or_description, cluster, world_size: int, gl
     elif isinstance(cluster, Topology):
         cluster = ClusterDescription(topology=cluster, device=DeviceSpec.local_cpu(cluster.usable().total_slots),
                                      runtime=Runtime.cpu())
-    model = describe_model(model_spec_or_description, seq_len)
+    model = describe_model(model_spec_or_description, seq_len).for_run(precision_config, memory_config)
     result = search(model, cluster, global_batch=global_batch, world_size=world_size, **search_kwargs)
     best = result.best
     lay = best.layout
