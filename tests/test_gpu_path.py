@@ -186,6 +186,7 @@ def _cpu_worker_run(rank: int, world: int, port: int, data_uri: str, storage: st
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # the CPU path's losses are also checked by tests/test_core_cluster.py
 def test_the_cpu_path_is_unchanged_and_passes_the_audit(dataset_uri, tmp_path):
     from rayflex.testing.reference import single_process_losses
 

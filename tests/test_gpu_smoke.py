@@ -52,6 +52,7 @@ def test_cpu_smoke_in_process_runs_every_phase(tmp_path):
 
 
 @pytest.mark.cluster
+@pytest.mark.slow  # 30 s of embedded Ray; the in-process variant above runs in CI
 def test_cpu_smoke_through_the_trainer_runs_every_phase(tmp_path):
     # Trainer.fit() in the subprocess starts (and stops) an embedded local Ray of its own.
     _check(_smoke(tmp_path, timeout_s=240), "ray")

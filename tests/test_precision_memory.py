@@ -91,6 +91,7 @@ def test_bf16_params_train_like_fp32_with_fp32_master_weights(dataset_uri, tmp_p
                                                                             for r in fp32.records)
 
 
+@pytest.mark.slow  # dynamo compile time; make test-slow
 def test_compiled_blocks_match_eager_losses(dataset_uri, tmp_path):
     eager = OneRank(make_spec(dataset_uri, tmp_path)).losses
     for memory in (rf.MemoryConfig(compile=True, compile_backend="aot_eager"),
@@ -196,6 +197,7 @@ def test_configs_reach_the_spec_from_the_trainer_and_overrides(dataset_uri):
 
 # ------------------------------------------------------------------------------ two ranks
 @pytest.mark.multiproc
+@pytest.mark.slow  # two processes across a reconfiguring checkpoint; make test-slow
 def test_pipeline_and_fsdp_ranks_train_across_a_checkpoint_that_changes_the_settings(dataset_uri, tmp_path):
     """pp=2 with bf16 + full recomputation saves; FSDP over two shards with bf16 reduction
     and every-other-block recomputation resumes from it (gloo, plain processes)."""
