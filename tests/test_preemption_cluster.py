@@ -182,6 +182,9 @@ def test_notice_too_short_falls_back_to_last_committed(three_nodes, dataset_uri,
     # The restore that answers the notice (a later one may follow: the run grows back
     # onto the surviving nodes' free slots once the preempted ranks' resources are free).
     restore = next(e for e in events if e["kind"] == "checkpoint_loaded" and e["time"] > notice["time"])
-    assert restore["step"] == max(committed_before), "the last committed checkpoint is restored"
+    # The newest committed checkpoint: the one committed before the notice, or a periodic one
+    # whose upload was already under way and committed while the notice was acted on (the
+    # controller records a commit only when it next hears from rank 0).
+    assert restore["step"] >= max(committed_before) and restore["step"] % 3 == 0, (restore, committed_before)
     assert not any(e["kind"] == "checkpoint_committed" and e["reason"] == "emergency" for e in events)
     assert result.status == "finished" and result.steps_completed == STEPS
