@@ -23,9 +23,10 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VENV)/bin/rayflex run examples/gpt_small.py --name gpt-demo-$$(date +%Y%m%d-%H%M%S)
 
-# The test suite (starts its own Ray clusters and S3 endpoint on loopback).
+# The test suite (starts its own Ray clusters and S3 endpoint on loopback), on two workers
+# run side by side (see tests/conftest.py): cluster tests mostly wait.
 test: venv
-	$(PY) -m pytest -q --durations=15 -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -m "not slow" tests
 
 # Long or load-sensitive checks (real-worker memory measurements, long chaos seeds).
 test-slow: venv
