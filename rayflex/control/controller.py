@@ -187,6 +187,9 @@ def _describe_spec(spec: TrainSpec) -> dict:
     out = {name: dataclasses.asdict(getattr(spec, name))
            for name in ("data", "run", "scaling", "parallel", "checkpoint", "elastic")}
     out["model"] = {"name": spec.model.name, "num_blocks": spec.model.num_blocks}
+    metadata = getattr(spec.model, "metadata", None)
+    if metadata:  # e.g. a Hugging Face model's family and the config an exporter writes
+        out["model"]["metadata"] = metadata
     return out
 
 

@@ -9,7 +9,7 @@ under any split.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -43,6 +43,10 @@ class ModelSpec:
     hidden_size: int = 0
     # Seed of the per-block initialisation; independent of the data seed.
     init_seed: int = 1234
+    # What the model is besides its blocks, for tools that read it without building it:
+    # ``{"hf": {...}}`` from :func:`rayflex.models.hf.causal_lm` (family, config to
+    # export, sizes for the planners). Keep it JSON-able: it goes into the run's spec.json.
+    metadata: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         from rayflex.errors import ConfigError
@@ -69,6 +73,29 @@ class ModelSpec:
                 b = self.build_block(i)
             counts.append(sum(p.numel() for p in b.parameters()))
         return counts
+
+    @classmethod
+    def from_module(cls, factory: Callable[[], nn.Module], blocks: str = "layers", **options) -> "ModelSpec":
+        """Your own ``nn.Module`` whose body is an ``nn.ModuleList``, cut into blocks.
+
+        ``factory`` (zero-argument: the class, or ``functools.partial(MyLM, cfg)``) builds
+        the module; ``blocks`` is the path of its layer list (``"model.layers"`` works).
+        Keyword options: ``loss_fn`` (required), ``pre=("embed",)`` and
+        ``post=("norm", "lm_head")`` (the modules forward applies before and after the
+        list, in order; a str for one), ``ignore=()`` (modules forward never calls),
+        ``name`` (class name and depth), ``hidden_size`` (0: the embedding's width),
+        ``init_seed=1234``, ``init="module"`` (weights of ``torch.manual_seed(init_seed);
+        factory()``, one full CPU build per block) or ``"reset"`` (each layer's
+        ``reset_parameters()``, per block). Block 0 is ``pre`` chained, then one block per
+        layer, then ``post``; keys keep your names (``blocks.0.embed.weight``,
+        ``blocks.3.<layers[2]'s names>``) and
+        :func:`rayflex.models.module_spec.to_module_state_dict` maps them back.
+        Everything that cannot be cut is a ConfigError here; :mod:`rayflex.models.module_spec`
+        says what and what each choice costs.
+        """
+        from rayflex.models.module_spec import module_spec_fields
+
+        return cls(**module_spec_fields(factory, blocks, **options))
 
 
 class Stage(nn.Module):

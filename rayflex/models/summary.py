@@ -1,7 +1,8 @@
 """ModelSummary: a ModelSpec as the control plane sees it.
 
 The controller is a 0-CPU actor that plans meshes and placements; it needs a model's sizes
-(blocks, parameters per block, hidden width, the GPT config the capacity planner reads)
+(blocks, parameters per block, hidden width, the GPT config or the metadata the capacity
+planner reads)
 but never its code. Unpickling a ModelSpec would import torch (its ``build_block`` lives in
 a module that does), costing the controller seconds of start-up and hundreds of MB. The
 driver, which has torch anyway, measures the sizes once and ships the spec itself as
@@ -25,6 +26,9 @@ class ModelSummary:
     # rayflex's GPT: its GPTConfig (torch-free), so the capacity planner describes it exactly.
     gpt_config: Optional[Any] = None
     payload: bytes = field(default=b"", repr=False)
+    # ModelSpec.metadata (JSON-able): e.g. a Hugging Face model's family, exportable config
+    # and sizes, which the capacity planner reads (rayflex.models.hf_families.hf_size_of).
+    metadata: dict = field(default_factory=dict, hash=False)
 
     @classmethod
     def of(cls, spec) -> "ModelSummary":
@@ -35,7 +39,7 @@ class ModelSummary:
 
         return cls(name=spec.name, num_blocks=spec.num_blocks, hidden_size=spec.hidden_size,
                    init_seed=spec.init_seed, block_params=tuple(spec.param_counts()), gpt_config=gpt_config_of(spec),
-                   payload=cloudpickle.dumps(spec))
+                   payload=cloudpickle.dumps(spec), metadata=dict(getattr(spec, "metadata", None) or {}))
 
     def param_counts(self) -> list[int]:
         return list(self.block_params)

@@ -61,6 +61,7 @@ from typing import Iterable, Optional, Sequence
 from rayflex.errors import ConfigError, PlacementError
 from rayflex.mesh.stage_split import stage_split
 from rayflex.models.gpt_config import gpt_config_of
+from rayflex.models.hf_families import hf_size_of
 
 GB = 1e9
 KINDS = ("embedding", "transformer", "head", "other")
@@ -156,8 +157,12 @@ class ModelDescription:
     """What the memory model needs to know about a model; no weights, no torch.
 
     Build one with :meth:`transformer` (a GPT-style stack described by its sizes),
-    :meth:`from_spec` (a rayflex ``ModelSpec``; parameter counts on the meta device) or
-    :meth:`from_dict` (YAML).
+    :meth:`from_hf` (a Hugging Face decoder from its config's sizes), :meth:`from_spec`
+    (a rayflex ``ModelSpec``; parameter counts on the meta device) or :meth:`from_dict`
+    (YAML).
+
+    The fields after ``ffn_hidden`` shape the activation formula of a transformer block
+    (:func:`decoder_activation_bytes_per_token`); their defaults are rayflex's GPT.
     """
 
     name: str
@@ -168,6 +173,18 @@ class ModelDescription:
     num_heads: int = 1
     ffn_hidden: int = 0  # 0: 4 * hidden_size
     precision: Precision = field(default_factory=Precision)
+    num_kv_heads: int = 0  # 0: num_heads (grouped-query attention keeps fewer K/V heads)
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    # Tensors of width ffn_hidden a block's MLP saves per token: 2 for fc -> GELU (fc out,
+    # GELU out), 4 for SwiGLU (gate, SiLU(gate), up, their product), 5 for GPT-2's
+    # composite tanh GELU (fc out, 0.5x, tanh, 1 + tanh, GELU out).
+    ffn_saved_widths: float = 2.0
+    norm: str = "layer"  # "layer" (LayerNorm) | "rms" (RMSNorm computed in fp32, as HF's)
+    # "learned": a position table of seq_len rows (rayflex's GPT: it grows with seq_len);
+    # "learned_fixed": a table of fixed size (GPT-2's n_positions); "rotary": none, each
+    # layer computes cos/sin.
+    positions: str = "learned"
+    qk_norm: bool = False  # an RMSNorm over head_dim on q and on k (Qwen3)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -179,6 +196,15 @@ class ModelDescription:
                                   "give the model's size")
         if not self.ffn_hidden:
             object.__setattr__(self, "ffn_hidden", 4 * self.hidden_size)
+        if not self.num_kv_heads:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", max(1, self.hidden_size // self.num_heads))
+        if self.norm not in ("layer", "rms"):
+            raise ConfigError("ModelDescription.norm", f"unknown norm {self.norm!r}", "use 'layer' or 'rms'")
+        if self.positions not in ("learned", "learned_fixed", "rotary"):
+            raise ConfigError("ModelDescription.positions", f"unknown positions {self.positions!r}",
+                              "use 'learned', 'learned_fixed' or 'rotary'")
 
     @property
     def num_blocks(self) -> int:
@@ -215,7 +241,10 @@ class ModelDescription:
         return model
 
     def with_seq_len(self, seq_len: int) -> "ModelDescription":
-        """Same model at another sequence length (the learned position table grows too)."""
+        """Same model at another sequence length (a position table of ``seq_len`` rows
+        grows too; a fixed table or rotary positions do not)."""
+        if self.positions != "learned":
+            return replace(self, seq_len=seq_len)
         blocks = tuple(replace(b, params=b.params + (seq_len - self.seq_len) * self.hidden_size)
                        if b.kind == "embedding" else b for b in self.blocks)
         return replace(self, seq_len=seq_len, blocks=blocks)
@@ -243,20 +272,40 @@ class ModelDescription:
                                ffn_hidden=cfg.mlp_ratio * cfg.d_model, precision=precision)
 
     @classmethod
+    def from_hf(cls, size, *, name: str, seq_len: int, precision: Precision | None = None) -> "ModelDescription":
+        """A Hugging Face decoder (:class:`rayflex.models.hf_families.HFSize`, what
+        ``causal_lm`` records in ``ModelSpec.metadata``) as rayflex splits it: embeddings,
+        one block per layer, final norm + an untied ``lm_head``."""
+        blocks = ([BlockDescription(kind="embedding", params=size.embedding_params())]
+                  + [BlockDescription(kind="transformer", params=size.layer_params()) for _ in range(size.num_layers)]
+                  + [BlockDescription(kind="head", params=size.head_params())])
+        saved = 4.0 if size.gated_mlp else {"gelu_new": 5.0}.get(size.activation, 2.0)
+        return cls(name=name, blocks=tuple(blocks), hidden_size=size.hidden_size, seq_len=seq_len,
+                   vocab_size=size.vocab_size, num_heads=size.num_heads, ffn_hidden=size.intermediate_size,
+                   precision=precision or Precision(), num_kv_heads=size.num_kv_heads, head_dim=size.head_dim,
+                   ffn_saved_widths=saved, norm="layer" if size.layer_norm else "rms",
+                   positions="learned_fixed" if size.learned_positions else "rotary", qk_norm=size.qk_norm)
+
+    @classmethod
     def from_spec(cls, spec, *, seq_len: int, precision: Precision | None = None,
                   activation_bytes_per_token: Sequence[float] | None = None) -> "ModelDescription":
         """From a rayflex ``ModelSpec``.
 
         A spec made by :func:`rayflex.models.gpt` is described exactly (its config is in
-        the ``build_block`` partial). Any other spec gets parameter counts from the meta
-        device and needs ``activation_bytes_per_token`` per block, e.g. from
-        :func:`measure_activation_bytes` on this host.
+        the ``build_block`` partial), and so is one made by
+        :func:`rayflex.models.hf.causal_lm` (its sizes are in ``spec.metadata``). Any other
+        spec gets parameter counts from the meta device and needs
+        ``activation_bytes_per_token`` per block, e.g. from :func:`measure_activation_bytes`
+        on this host.
         """
         cfg = gpt_config_of(spec)
         if cfg is not None and activation_bytes_per_token is None:
             # parameters from the model's config (its position table), activations at the
             # data's sequence length
             return replace(cls.from_gpt(cfg, precision), name=spec.name, seq_len=seq_len)
+        hf = hf_size_of(spec)
+        if hf is not None and activation_bytes_per_token is None:
+            return cls.from_hf(hf, name=spec.name, seq_len=seq_len, precision=precision)
         if activation_bytes_per_token is None:
             raise ConfigError("ModelDescription.from_spec",
                               f"model {spec.name!r} is not a rayflex GPT, so its activation sizes are unknown",
@@ -300,7 +349,7 @@ def describe_model(model, seq_len: int, precision: Precision | None = None) -> M
     activation checkpointing, follow with :meth:`ModelDescription.for_run`."""
     if isinstance(model, ModelDescription):
         return model if model.seq_len == seq_len else model.with_seq_len(seq_len)
-    if gpt_config_of(model) is not None:
+    if gpt_config_of(model) is not None or hf_size_of(model) is not None:
         return ModelDescription.from_spec(model, seq_len=seq_len, precision=precision)
     # Not a rayflex GPT: activations are measured by running its blocks. A ModelSummary (the
     # controller's torch-free view) must load the model for that, importing torch.
@@ -344,6 +393,38 @@ def transformer_activation_bytes_per_token(h: int, ffn: int, heads: int, e: int)
     return (8 * h + 2 * ffn) * e + (4 + heads) * 4
 
 
+def decoder_activation_bytes_per_token(model: ModelDescription, e: int, micro_batch: int = 1) -> float:
+    """Bytes one transformer block of ``model`` saves for backward, per token: the formula
+    above generalised to grouped-query attention, RMSNorm, gated MLPs, rotary positions
+    and q/k norms (Hugging Face's Llama, Qwen, Mistral, GPT-2 layers). For rayflex's GPT
+    (the description's defaults) it is exactly :func:`transformer_activation_bytes_per_token`.
+
+    * attention: q and the attention output (``num_heads * head_dim`` each), k and v
+      (``num_kv_heads * head_dim`` each: SDPA takes them grouped), a logsumexp per head;
+    * norms: LayerNorm keeps its input and output (and fp32 mean and rstd); HF's RMSNorm
+      upcasts, so it keeps an fp32 input, the normalised and the scaled output, one rstd;
+    * MLP: ``ffn_saved_widths`` tensors of ``ffn_hidden``;
+    * rotary: cos and sin (``head_dim`` each), one row per position, shared by the batch;
+    * q/k norms: RMSNorms over the q and k widths.
+
+    Measured on CPU for tiny Llama, Qwen3 and GPT-2 layers in fp32 and bf16 it is exact
+    to within a few bytes per token.
+    """
+    h, f = model.hidden_size, model.ffn_hidden
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    attn = (2 * q + 2 * kv) * e + 4 * model.num_heads
+    if model.norm == "rms":
+        norms = 2 * (4 * h + 2 * h * e + 4)
+    else:
+        norms = 2 * (2 * h * e + 8)
+    total = attn + norms + model.ffn_saved_widths * f * e
+    if model.positions == "rotary":
+        total += 2 * model.head_dim * e / max(1, micro_batch)
+    if model.qk_norm:
+        total += (4 + e) * (q + kv) + 4 * (model.num_heads + model.num_kv_heads)
+    return total
+
+
 def block_activation_bytes(model: ModelDescription, block: BlockDescription, tokens: int,
                            micro_batch: int) -> float:
     """Bytes a block saves for backward for one microbatch of ``tokens`` tokens."""
@@ -370,13 +451,19 @@ def _saved_bytes(model: ModelDescription, block: BlockDescription, tokens: int, 
         return block.activation_bytes_per_token * tokens
     h, e = model.hidden_size, model.precision.param_bytes
     if block.kind == "transformer":
-        return transformer_activation_bytes_per_token(h, model.ffn_hidden, model.num_heads, e) * tokens
+        return decoder_activation_bytes_per_token(model, e, micro_batch) * tokens
     if block.kind == "embedding":
-        # token ids (int64) and the position ids (one row per microbatch)
+        # token ids (int64) and the position ids (one row per microbatch; rotary models
+        # make their positions in every layer)
+        if model.positions == "rotary":
+            return 8 * tokens
         return 8 * tokens + 8 * (tokens // max(1, micro_batch))
     if block.kind == "head":
         # LayerNorm input and output, fp32 log-softmax output (the loss upcasts), int64
-        # targets, fp32 LN statistics
+        # targets, fp32 LN statistics (RMSNorm: fp32 input, normalised and scaled output,
+        # one fp32 rstd)
+        if model.norm == "rms":
+            return (4 * h + 2 * h * e + 4 * model.vocab_size + 8 + 4) * tokens
         return (2 * h * e + 4 * model.vocab_size + 8 + 8) * tokens
     return 2 * h * e * tokens
 
