@@ -6,9 +6,18 @@ from rayflex.errors import (CheckpointError, ConfigError, PlacementError, Rayfle
                             StorageError, WorkerError)
 from rayflex.api.trainer import Result, RunHandle, Trainer
 
+
+def export_hf(source, out_dir, **options):
+    """A committed checkpoint of a Hugging Face model's run as an HF directory
+    (:func:`rayflex.api.export.export_hf`; imported on first use: it needs torch)."""
+    from rayflex.api.export import export_hf as export
+
+    return export(source, out_dir, **options)
+
+
 __all__ = [
     "CheckpointConfig", "CheckpointError", "ConfigError", "DataConfig", "ElasticConfig", "MemoryConfig",
     "OptimizerConfig", "ParallelConfig", "PlacementError", "PrecisionConfig", "RayflexError", "Result",
-    "RunConfig", "RunFailed", "RunHandle", "ScalingConfig", "StorageError", "Trainer", "TrainSpec", "WorkerError",
+    "RunConfig", "RunFailed", "RunHandle", "ScalingConfig", "StorageError", "Trainer", "export_hf", "TrainSpec", "WorkerError",
 ]
 __version__ = "0.1.0"

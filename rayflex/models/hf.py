@@ -30,8 +30,10 @@ apart, and the config the spec exports (``spec.metadata["hf"]["config"]``) says
 
 Weights: ``init_from`` is a local directory of ``*.safetensors`` (one file, or shards
 with ``model.safetensors.index.json``) that every worker can read. ``build_block(i)`` on
-a real device reads exactly block ``i``'s tensors (``safe_open``), so the meta-device
-setup (:mod:`rayflex.worker.meta_init`) holds this rank's shards plus one block at most;
+a real device reads exactly block ``i``'s tensors, with plain file reads straight into the
+block (not through an mmap, whose touched pages would count as a second copy of the
+block), so the meta-device setup (:mod:`rayflex.worker.meta_init`) holds this rank's
+shards plus one block at most (``benchmarks/hf_load_memory.py``);
 on the meta device it reads nothing. Keys and shapes are checked against the model when
 the spec is made, before any worker starts. Without ``init_from`` the weights follow
 HF's initialisation (normal(0, ``initializer_range``), zero biases, unit norms, GPT-2's
@@ -367,8 +369,49 @@ def _listed(keys) -> str:
     return ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
 
 
+# safetensors dtype names (little-endian by the format) -> torch dtypes.
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _tensor_locations(f) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """key -> (dtype, shape, first byte, end byte) in an open safetensors file (the format:
+    an 8-byte little-endian header length, the JSON header, then the data)."""
+    size = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(size))
+    return {k: (v["dtype"], tuple(v["shape"]), 8 + size + v["data_offsets"][0], 8 + size + v["data_offsets"][1])
+            for k, v in header.items() if k != "__metadata__"}
+
+
+def _read_into(f, target: torch.Tensor, dtype: torch.dtype, begin: int, end: int, what: str) -> None:
+    """Read a tensor's bytes with plain file reads: straight into ``target`` when it is a
+    contiguous CPU tensor of the file's dtype, else into one temporary that ``copy_``
+    casts or moves. Not through safetensors' mmap: the pages a copy from a mapping touches
+    count in the process's RSS until the file is closed, i.e. a whole block twice."""
+    direct = target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+    buf = target if direct else torch.empty(target.shape, dtype=dtype)
+    view = memoryview(buf.view(torch.uint8).reshape(-1).numpy()) if buf.numel() else memoryview(b"")
+    if len(view) != end - begin:
+        raise ConfigError("causal_lm(init_from)", f"{what} has {end - begin} bytes, {len(view)} expected for "
+                          f"{tuple(target.shape)} {dtype}", "re-save the checkpoint (the file is corrupt)")
+    f.seek(begin)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise ConfigError("causal_lm(init_from)", f"{what} ends after {done} of {len(view)} bytes",
+                              "re-save the checkpoint (the file is truncated)")
+        done += n
+    if not direct:
+        target.copy_(buf)
+
+
 def load_block(block: nn.Module, build: HFBuild, index: int) -> None:
-    """Copy block ``index``'s tensors (and only those) from the safetensors files."""
+    """Copy block ``index``'s tensors (and only those) from the safetensors files, read
+    straight into the block's tensors (:func:`_read_into`)."""
+    import sys
+
     from safetensors import safe_open
 
     available = _checkpoint_index(build.init_from, _snapshot(build.init_from))
@@ -386,14 +429,20 @@ def load_block(block: nn.Module, build: HFBuild, index: int) -> None:
     for name, key in sources.items():
         by_file.setdefault(available[key][0], []).append(name)
     for path, names in by_file.items():
-        with safe_open(path, framework="pt", device="cpu") as f:
+        # safe_open validates the header (and converts what _read_into cannot); it maps the
+        # file but touches no page unless get_tensor's result is read.
+        with open(path, "rb", buffering=0) as raw, safe_open(path, framework="pt", device="cpu") as f:
+            locations = _tensor_locations(raw)
             for name in names:
-                value = f.get_tensor(sources[name])
-                if tuple(value.shape) != tuple(targets[name].shape):
+                dtype, shape, begin, end = locations[sources[name]]
+                if shape != tuple(targets[name].shape):
                     raise ConfigError("causal_lm(init_from)", f"{sources[name]} in {path} has shape "
-                                      f"{tuple(value.shape)}, block {index} needs {tuple(targets[name].shape)}",
+                                      f"{shape}, block {index} needs {tuple(targets[name].shape)}",
                                       "use weights saved for this config")
-                targets[name].copy_(value)
+                if dtype in _SAFETENSORS_DTYPES and sys.byteorder == "little":
+                    _read_into(raw, targets[name], _SAFETENSORS_DTYPES[dtype], begin, end, f"{sources[name]} in {path}")
+                else:  # a dtype torch has no plain equivalent for (fp8 ...): safetensors converts it
+                    targets[name].copy_(f.get_tensor(sources[name]))
 
 
 def check_checkpoint(build: HFBuild) -> None:

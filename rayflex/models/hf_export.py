@@ -77,7 +77,7 @@ class WeightSource(Protocol):
     model: dict  # as spec.json's "model": {"name", "num_blocks", "metadata"}
 
     def tensors(self) -> Mapping[str, TensorInfo]:
-        """Every tensor of the model, by rayflex key (``blocks.{i}.<name>``), in model order."""
+        """Every tensor of the model (anything with ``shape`` and ``dtype``), by rayflex key (``blocks.{i}.<name>``), in model order."""
 
     def load(self, keys: list[str]) -> Mapping[str, "torch.Tensor"]:
         """Exactly these tensors, as plain CPU tensors (called once per block)."""
@@ -256,7 +256,8 @@ def _entries(model: dict, infos: Mapping[str, TensorInfo], where: str) -> list[_
     described = _Described(name=str(model.get("name")), num_blocks=int(model["num_blocks"]),
                            metadata=model["metadata"])
     entries = []
-    for key, info in infos.items():
+    for key, saved in infos.items():
+        info = TensorInfo(tuple(saved.shape), str(saved.dtype))  # any (shape, dtype) record a source gives
         m = re.fullmatch(r"blocks\.(\d+)\..+", key)
         if m is None:
             raise ConfigError("export_hf(source)", f"{where} holds {key!r}, which is not a block's tensor "
