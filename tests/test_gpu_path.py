@@ -12,15 +12,13 @@ single-process reference trains.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import traceback
 
 import pytest
 
 from rayflex.worker.process_groups import process_group_layout
-from rayflex.worker.train_worker import free_port
 
 from conftest import SEQ_LEN, small_gpt
+from spawn_ranks import run_ranks
 
 TIMEOUT_S = 60
 CLIP = 0.5
@@ -37,34 +35,7 @@ def _spec(data_uri: str, storage: str, *, steps: int = 3, every: int = 0, clip=C
 
 
 def _run_ranks(target, world: int, *args) -> dict:
-    """``target(rank, world, port, *args)`` in ``world`` spawned processes; rank -> answer."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(target, r, world, port, args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(results.get(timeout=TIMEOUT_S) for _ in range(world))
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    errors = {r: a["exception"] for r, a in got.items() if "exception" in a}
-    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
-    return got
-
-
-def _entry(target, rank, world, port, args, results) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        out = target(rank, world, port, *args)
-    except BaseException:  # noqa: BLE001 - reported to the test with its traceback
-        out = {"exception": traceback.format_exc()}
-    results.put((rank, out))
+    return run_ranks(target, world, *args, timeout_s=TIMEOUT_S)
 
 
 # ----------------------------------------------------------------- the layout itself

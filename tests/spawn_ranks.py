@@ -1,0 +1,42 @@
+"""Run a function in ``world`` spawned processes (no Ray), each told its rank and a free
+rendezvous port, and collect what each returned; a rank's exception fails the test with
+its traceback."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+
+from rayflex.worker.train_worker import free_port
+
+
+def run_ranks(target, world: int, *args, timeout_s: float = 60) -> dict:
+    """``target(rank, world, port, *args)`` in ``world`` spawned processes; rank -> answer.
+    ``target`` must be importable (a module-level function of a test module)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(target, r, world, port, args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=timeout_s) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    errors = {r: a["exception"] for r, a in got.items() if isinstance(a, dict) and "exception" in a}
+    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
+    return got
+
+
+def _entry(target, rank, world, port, args, results) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        out = target(rank, world, port, *args)
+    except BaseException:  # noqa: BLE001 - reported to the test with its traceback
+        out = {"exception": traceback.format_exc()}
+    results.put((rank, out))
