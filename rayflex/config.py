@@ -411,7 +411,12 @@ class MemoryConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class RunConfig:
-    """Run identity and length. The run directory is ``{storage}/{name}/``."""
+    """Run identity and length. The run directory is ``{storage}/{name}/``.
+
+    ``steps=0`` trains nothing: the workers build (or load, ``init_from``) the weights,
+    save them as the committed step-0 checkpoint, sharded as the run is, and the run
+    finishes. That converts weights into a rayflex checkpoint ahead of a run (and lets
+    ``rayflex ckpt export`` hand back exactly what was loaded)."""
 
     name: str
     storage: str = "file:///tmp/rayflex"
@@ -425,7 +430,7 @@ class RunConfig:
             raise ConfigError(f"{c}.name", f"invalid run name {self.name!r}",
                               "use letters, digits, '_', '-', '.', starting with a letter or digit")
         check_uri(f"{c}.storage", self.storage)
-        _positive_int(c, "steps", self.steps)
+        _non_negative_int(c, "steps", self.steps, "use an integer >= 1, or 0 to only save the initial weights")
         _positive_int(c, "log_every", self.log_every)
 
     @property
@@ -519,6 +524,10 @@ class TrainSpec:
                               "pass rayflex.models.gpt(...) or your own ModelSpec")
         validate_together(scaling=self.scaling, parallel=self.parallel, data=self.data,
                           num_blocks=self.model.num_blocks)
+        if self.run.steps == 0 and not (self.checkpoint.resume or self.checkpoint.every_steps):
+            raise ConfigError("RunConfig.steps", "steps=0 only saves the initial weights as the step-0 "
+                              "checkpoint, and checkpoints are off (resume=False, every_steps=0)",
+                              "leave CheckpointConfig.resume=True (the default) or set every_steps")
 
     @property
     def checkpoint_uri(self) -> str:

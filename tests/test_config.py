@@ -18,7 +18,6 @@ def _trainer(dataset_uri, **over):
 
 @pytest.mark.parametrize("make, field, fix_hint", [
     (lambda: rf.RunConfig(name="r", steps=-1), "RunConfig.steps", "integer >= 1"),
-    (lambda: rf.RunConfig(name="r", steps=0), "RunConfig.steps", "integer >= 1"),
     (lambda: rf.RunConfig(name="bad name!"), "RunConfig.name", "letters"),
     (lambda: rf.RunConfig(name="r", storage="ftp://host/x"), "RunConfig.storage", "s3://"),
     (lambda: rf.DataConfig(uri="gs://b/x"), "DataConfig.uri", "file://"),
@@ -53,6 +52,8 @@ def test_cross_config_errors_raise_before_ray_starts(dataset_uri):
                  scaling=rf.ScalingConfig(num_workers=8))
     with pytest.raises(rf.ConfigError, match=r"micro_batch=3 does not divide the per-rank batch 2"):
         _trainer(dataset_uri, data=rf.DataConfig(uri=dataset_uri, seq_len=32, global_batch=8, micro_batch=3))
+    with pytest.raises(rf.ConfigError, match=r"steps=0 only saves the initial weights.*checkpoints are off"):
+        _trainer(dataset_uri, run=rf.RunConfig(name="t", steps=0), checkpoint=rf.CheckpointConfig(resume=False))
     assert not ray.is_initialized(), "a config error must not start Ray"
 
 

@@ -170,7 +170,9 @@ def test_notice_too_short_falls_back_to_last_committed(three_nodes, dataset_uri,
     head = ray.get_runtime_context().get_node_id()
     trainer = _trainer(dataset_uri, tmp_path, "short", every=3)
     handle = trainer.submit()
-    node = _worker_node(wait_until_running(handle, 5), head)
+    # A commit the controller has heard of before the notice (it learns of commits from
+    # rank 0's polls, so on a loaded machine step 5 can come first).
+    node = _worker_node(wait_until_running(handle, 5, committed=3), head)
     _drain(three_nodes, node, 1)
     result = handle.wait(timeout_s=240)
     events = run_events(tmp_path, "short")

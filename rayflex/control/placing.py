@@ -53,7 +53,9 @@ def place(ctx, state: Placing):
                                  build_s=max(i.get("build_s", 0.0) for i in infos),
                                  restore_s=max(i.get("restore_s", 0.0) for i in infos)))
     detector = FaultDetector(world, group.node_of, clock=ctx.clock.time)
-    if step >= ctx.spec.run.steps:
+    # A 0-step run that restored nothing still starts its workers: they save the weights
+    # they built or loaded as step 0 and finish.
+    if step >= ctx.spec.run.steps and not (ctx.spec.run.steps == 0 and not restored):
         return Finished()
     group.start(ctx.spec.run.steps)
     _watch_preemptions(ctx, group)

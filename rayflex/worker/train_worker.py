@@ -312,9 +312,11 @@ class TrainWorker:
                     self._save(step, reason if agreed.checkpoint else "periodic")
             if self.checkpointer is not None:
                 # The end of a run and a graceful stop both leave a checkpoint of the last
-                # step, so a resubmitted run loses nothing.
+                # step, so a resubmitted run loses nothing; a 0-step run exists to save its
+                # initial weights.
                 emergency = self._stop_reason == "preemption"
-                if (self.spec.checkpoint.every_steps or emergency) and self._last_saved_step != self._step:
+                if (self.spec.checkpoint.every_steps or emergency or end_step == 0) \
+                        and self._last_saved_step != self._step:
                     self._save(self._step, "final" if self._step >= end_step else
                                "emergency" if emergency else "stop")
                 self._set_phase("checkpoint")

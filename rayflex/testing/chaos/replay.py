@@ -92,3 +92,19 @@ def compare(a_uri: str, b_uri: str) -> dict:
     worst = max(diffs, key=diffs.get)
     return {"same_keys": True, "tensors": len(a), "bitwise_equal": all(torch.equal(a[k], b[k]) for k in a),
             "max_abs_diff": diffs[worst], "worst_tensor": worst}
+
+
+def first_divergence(run_root: str, replay_root: str) -> dict:
+    """Where a run and its replay part: every step both committed (the run keeps a few, the
+    replay every segment's end), compared in order; the first that differs, with the last
+    that was still equal."""
+    from rayflex.storage import manifest as mf
+
+    common = sorted(set(mf.list_committed(run_root)) & set(mf.list_committed(replay_root)))
+    equal_until = None
+    for step in common:
+        cmp = compare(mf.step_dir(run_root, step), mf.step_dir(replay_root, step))
+        if not cmp.get("bitwise_equal", False):
+            return {"compared_steps": common, "last_equal": equal_until, "first_different": step, **cmp}
+        equal_until = step
+    return {"compared_steps": common, "last_equal": equal_until, "first_different": None}

@@ -119,12 +119,35 @@ def _read_lines(uri: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def _keep_evidence(run_dir: str, checkpoint_root: str, out: str) -> None:
+    """Copy the run's line files and result, and the list of its checkpoint files, out of
+    the object store (moto keeps them in memory only) into the workdir: what a failed
+    invariant is debugged from after the endpoint is gone."""
+    from rayflex.storage import fs as rfs
+
+    os.makedirs(out, exist_ok=True)
+    for name in ("events.jsonl", "samples.jsonl", "metrics.jsonl", "result.json", "spec.json"):
+        try:
+            text = rfs.read_text(f"{run_dir}/{name}")
+        except (FileNotFoundError, OSError):
+            continue
+        with open(os.path.join(out, name), "w") as f:
+            f.write(text)
+    try:
+        fs, path = rfs.resolve(checkpoint_root)
+        listing = sorted(fs.find(path, detail=False))
+    except (FileNotFoundError, OSError):
+        listing = []
+    with open(os.path.join(out, "checkpoint_files.txt"), "w") as f:
+        f.write("\n".join(listing))
+
+
 def run_chaos(cfg: ChaosConfig) -> dict:
     """Run, inject, check. Returns the report (``passed`` and one entry per invariant)."""
     from rayflex.data.dataset import GlobalSampler, TokenDataset, write_synthetic_dataset
     from rayflex.testing.chaos import invariants as inv
     from rayflex.testing.chaos.cluster import LocalCluster
-    from rayflex.testing.chaos.replay import compare, replay, segments_from_events
+    from rayflex.testing.chaos.replay import compare, first_divergence, replay, segments_from_events
     from rayflex.storage.manifest import step_dir
 
     kinds = plan_faults(cfg.seed, cfg.faults)
@@ -175,6 +198,7 @@ def run_chaos(cfg: ChaosConfig) -> dict:
         report["steps"] = last
         faults = [f.to_dict() for f in injector.injected]
         report["faults"] = faults
+        _keep_evidence(spec.run.run_dir, root, os.path.join(workdir, "evidence"))
         events = _read_lines(f"{spec.run.run_dir}/events.jsonl")
         timeline = ev.Timeline.from_dicts(events)
         samples = _read_lines(f"{spec.run.run_dir}/samples.jsonl")
@@ -203,6 +227,8 @@ def run_chaos(cfg: ChaosConfig) -> dict:
             replay_root = replay(spec, segments, f"file://{workdir}/replay")
             cmp = compare(step_dir(root, last), step_dir(replay_root, last))
             ok = cmp.get("bitwise_equal", False)
+            if not ok:
+                cmp["first_divergence"] = first_divergence(root, replay_root)
             checks["equals_fault_free_replay"] = {
                 "ok": ok, "detail": {**cmp, "segments": [asdict(s) for s in segments],
                                      "replay_s": round(time.time() - t1, 1)}}
