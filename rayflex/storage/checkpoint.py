@@ -283,6 +283,10 @@ class AsyncCheckpointer:
         report["total_s"] = time.time() - started
         return report
 
+    def busy(self) -> bool:
+        """A save is still being written or committed."""
+        return self._inflight is not None and not self._inflight.done()
+
     def completed(self) -> list[dict]:
         """Reports of a save that has finished, without waiting for one that has not."""
         if self._inflight is not None and self._inflight.done():

@@ -468,7 +468,9 @@ class TrainWorker:
         blocked here or in a peer waiting on this rank fails now instead of at the
         collective timeout (see ``gloo_abort``). Then the groups and every object holding
         them are freed. Returns False if the loop is still stuck after ``timeout_s``; the
-        controller then kills this process."""
+        controller then kills this process. It is also False, and for the same reason, when a
+        checkpoint upload is still running after the grace: a reused process must never
+        write into a later attempt's checkpoints."""
         self._stop.set()
         grace = min(checkpoint_grace_s, timeout_s / 2)
         if abort:
@@ -481,7 +483,17 @@ class TrainWorker:
                 log.warning("rank %d: training loop still blocked in phase %r after %.0fs", self.rank,
                             self._phase, timeout_s)
                 return False
-        self.shutdown(checkpoint_grace_s=grace)
+        # An upload whose peers are gone (aborted above) fails within moments: give it one
+        # second even with no grace, so only a truly stuck upload costs a process.
+        self._wait_for_save(max(grace, 1.0))
+        if self.checkpointer is not None and self.checkpointer.busy():
+            # Its upload thread would go on writing after this process joined the next
+            # attempt: into a step directory that attempt writes too (or committing a step
+            # of a timeline that was rolled back). Only a dead process cannot do that.
+            log.warning("rank %d: a checkpoint upload is still running after %.1fs; this process is not "
+                        "reused (it is killed, so the upload can never land later)", self.rank, grace)
+            return False
+        self.shutdown(checkpoint_grace_s=0)
         self._state = WorkerState.RELEASED
         return True
 
