@@ -103,24 +103,24 @@ def two_node_cluster():
 
 
 # `make test` runs two pytest-xdist workers that take whole files in the order below
-# (``-n 2 --dist loadfile --no-loadscope-reorder``): most of a cluster test's time is spent
-# waiting (spawns, heartbeats, notices, outages), so two workers on this 2-core machine
-# take little more than half the wall time of one. The chaos run (a quarter of the
-# suite's one-worker time) goes first so that it never becomes the tail; each worker
-# then starts the shared cluster once at most.
+# (``-n 2 --dist loadfile --no-loadscope-reorder``). The chaos run, a quarter of the
+# suite's one-worker time and the most sensitive to a busy machine, goes first; while it
+# runs, the other worker takes the unit tests and then the modules with clusters of their
+# own, which mostly wait (spot notices, job submission, a kernel). The runs on the shared
+# cluster, which keep both cores busy, come last and are split over both workers once
+# the chaos run is over; each worker starts the shared cluster at most once.
 LONGEST_FIRST = ("test_chaos_run.py",)
 
 
 def pytest_collection_modifyitems(items):
-    """The longest module first, then unit tests (fast feedback), then every test on the
-    shared cluster, then the tests that bring their own: the shared cluster starts once
-    per worker."""
+    """The chaos run first, then unit tests (fast feedback), then the tests that bring
+    their own cluster, then every test on the shared cluster (it starts once per worker)."""
     def group(item):
         if item.path.name in LONGEST_FIRST:
             return -1
         if "two_node_cluster" in item.fixturenames:
-            return 1
-        return 2 if item.get_closest_marker("cluster") else 0
+            return 2
+        return 1 if item.get_closest_marker("cluster") else 0
     items.sort(key=group)  # stable: the file order stays within a group
 
 

@@ -73,6 +73,7 @@ def _compare_block(family: str, world: int) -> dict:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # two processes importing transformers (~15 s of the suite); make test-slow
 def test_two_tp_ranks_compute_what_one_process_computes():
     got = run_ranks(_tp_rank, 2, FAMILIES, timeout_s=120)  # one spawn for every family
     for rank, per_family in got.items():
