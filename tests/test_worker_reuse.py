@@ -46,3 +46,42 @@ def test_renumbered_process_checkpoints_its_own_shards(dataset_uri, tmp_path):
     last = 4 * len(ATTEMPTS)
     assert mf.list_committed(root)[-1] == last
     assert mf.verify(root, last).world_size == len(ATTEMPTS[-1])
+
+
+class _Upload:
+    """An AsyncCheckpointer stand-in whose save is (or is not) still uploading."""
+
+    def __init__(self, running: bool):
+        self.running, self.waited = running, []
+
+    def busy(self) -> bool:
+        return self.running
+
+    def wait(self, timeout_s=None):
+        self.waited.append(timeout_s)
+        if self.running:
+            raise TimeoutError("still uploading")
+        return []
+
+    def settle(self, timeout_s: float) -> None:
+        self.waited.append(timeout_s)
+
+
+@pytest.mark.parametrize("running", [True, False])
+def test_a_process_still_uploading_is_not_offered_for_reuse(dataset_uri, running):
+    """A reused process must never write into a later attempt's checkpoints: one whose
+    upload outlives the release grace says it cannot be reused (the controller then kills
+    it); one with nothing in flight leaves cleanly. Even with no grace (a peer died) the
+    upload gets a second to fail."""
+    import rayflex as rf
+    from rayflex.mesh.plan import plan_mesh
+    from rayflex.worker.status import WorkerState
+    from rayflex.worker.train_worker import TrainWorker
+
+    spec = rf.Trainer(model=small_gpt(), data=rf.DataConfig(uri=dataset_uri, seq_len=SEQ_LEN, global_batch=4),
+                      run=rf.RunConfig(name="reuse-upload", steps=2)).spec
+    worker = TrainWorker(0, spec, plan_mesh(spec.model, spec.parallel, spec.data, 1))
+    upload = worker.checkpointer = _Upload(running)
+    assert worker.release(timeout_s=2.0, checkpoint_grace_s=0.0, abort=True) is (not running)
+    assert max(upload.waited) >= 1.0
+    assert (worker._state == WorkerState.RELEASED) is (not running)
