@@ -34,7 +34,7 @@ test-slow: venv
 
 # The inner loop (under a minute): no Ray cluster, no spawned worker processes.
 test-fast: venv
-	$(PY) -m pytest -q --durations=5 -m "not cluster and not slow and not multiproc" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=5 -m "not cluster and not slow and not multiproc" tests
 
 bench: venv
 	$(PY) benchmarks/overhead.py
