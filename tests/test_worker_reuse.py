@@ -80,7 +80,13 @@ def test_a_process_still_uploading_is_not_offered_for_reuse(dataset_uri, running
 
     spec = rf.Trainer(model=small_gpt(), data=rf.DataConfig(uri=dataset_uri, seq_len=SEQ_LEN, global_batch=4),
                       run=rf.RunConfig(name="reuse-upload", steps=2)).spec
-    worker = TrainWorker(0, spec, plan_mesh(spec.model, spec.parallel, spec.data, 1))
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        worker = TrainWorker(0, spec, plan_mesh(spec.model, spec.parallel, spec.data, 1))
+    finally:
+        torch.set_num_threads(threads)  # a worker sets its own; this is the test's process
     upload = worker.checkpointer = _Upload(running)
     assert worker.release(timeout_s=2.0, checkpoint_grace_s=0.0, abort=True) is (not running)
     assert max(upload.waited) >= 1.0
