@@ -107,18 +107,25 @@ class ScalingConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class ParallelConfig:
-    """Pipeline parallelism; the data-parallel size is whatever the world size leaves.
+    """How the model is split: pipeline stages, tensor parallelism, FSDP shard groups; the
+    data-parallel size is whatever the world size leaves.
 
-    ``pp`` stages (x ``stages_per_rank`` virtual stages for the interleaved schedule),
-    ``dp = world_size // pp`` FSDP2 shards per stage. ``microbatches`` defaults to the
-    smallest count the schedule allows (``pp`` for gpipe/1f1b, ``pp*stages_per_rank``).
+    ``pp`` stages (x ``stages_per_rank`` virtual stages for the interleaved schedule), each
+    split over ``tp`` tensor-parallel ranks (always on one node: the tp group exchanges
+    activations twice per block), ``dp = world_size // (pp * tp)`` data-parallel ranks per
+    stage. ``dp_shard``: FSDP2 shards each stage over groups of ``dp_shard`` dp ranks and
+    replicates over ``dp // dp_shard`` groups (HSDP: shard inside the fast tier, all-reduce
+    across the slow one); None shards over every dp rank. ``tp`` and ``dp_shard`` stay fixed
+    through elastic restarts (the node shape fixes them); a restart changes dp.
+    ``microbatches`` defaults to the smallest count the schedule allows (``pp`` for
+    gpipe/1f1b, ``pp*stages_per_rank``).
 
-    ``pp="auto"``: the capacity planner (``rayflex.planning.capacity.auto``) picks pp,
-    schedule, microbatches, stages_per_rank (and the pp=1 micro-batch) for the world size
-    at launch and again at every elastic restart. ``cluster`` is a cluster-description
-    YAML (as ``rayflex plan --cluster`` takes) giving the devices and topology; None plans
-    on the live Ray topology with this host's CPUs as the devices. It is only read with
-    ``pp="auto"``.
+    ``layout="auto"`` (``pp="auto"`` is the same): the capacity planner
+    (``rayflex.planning.capacity.auto``) picks pp, tp, dp_shard, schedule, microbatches,
+    stages_per_rank (and the pp=1 micro-batch) for the world size at launch and again at
+    every elastic restart. ``cluster`` is a cluster-description YAML (as ``rayflex plan
+    --cluster`` takes) giving the devices and topology; None plans on the live Ray topology
+    with this host's CPUs as the devices. It is only read with ``layout="auto"``.
     """
 
     pp: Union[int, str] = 1
@@ -128,22 +135,38 @@ class ParallelConfig:
     # How blocks are balanced over stages: "params" (parameter count) or "uniform".
     balance: str = "params"
     cluster: Optional[str] = None
+    tp: int = 1
+    dp_shard: Optional[int] = None
+    layout: Optional[str] = None
 
     def __post_init__(self) -> None:
         c = "ParallelConfig"
+        if self.layout is not None:
+            if self.layout != "auto":
+                raise ConfigError(f"{c}.layout", f"unknown value {self.layout!r}",
+                                  "use 'auto' to let the capacity planner choose, or None and set pp/tp/dp_shard")
+            if self.pp not in (1, "auto") or self.tp != 1 or self.dp_shard is not None:
+                raise ConfigError(f"{c}.layout", "layout='auto' chooses pp, tp and dp_shard itself",
+                                  "leave pp, tp and dp_shard at their defaults, or drop layout='auto'")
+            object.__setattr__(self, "pp", "auto")
         if isinstance(self.pp, str):
             if self.pp != "auto":
                 raise ConfigError(f"{c}.pp", f"unknown value {self.pp!r}",
-                                  "use a positive integer, or 'auto' to let the capacity planner choose")
+                                  "use a positive integer, or layout='auto' to let the capacity planner choose")
+            object.__setattr__(self, "layout", "auto")
             # The planner chooses these; a user value would be silently overridden.
-            for name, default in (("schedule", "1f1b"), ("microbatches", None), ("stages_per_rank", 1)):
+            for name, default in (("schedule", "1f1b"), ("microbatches", None), ("stages_per_rank", 1),
+                                  ("tp", 1), ("dp_shard", None)):
                 value = getattr(self, name)
                 if value != default:
                     raise ConfigError(f"{c}.{name}",
-                                      f"{name}={value!r} is chosen by the capacity planner with pp='auto'",
-                                      f"leave {name} at its default ({default!r}), or set an integer pp")
+                                      f"{name}={value!r} is chosen by the capacity planner with layout='auto'",
+                                      f"leave {name} at its default ({default!r}), or set the layout yourself")
         else:
-            _positive_int(c, "pp", self.pp, "use an integer >= 1, or 'auto'")
+            _positive_int(c, "pp", self.pp, "use an integer >= 1, or layout='auto'")
+        _positive_int(c, "tp", self.tp, "use an integer >= 1 (1: no tensor parallelism)")
+        if self.dp_shard is not None:
+            _positive_int(c, "dp_shard", self.dp_shard, "use an integer >= 1, or None to shard over every dp rank")
         if self.cluster is not None:
             if not isinstance(self.cluster, (str, os.PathLike)) or not str(self.cluster):
                 raise ConfigError(f"{c}.cluster", f"must be a path to a cluster-description YAML, got "
@@ -181,12 +204,12 @@ class ParallelConfig:
         return self.pp * self.stages_per_rank
 
     @property
-    def pipeline(self) -> Optional[rules.Pipeline]:
-        """The pipeline as ``rayflex.mesh.rules`` takes it; None with pp='auto'."""
+    def mesh_layout(self) -> Optional[rules.MeshLayout]:
+        """The layout as ``rayflex.mesh.rules`` takes it; None with layout='auto'."""
         if self.is_auto:
             return None
-        return rules.Pipeline(pp=self.pp, schedule=self.schedule, stages_per_rank=self.stages_per_rank,
-                              microbatches=self.microbatches)
+        return rules.MeshLayout(pp=self.pp, schedule=self.schedule, stages_per_rank=self.stages_per_rank,
+                                microbatches=self.microbatches, tp=self.tp, dp_shard=self.dp_shard)
 
 
 def auto_pp_options(world_size: int, global_batch: int, num_blocks: int) -> list[int]:
@@ -446,8 +469,8 @@ def validate_together(*, scaling: ScalingConfig, parallel: ParallelConfig, data:
         return
     # The launch size must run as a whole; the minimum must at least be whole pipelines.
     for size, what in ((scaling.num_workers, "num_workers"), (scaling.min_size, "min_workers")):
-        rules.check_world_size(size, parallel.pp, what=what)
-    rules.split_batch(scaling.num_workers, parallel.pipeline, data.global_batch, micro_batch=data.micro_batch,
+        rules.check_world_size(size, parallel.pp, what=what, tp=parallel.tp, dp_shard=parallel.dp_shard)
+    rules.split_batch(scaling.num_workers, parallel.mesh_layout, data.global_batch, micro_batch=data.micro_batch,
                       num_blocks=num_blocks, what="num_workers")
 
 

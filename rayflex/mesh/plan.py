@@ -1,9 +1,16 @@
-"""MeshPlan: the layout of one run attempt (pp x dp, stage split, batch arithmetic).
+"""MeshPlan: the layout of one run attempt (pp x dp x tp, stage split, batch arithmetic).
 
 Torch-free: the controller plans meshes without importing torch. Rank layout (the
-placement planner relies on it): ``rank = pp_index * dp + dp_index``, the row-major order
-of a DeviceMesh with dims ``("pp", "dp")``. A dp group is the dp ranks of one stage; a
-pipeline is the ranks sharing a dp index.
+placement planner relies on it): the row-major order of a DeviceMesh with dims
+:data:`MESH_DIMS` = ``("pp", "dp_replicate", "dp_shard", "tp")``, so tp is innermost (a tp
+group is consecutive ranks: one node), then the FSDP shard group, then its replicas, then
+the pipeline stage::
+
+    rank = ((pp_index * dp_replicate + replica) * dp_shard + shard) * tp + tp_index
+
+``dp_index = replica * dp_shard + shard`` numbers the data-parallel ranks (which samples a
+rank reads: the tp ranks of one dp index read the same ones). With tp = dp_replicate = 1
+this is the old ``rank = pp_index * dp + dp_index``.
 """
 
 from __future__ import annotations
@@ -12,12 +19,27 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from rayflex.errors import ConfigError
-from rayflex.mesh.rules import split_batch
+from rayflex.mesh.rules import check_tp, split_batch
 from rayflex.mesh.stage_split import balanced_split
 
 if TYPE_CHECKING:
     from rayflex.config import DataConfig, ParallelConfig
     from rayflex.models.spec import ModelSpec
+
+
+# The mesh dimensions, outermost first; every DeviceMesh and placement rule uses these names.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class MeshCoords:
+    """Where a rank sits in the mesh."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    dp: int  # replica * dp_shard + shard: the data-parallel index
 
 
 @dataclass(frozen=True)
@@ -39,14 +61,47 @@ class MeshPlan:
     accum_steps: int
     balance: str
     stage_costs: tuple[float, ...] = field(default=())
+    # Tensor-parallel ranks per stage, and the FSDP replicas (dp = dp_replicate x dp_shard).
+    tp: int = 1
+    dp_replicate: int = 1
+
+    def __post_init__(self) -> None:
+        if self.pp * self.dp * self.tp != self.world_size or self.dp % self.dp_replicate:
+            raise ValueError(f"inconsistent mesh: pp {self.pp} x dp {self.dp} x tp {self.tp} for "
+                             f"{self.world_size} ranks, dp_replicate {self.dp_replicate}")
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_blocks)
 
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Sizes of :data:`MESH_DIMS`."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    def mesh_coords(self, rank: int) -> MeshCoords:
+        rest, t = divmod(rank, self.tp)
+        rest, s = divmod(rest, self.dp_shard)
+        p, r = divmod(rest, self.dp_replicate)
+        return MeshCoords(pp=p, dp_replicate=r, dp_shard=s, tp=t, dp=r * self.dp_shard + s)
+
+    def rank_of(self, pp: int, dp: int, tp: int = 0) -> int:
+        """The global rank at (pp index, dp index, tp index)."""
+        return (pp * self.dp + dp) * self.tp + tp
+
     def coords(self, rank: int) -> tuple[int, int]:
         """(pp_index, dp_index) of a global rank."""
-        return divmod(rank, self.dp)
+        c = self.mesh_coords(rank)
+        return c.pp, c.dp
+
+    def describe(self) -> str:
+        """``pp2 x dp3`` / ``pp2 x dp2(2x1) x tp2``: the layout in a few characters."""
+        dp = f"dp{self.dp}" if self.dp_replicate == 1 else f"dp{self.dp}({self.dp_replicate}x{self.dp_shard} hsdp)"
+        return " x ".join([f"pp{self.pp}", dp] + ([f"tp{self.tp}"] if self.tp > 1 else []))
 
     def local_stages(self, pp_index: int) -> list[int]:
         """Stage indices a pp rank holds: looped layout for the interleaved schedule."""
@@ -63,6 +118,9 @@ def plan_mesh(spec: ModelSpec, parallel: ParallelConfig, data: DataConfig, world
               *, block_costs: list[float] | None = None) -> MeshPlan:
     """Derive the mesh, stage split and microbatch arithmetic for ``world_size`` ranks.
 
+    Tensor parallelism needs a model that says how its blocks split: ConfigError unless
+    ``spec`` has a TP plan that divides evenly over ``parallel.tp`` ranks.
+
     The global batch stays fixed whatever the world size; what changes is how many samples
     each dp rank takes and how they are cut into microbatches (``rayflex.mesh.rules``,
     which raises ConfigError for a mesh the rules reject).
@@ -71,7 +129,8 @@ def plan_mesh(spec: ModelSpec, parallel: ParallelConfig, data: DataConfig, world
         raise ConfigError("ParallelConfig.pp", "pp='auto' must be resolved to a mesh for a world size first",
                           "pass rayflex.planning.capacity.auto.resolve_parallel(spec, world_size).parallel "
                           "(and its .data)")
-    split = split_batch(world_size, parallel.pipeline, data.global_batch, micro_batch=data.micro_batch,
+    check_tp(spec.metadata, parallel.tp, model=spec.name)
+    split = split_batch(world_size, parallel.mesh_layout, data.global_batch, micro_batch=data.micro_batch,
                         num_blocks=spec.num_blocks)
     if parallel.balance == "uniform":
         costs = [1.0] * spec.num_blocks
@@ -81,7 +140,8 @@ def plan_mesh(spec: ModelSpec, parallel: ParallelConfig, data: DataConfig, world
         costs = [float(c) for c in spec.param_counts()]
     stages = balanced_split(costs, parallel.num_stages)
     stage_costs = tuple(sum(costs[i] for i in blocks) for blocks in stages)
-    return MeshPlan(world_size=world_size, pp=split.pp, dp=split.dp, schedule=parallel.schedule,
+    return MeshPlan(world_size=world_size, pp=split.pp, dp=split.dp, tp=split.tp,
+                    dp_replicate=split.dp_replicate, schedule=parallel.schedule,
                     stages_per_rank=parallel.stages_per_rank,
                     stage_blocks=tuple(tuple(b) for b in stages), per_rank_batch=split.per_rank_batch,
                     microbatches=split.microbatches, micro_batch=split.micro_batch, accum_steps=split.accum_steps,

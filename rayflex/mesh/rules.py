@@ -1,16 +1,19 @@
-"""The mesh rules: every divisibility rule a pp x dp mesh obeys, stated once.
+"""The mesh rules: every divisibility rule a pp x dp x tp mesh obeys, stated once.
 
 A world of ``n`` ranks runs ``pp`` pipeline stages (``x stages_per_rank`` virtual stages
-with the interleaved schedule) and ``dp = n // pp`` FSDP2 shards per stage. The global
-batch is fixed for the whole run, so each dp rank takes ``global_batch // dp`` samples per
-step and cuts them into pipeline microbatches (pp > 1) or accumulation passes of
-``micro_batch`` samples (pp == 1). Config validation, elastic sizing, ``plan_mesh`` and the
+with the interleaved schedule), each split over ``tp`` tensor-parallel ranks, and
+``dp = n // (pp * tp)`` data-parallel ranks per stage. The dp ranks are ``dp_replicate x
+dp_shard``: FSDP2 shards over ``dp_shard`` ranks and replicates over ``dp_replicate``
+(HSDP; ``dp_shard=None`` shards over all of dp). The tp ranks of a dp rank see the same
+samples. The global batch is fixed for the whole run, so each dp rank takes
+``global_batch // dp`` samples per step and cuts them into pipeline microbatches (pp > 1)
+or accumulation passes of ``micro_batch`` samples (pp == 1). Config validation, elastic sizing, ``plan_mesh`` and the
 capacity search all ask this module, so a layout one of them accepts is one the workers
 can build, and a size one of them rejects is never offered by another.
 
 The rules, in the order they are checked (the first broken one is reported):
 
-1. ``pp`` divides the world size.
+1. ``pp * tp`` divides the world size; ``dp_shard`` (if set) divides ``dp``.
 2. ``1 <= pp * stages_per_rank <= num_blocks`` (each stage holds at least one block).
 3. ``dp`` divides the global batch.
 4. pp == 1: ``micro_batch`` (if set) divides the per-rank batch; it is the accumulation
@@ -34,16 +37,26 @@ INTERLEAVED = "interleaved"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Pipeline:
-    """The pipeline a mesh runs, as plain values (``ParallelConfig.pipeline`` makes one).
+class MeshLayout:
+    """The layout a mesh runs, as plain values (``ParallelConfig.mesh_layout`` makes one):
+    the pipeline, the tensor-parallel degree and the FSDP shard-group size.
 
     ``microbatches=None`` means one per stage, the fewest the schedule allows.
+    ``dp_shard=None`` shards over every dp rank (plain FSDP); a value smaller than dp
+    replicates over ``dp // dp_shard`` shard groups (HSDP).
     """
 
     pp: int = 1
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     microbatches: Optional[int] = None
+    tp: int = 1
+    dp_shard: Optional[int] = None
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks one data-parallel replica of the model spans (pp x tp)."""
+        return self.pp * self.tp
 
     @property
     def num_stages(self) -> int:
@@ -68,6 +81,12 @@ class BatchSplit:
     microbatches: int  # pipeline microbatches (1 when pp == 1)
     micro_batch: int  # samples per forward pass
     accum_steps: int  # accumulation passes (pp == 1; a pipeline accumulates itself)
+    tp: int = 1
+    dp_shard: int = 0  # FSDP shard-group size (dp when the layout's dp_shard is None)
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.dp_shard
 
 
 def divisors(n: int) -> list[int]:
@@ -79,11 +98,22 @@ def divisors(n: int) -> list[int]:
 # ------------------------------------------------------------------------------ the rules
 # Each returns the broken rule as a ConfigError (not raised) or None, so that checking and
 # enumerating share one statement of it.
-def _world_problem(world_size: int, pp: int, what: str) -> Optional[ConfigError]:
-    if world_size % pp:
-        field = "ScalingConfig.min_workers" if what == "min_workers" else "ScalingConfig.num_workers"
-        return ConfigError(field, f"{what}={world_size} is not divisible by ParallelConfig.pp={pp}",
-                           f"use a multiple of {pp} workers, or change pp")
+def _world_problem(world_size: int, pp: int, what: str, tp: int = 1,
+                   dp_shard: Optional[int] = None) -> Optional[ConfigError]:
+    field = "ScalingConfig.min_workers" if what == "min_workers" else "ScalingConfig.num_workers"
+    if world_size % (pp * tp):
+        if tp == 1:
+            return ConfigError(field, f"{what}={world_size} is not divisible by ParallelConfig.pp={pp}",
+                               f"use a multiple of {pp} workers, or change pp")
+        return ConfigError(field, f"{what}={world_size} is not divisible by pp x tp = {pp} x {tp}",
+                           f"use a multiple of {pp * tp} workers, or change pp/tp")
+    dp = world_size // (pp * tp)
+    if dp_shard is not None and dp % dp_shard:
+        return ConfigError("ParallelConfig.dp_shard",
+                           f"dp_shard={dp_shard} does not divide the data-parallel size {dp} "
+                           f"(= {what} {world_size} / (pp {pp} x tp {tp}))",
+                           f"use a dp_shard dividing {dp}, a world size whose dp is a multiple of "
+                           f"{dp_shard}, or dp_shard=None (shard over all dp ranks)")
     return None
 
 
@@ -98,12 +128,13 @@ def stages_problem(num_stages: int, num_blocks: int) -> Optional[ConfigError]:
     return None
 
 
-def _batch_problem(global_batch: int, world_size: int, pp: int, what: str) -> Optional[ConfigError]:
-    dp = world_size // pp
+def _batch_problem(global_batch: int, world_size: int, pp: int, what: str, tp: int = 1) -> Optional[ConfigError]:
+    dp = world_size // (pp * tp)
     if global_batch % dp:
+        split = f"pp {pp}" if tp == 1 else f"(pp {pp} x tp {tp})"
         return ConfigError("DataConfig.global_batch",
                            f"global_batch={global_batch} is not divisible by the data-parallel size {dp} "
-                           f"(= {what} {world_size} / pp {pp})",
+                           f"(= {what} {world_size} / {split})",
                            f"use a multiple of {dp}, or a world size whose data-parallel size divides it")
     return None
 
@@ -138,9 +169,11 @@ def _feed_problem(pp: int, microbatches: int, per_rank: int, dp: int) -> Optiona
 
 
 # ------------------------------------------------------------------------------ checks
-def check_world_size(world_size: int, pp: int, *, what: str = "world_size") -> None:
-    """Raise ConfigError unless ``world_size`` ranks are whole pipelines of ``pp`` stages."""
-    problem = _world_problem(world_size, pp, what)
+def check_world_size(world_size: int, pp: int, *, what: str = "world_size", tp: int = 1,
+                     dp_shard: Optional[int] = None) -> None:
+    """Raise ConfigError unless ``world_size`` ranks are whole pipelines of ``pp`` stages
+    of ``tp`` ranks each (and whole shard groups of ``dp_shard``)."""
+    problem = _world_problem(world_size, pp, what, tp, dp_shard)
     if problem is not None:
         raise problem
 
@@ -159,48 +192,49 @@ def check_microbatches(pp: int, microbatches: int, schedule: str) -> None:
         raise problem
 
 
-def mesh_problem(world_size: int, pipeline: Pipeline, global_batch: int, *, micro_batch: Optional[int] = None,
+def mesh_problem(world_size: int, layout: MeshLayout, global_batch: int, *, micro_batch: Optional[int] = None,
                  num_blocks: Optional[int] = None, what: str = "world_size") -> Optional[ConfigError]:
-    """The first rule ``world_size`` ranks running ``pipeline`` break, or None.
+    """The first rule ``world_size`` ranks running ``layout`` break, or None.
 
     ``what`` names the size in the message (``num_workers``, ``min_workers``); the stage
     count is only checked when ``num_blocks`` is given.
     """
     try:
-        split_batch(world_size, pipeline, global_batch, micro_batch=micro_batch, num_blocks=num_blocks, what=what)
+        split_batch(world_size, layout, global_batch, micro_batch=micro_batch, num_blocks=num_blocks, what=what)
     except ConfigError as e:
         return e
     return None
 
 
-def split_batch(world_size: int, pipeline: Pipeline, global_batch: int, *, micro_batch: Optional[int] = None,
+def split_batch(world_size: int, layout: MeshLayout, global_batch: int, *, micro_batch: Optional[int] = None,
                 num_blocks: Optional[int] = None, what: str = "world_size") -> BatchSplit:
     """The mesh's batch arithmetic; raises the first broken rule as a ConfigError.
 
     ``micro_batch`` (pp == 1 only) is the accumulation micro-batch; None runs the whole
     per-rank batch in one pass.
     """
-    pp = pipeline.pp
-    problem = _world_problem(world_size, pp, what)
+    pp, tp = layout.pp, layout.tp
+    problem = _world_problem(world_size, pp, what, tp, layout.dp_shard)
     if problem is None and num_blocks is not None:
-        problem = stages_problem(pipeline.num_stages, num_blocks)
+        problem = stages_problem(layout.num_stages, num_blocks)
     if problem is None:
-        problem = _batch_problem(global_batch, world_size, pp, what)
+        problem = _batch_problem(global_batch, world_size, pp, what, tp)
     if problem is not None:
         raise problem
-    dp = world_size // pp
+    dp = world_size // (pp * tp)
+    shard = layout.dp_shard or dp
     per_rank = global_batch // dp
     if pp == 1:
         micro = micro_batch or per_rank
         problem = _micro_batch_problem(micro, per_rank, dp)
         if problem is not None:
             raise problem
-        return BatchSplit(world_size, pp, dp, per_rank, 1, micro, per_rank // micro)
-    m = pipeline.num_microbatches
-    problem = _count_problem(pp, m, pipeline.schedule) or _feed_problem(pp, m, per_rank, dp)
+        return BatchSplit(world_size, pp, dp, per_rank, 1, micro, per_rank // micro, tp, shard)
+    m = layout.num_microbatches
+    problem = _count_problem(pp, m, layout.schedule) or _feed_problem(pp, m, per_rank, dp)
     if problem is not None:
         raise problem
-    return BatchSplit(world_size, pp, dp, per_rank, m, per_rank // m, 1)
+    return BatchSplit(world_size, pp, dp, per_rank, m, per_rank // m, 1, tp, shard)
 
 
 # ------------------------------------------------------------------------------ what is possible
@@ -211,38 +245,73 @@ def microbatch_options(pp: int, per_rank_batch: int, schedule: str, max_microbat
             if (not max_microbatches or m <= max_microbatches) and _count_problem(pp, m, schedule) is None]
 
 
-def mesh_base_problem(world_size: int, pp: int, global_batch: int, num_blocks: int) -> Optional[ConfigError]:
-    """What stops ``world_size`` ranks from running ``pp`` plain stages at this batch before
-    any microbatch is chosen (rules 1-3), or None."""
-    return (_world_problem(world_size, pp, "world_size") or stages_problem(pp, num_blocks)
-            or _batch_problem(global_batch, world_size, pp, "world_size"))
+def mesh_base_problem(world_size: int, pp: int, global_batch: int, num_blocks: int,
+                      tp: int = 1) -> Optional[ConfigError]:
+    """What stops ``world_size`` ranks from running ``pp`` plain stages of ``tp`` ranks at
+    this batch before any microbatch is chosen (rules 1-3), or None."""
+    return (_world_problem(world_size, pp, "world_size", tp) or stages_problem(pp, num_blocks)
+            or _batch_problem(global_batch, world_size, pp, "world_size", tp))
 
 
-def pp_options(world_size: int, global_batch: int, num_blocks: int) -> list[int]:
-    """The pp values ``pp="auto"`` can pick from at ``world_size`` ranks, ascending: rules
-    1-3 hold and, with a pipeline, some microbatch count passes rule 5 (the planner can
-    always fall back to 1F1B). Whether a mesh also fits in memory is the planner's question."""
+def pp_options(world_size: int, global_batch: int, num_blocks: int, tp: int = 1) -> list[int]:
+    """The pp values ``layout="auto"`` can pick from at ``world_size`` ranks with ``tp``-way
+    tensor parallelism, ascending: rules 1-3 hold and, with a pipeline, some microbatch count
+    passes rule 5 (the planner can always fall back to 1F1B). Whether a mesh also fits in
+    memory is the planner's question."""
     out = []
-    for pp in divisors(world_size):
-        if mesh_base_problem(world_size, pp, global_batch, num_blocks) is not None:
+    if world_size % tp:
+        return out
+    for pp in divisors(world_size // tp):
+        if mesh_base_problem(world_size, pp, global_batch, num_blocks, tp) is not None:
             continue
-        if pp > 1 and not microbatch_options(pp, global_batch // (world_size // pp), "1f1b"):
+        if pp > 1 and not microbatch_options(pp, global_batch // (world_size // (pp * tp)), "1f1b"):
             continue
         out.append(pp)
     return out
 
 
-def valid_world_sizes(pipeline: Optional[Pipeline], global_batch: int, *, min_size: int, max_size: int,
+def valid_world_sizes(layout: Optional[MeshLayout], global_batch: int, *, min_size: int, max_size: int,
                       micro_batch: Optional[int] = None, num_blocks: Optional[int] = None) -> list[int]:
     """World sizes in ``[min_size, max_size]`` a run can use, largest first.
 
-    ``pipeline=None`` is ``pp="auto"``: a size is valid where :func:`pp_options` offers a
+    ``layout=None`` is ``layout="auto"``: a size is valid where :func:`pp_options` offers a
     pp (``num_blocks`` is then required).
     """
     sizes = range(max_size, min_size - 1, -1)
-    if pipeline is None:
+    if layout is None:
         if num_blocks is None:
-            raise ValueError("valid_world_sizes(pipeline=None) (pp='auto') needs num_blocks")
+            raise ValueError("valid_world_sizes(layout=None) (layout='auto') needs num_blocks")
         return [n for n in sizes if pp_options(n, global_batch, num_blocks)]
-    return [n for n in sizes if mesh_problem(n, pipeline, global_batch, micro_batch=micro_batch,
+    return [n for n in sizes if mesh_problem(n, layout, global_batch, micro_batch=micro_batch,
                                              num_blocks=num_blocks) is None]
+
+
+# ------------------------------------------------------------------------------ tensor parallelism
+def tp_problem(metadata: Optional[dict], tp: int, *, model: str = "this model") -> Optional[ConfigError]:
+    """Whether a model (its ``ModelSpec.metadata``) splits over ``tp`` tensor-parallel ranks,
+    or the ConfigError saying why not.
+
+    A model that can be split declares it in ``metadata["tp"]`` (the model contract,
+    :mod:`rayflex.models.tp_plan`): ``"plan"`` (how each block's modules split) and
+    ``"divides"`` (``{"attention heads": 8, ...}``: sizes tp must divide). None there means
+    the model declared it cannot be split (``metadata["tp"]["unsupported"]`` says why).
+    """
+    if tp == 1:
+        return None
+    info = (metadata or {}).get("tp")
+    if not info or not info.get("plan"):
+        why = (info or {}).get("unsupported") or "its ModelSpec has no tensor-parallel plan (metadata['tp'])"
+        return ConfigError("ParallelConfig.tp", f"{model} cannot be split over tp={tp} ranks: {why}",
+                           "use tp=1, or give the model a TP plan (docs/parallelism.md: the reference GPT, "
+                           "Hugging Face Llama/Qwen/Mistral and ModelSpec.from_module(tp_plan=...) have one)")
+    for what, n in (info.get("divides") or {}).items():
+        if n % tp:
+            return ConfigError("ParallelConfig.tp", f"tp={tp} does not divide the {what} ({n}) of {model}",
+                               f"use a tp dividing {n} (one of {[d for d in divisors(n) if d > 1]})")
+    return None
+
+
+def check_tp(metadata: Optional[dict], tp: int, *, model: str = "this model") -> None:
+    problem = tp_problem(metadata, tp, model=model)
+    if problem is not None:
+        raise problem

@@ -285,7 +285,7 @@ def enumerate_layouts(model: ModelDescription, world: int, global_batch: int, *,
         per_rank = global_batch // dp
         if pp == 1:
             for micro in rules.divisors(per_rank):
-                split = rules.split_batch(world, rules.Pipeline(pp=1), global_batch, micro_batch=micro)
+                split = rules.split_batch(world, rules.MeshLayout(pp=1), global_batch, micro_batch=micro)
                 yield Layout(pp=1, dp=dp, schedule="none", microbatches=1, micro_batch=split.micro_batch,
                              accum_steps=split.accum_steps, stage_blocks=stage_split(model.block_params, 1))
             continue
@@ -305,7 +305,7 @@ def enumerate_layouts(model: ModelDescription, world: int, global_batch: int, *,
                 continue
             split = stage_split(model.block_params, pp * v)
             for m in ms:
-                pipe = rules.Pipeline(pp=pp, schedule=schedule, stages_per_rank=v, microbatches=m)
+                pipe = rules.MeshLayout(pp=pp, schedule=schedule, stages_per_rank=v, microbatches=m)
                 batch = rules.split_batch(world, pipe, global_batch, num_blocks=n)
                 yield Layout(pp=pp, dp=dp, schedule=schedule, microbatches=batch.microbatches,
                              micro_batch=batch.micro_batch, stages_per_rank=v, stage_blocks=split)
