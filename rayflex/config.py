@@ -120,7 +120,7 @@ class ParallelConfig:
     ``microbatches`` defaults to the smallest count the schedule allows (``pp`` for
     gpipe/1f1b, ``pp*stages_per_rank``).
 
-    ``layout="auto"`` (``pp="auto"`` is the same): the capacity planner
+    ``layout="auto"`` (stored as ``pp="auto"``, which means the same): the capacity planner
     (``rayflex.planning.capacity.auto``) picks pp, tp, dp_shard, schedule, microbatches,
     stages_per_rank (and the pp=1 micro-batch) for the world size at launch and again at
     every elastic restart. ``cluster`` is a cluster-description YAML (as ``rayflex plan
@@ -148,12 +148,14 @@ class ParallelConfig:
             if self.pp not in (1, "auto") or self.tp != 1 or self.dp_shard is not None:
                 raise ConfigError(f"{c}.layout", "layout='auto' chooses pp, tp and dp_shard itself",
                                   "leave pp, tp and dp_shard at their defaults, or drop layout='auto'")
+            # Stored as pp="auto" (the one spelling the rest of the code reads), so that an
+            # override of pp later (``parallel.pp=2``) leaves nothing auto behind.
             object.__setattr__(self, "pp", "auto")
+            object.__setattr__(self, "layout", None)
         if isinstance(self.pp, str):
             if self.pp != "auto":
                 raise ConfigError(f"{c}.pp", f"unknown value {self.pp!r}",
                                   "use a positive integer, or layout='auto' to let the capacity planner choose")
-            object.__setattr__(self, "layout", "auto")
             # The planner chooses these; a user value would be silently overridden.
             for name, default in (("schedule", "1f1b"), ("microbatches", None), ("stages_per_rank", 1),
                                   ("tp", 1), ("dp_shard", None)):
