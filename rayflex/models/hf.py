@@ -60,7 +60,7 @@ from rayflex.errors import ConfigError
 from rayflex.models.gpt_blocks import lm_loss
 from rayflex.models.hf_families import (FAMILIES, HFFamily, family_of, from_hf_key, hf_key_of, size_of_config,
                                         to_hf_key)
-from rayflex.models.hf_tp import decoder_plan_of
+from rayflex.models.hf_tp import hf_tp_metadata
 from rayflex.models.spec import ModelSpec
 
 __all__ = ["causal_lm", "to_hf_key", "from_hf_key", "TIE_RULE"]
@@ -120,9 +120,10 @@ def causal_lm(config_or_dir, *, init_from: Optional[str] = None, name: Optional[
     size = size_of_config(family, exported)
     metadata = {"hf": {"family": family.name, "model_type": config.model_type, "architectures": architectures,
                        "config": exported, "source_tied_embeddings": tied, "tie_rule": TIE_RULE,
-                       "init_from": root, "size": size.to_dict(),
-                       # transformers' own tensor-parallel plan of a decoder layer (rayflex.models.hf_tp)
-                       "tp_plan": decoder_plan_of(getattr(type(config), "base_model_tp_plan", None))}}
+                       "init_from": root, "size": size.to_dict()},
+                # how the blocks split over tp ranks, from transformers' own plan (rayflex.models.hf_tp)
+                "tp": hf_tp_metadata(family.name, getattr(type(config), "base_model_tp_plan", None),
+                                     size.to_dict())}
     spec = ModelSpec(name=name or f"hf-{config.model_type}-{size.num_layers}x{size.hidden_size}",
                      num_blocks=size.num_layers + 2, build_block=functools.partial(build_hf_block, build),
                      loss_fn=lm_loss, hidden_size=size.hidden_size, init_seed=init_seed, metadata=metadata)

@@ -1,29 +1,57 @@
 """The communication cost model the placement planner minimises, and the types it prices.
 
-Rank layout (fixed; the worker relies on it): world = pp * dp, DeviceMesh dims ("pp", "dp")
-row-major, so ``rank = stage * dp + dp_index``. The dp group of stage s is ranks
-``s*dp .. s*dp+dp-1`` (one FSDP group); pipeline d is ranks ``d, dp+d, 2*dp+d, ...``.
+Rank layout (fixed; the workers build their DeviceMesh this way, ``rayflex.mesh.plan``):
+dims ``("pp", "dp_replicate", "dp_shard", "tp")`` row-major, so
+
+    rank = ((stage * dp_replicate + replica) * dp_shard + shard) * tp + tp_index
+         = (stage * dp + dp_index) * tp + tp_index,   dp_index = replica * dp_shard + shard
+
+A tp group is ``tp`` consecutive ranks (one *unit*); unit ``stage * dp + dp_index`` is the
+old pp x dp rank. The dp group of stage s is its dp units; an FSDP shard group is the
+``dp_shard`` units of one replica (consecutive dp indices), an HSDP replicate group the
+``dp_replicate`` units with the same shard index. With tp = dp_replicate = 1 this is the
+old ``rank = stage * dp + dp_index``.
 
 Cost model (seconds of communication per training step, per rank, no overlap, no contention):
 
-* FSDP, stage s: ``n_coll * (dp-1)/dp * P_s / bw(tier of the group)`` where ``P_s`` is the
-  stage's parameter bytes, ``n_coll`` is 2 (all-gather once, reduce-scatter once; the default
-  when pipelining, ``reshard_after_forward=False``) or 3 (all-gather again in backward), the
-  ring term ``(dp-1)/dp * P_s`` is what each rank sends per collective, and the group's tier is
-  that of its worst pair (a ring through the group crosses its slowest link).
-* Pipeline, boundary s -> s+1: ``2 * A * M / bw(tier)`` for each pipeline (activations forward
-  and their gradients backward, ``A`` bytes per microbatch, ``M`` microbatches per step).
-* Aggregation: ``sum over stages of FSDP time + sum over boundaries of the slowest pipeline's
-  time at that boundary``. Stages are charged in sequence (their collectives sit at different
-  points of the schedule and share nothing); a boundary is charged at its slowest pipeline
-  because every stage advances in lock step with its FSDP group, so the dp ranks of stage s+1
-  wait for the slowest activation crossing into any of them. (This is an upper bound on
-  "slowest pipeline's sum"; it never rewards hiding slow links by stacking them on one
-  pipeline.) Its key property is that the cost depends only on how many ranks of each stage
-  every node holds: the tier of a group is fixed by its support, and the worst link of a
-  boundary is the smallest tree level at which two consecutive stages have equal per-subtree
-  counts (a hierarchical matching, ``ranks_from_counts``, then achieves it). That is what
-  makes exact planning and a tight lower bound tractable.
+* FSDP, stage s: ``n_coll * (S-1)/S * P_s / bw(tier of the shard group)`` where ``P_s`` is the
+  parameter bytes one rank of the stage holds (its tp shard), ``S = dp_shard`` (= dp without
+  HSDP), ``n_coll`` is 2 (all-gather once, reduce-scatter once; the default when pipelining,
+  ``reshard_after_forward=False``) or 3 (all-gather again in backward), the ring term
+  ``(S-1)/S * P_s`` is what each rank sends per collective, and a group's tier is that of its
+  worst pair (a ring through the group crosses its slowest link).
+* HSDP, stage s (``R = dp_replicate > 1``): the gradient shard is all-reduced across the
+  replicas, ``2 * (R-1)/R * P_s / S / bw(tier of the replicate group)``.
+* Tensor parallelism, stage s: ``2 * (tp-1)/tp * X_s / bw(tier of the tp group)``, ``X_s``
+  the bytes of every TP all-reduce a rank of the stage issues per step (ring all-reduce).
+  Placement keeps every tp group on one node, so this is an NVLink constant; it is priced
+  anyway so that a placement that splits a tp group (Ray's PACK order on nodes whose slot
+  count tp does not divide) pays for it.
+* Pipeline, boundary s -> s+1: ``2 * A * M / bw(tier)`` for each pipeline lane (activations
+  forward and their gradients backward, ``A`` bytes per microbatch, ``M`` microbatches per
+  step). Every tp rank of a unit sends its own copy to the same tp rank of the next stage,
+  each over its own NIC, so a lane is (dp index, tp index) and costs what a pp x dp lane did.
+* Aggregation: ``sum over stages of FSDP (+ HSDP) time + sum over boundaries of the slowest
+  lane's time at that boundary + the slowest stage's TP time``. Stages are charged in
+  sequence (their collectives sit at different points of the schedule and share nothing); a
+  boundary is charged at its slowest lane because every stage advances in lock step with its
+  FSDP group, so the dp ranks of stage s+1 wait for the slowest activation crossing into
+  any of them. TP all-reduces sit inside each stage's compute, which the stages run
+  concurrently, so only the slowest stage's count (like compute in the capacity model).
+  (This is an upper bound on "slowest pipeline's sum"; it never rewards hiding slow links by
+  stacking them on one pipeline.)
+
+Why planning stays exact with tp > 1: a tp group never leaves a node, so the planner places
+pp x dp *units* of ``tp`` slots on a tree whose node capacities are ``slots // tp``; every
+tp group is then on one node (its cost a constant) and every other term is the pp x dp cost
+of the unit assignment. Without HSDP that cost depends only on how many units of each stage
+every node holds: the tier of a group is fixed by its support, and the worst link of a
+boundary is the smallest tree level at which two consecutive stages have equal per-subtree
+counts (a hierarchical matching, ``ranks_from_counts``, then achieves it). That is what
+makes exact planning and a tight lower bound tractable. With HSDP the cost also depends on
+which dp indices share a node (shard and replicate groups are fixed sets of dp indices), so
+the planner's bound uses a per-stage floor (``TierCosts.set_group_floors``) and its plans
+are priced by ``evaluate``; a plan that meets the bound is still proven optimal.
 
 The planner's modules compute on a ``NodeTree`` (nodes as integer ids with their domain and
 zone) and a ``TierCosts`` table (seconds per stage and tier); ``evaluate`` prices an explicit

@@ -313,7 +313,7 @@ class AsyncCheckpointer:
     def _commit(self, step: int, extra: dict) -> None:
         # Written before the marker so the manifest's checksums cover it too.
         _write_bytes(fs_join(mf.step_dir(self.root, step), EXTRA_FILE), json.dumps(extra).encode())
-        mesh = {"pp": getattr(self.mesh, "pp", 1), "dp": getattr(self.mesh, "dp", 1)}
+        mesh = {name: getattr(self.mesh, name, 1) for name in ("pp", "dp", "tp", "dp_replicate")}
         world = getattr(self.mesh, "world_size", 1)
         mf.commit(self.root, step, world_size=world, mesh=mesh, extra={"reason": "rayflex"})
         try:

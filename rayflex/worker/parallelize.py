@@ -1,8 +1,11 @@
-"""Parallelizing a rank's model: device mesh, FSDP2 sharding, pipeline schedules, grad norm.
+"""Parallelizing a rank's model: device mesh, tensor parallelism, FSDP2 sharding, pipeline
+schedules, grad norm.
 
 The mesh itself (ranks, stages, batch arithmetic) is :class:`rayflex.mesh.plan.MeshPlan`.
-Per stage the steps compose in torchtitan's order: activation checkpointing, then
-``torch.compile``, then ``fully_shard`` (with the mixed-precision policy), each per block.
+Per stage the steps compose in torchtitan's order, each per block: tensor parallelism
+(the model's plan, :mod:`rayflex.models.tp_plan`, over the mesh's ``tp`` dim), activation
+checkpointing, ``torch.compile``, then ``fully_shard`` over the data-parallel dims (with
+the mixed-precision policy): one dim for FSDP, ``(dp_replicate, dp_shard)`` for HSDP.
 """
 
 from __future__ import annotations
@@ -13,16 +16,41 @@ import torch
 from torch import nn
 
 from rayflex.config import MemoryConfig, PrecisionConfig
-from rayflex.mesh.plan import MeshPlan
+from rayflex.mesh.plan import MESH_DIMS, MeshPlan
 from rayflex.models.spec import ModelSpec, Stage, build_stage
+from rayflex.models.tp_plan import apply_tp, block_plan, grad_summed_params
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build_device_mesh(plan: MeshPlan, device_type: str):
+    """The attempt's DeviceMesh, dims :data:`MESH_DIMS` in the MeshPlan's rank order."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (plan.pp, plan.dp), mesh_dim_names=("pp", "dp"))
+    return init_device_mesh(device_type, plan.shape, mesh_dim_names=MESH_DIMS)
+
+
+def data_parallel_mesh(mesh, plan: MeshPlan):
+    """The mesh ``fully_shard`` takes: 2-D ``(dp_replicate, dp_shard)`` for HSDP (FSDP2
+    replicates over the first dim and shards over the second), else the 1-D shard dim."""
+    if plan.dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def apply_tensor_parallel(stage: Stage, spec: ModelSpec, tp_mesh) -> None:
+    """Split each block of ``stage`` over ``tp_mesh`` by the model's plan (in place)."""
+    for i in stage.indices:
+        plan = block_plan(spec.metadata, i, spec.num_blocks)
+        if plan:
+            apply_tp(stage.blocks[str(i)], plan, tp_mesh)
+
+
+def tp_grad_summed_params(stage: Stage, spec: ModelSpec) -> list[nn.Parameter]:
+    """The stage's parameters whose gradients are summed over tp after backward (the
+    plan's ``replicated_with_grad_allreduce``); call after sharding (it replaces them)."""
+    return [p for i in stage.indices
+            for p in grad_summed_params(stage.blocks[str(i)], block_plan(spec.metadata, i, spec.num_blocks))]
 
 
 class _KeepInput(torch.autograd.Function):
@@ -107,9 +135,11 @@ def mixed_precision_policy(precision: PrecisionConfig, *, last: bool):
 
 
 def shard_stage(stage: Stage, dp_mesh, *, pipelined: bool, precision: Optional[PrecisionConfig] = None,
-                memory: Optional[MemoryConfig] = None, last: bool = True) -> Stage:
-    """Checkpointing and compile per block (if asked), then ``fully_shard`` each block,
-    then the stage as root (torchtitan's recipe).
+                memory: Optional[MemoryConfig] = None, last: bool = True, tp_mesh=None,
+                spec: Optional[ModelSpec] = None) -> Stage:
+    """Tensor parallelism per block (``tp_mesh`` of more than one rank, by ``spec``'s plan),
+    checkpointing and compile per block (if asked), then ``fully_shard`` each block, then
+    the stage as root (torchtitan's recipe).
 
     With a pipeline the parameters stay gathered between forward and backward
     (``reshard_after_forward=False``): each microbatch would otherwise all-gather twice.
@@ -119,6 +149,10 @@ def shard_stage(stage: Stage, dp_mesh, *, pipelined: bool, precision: Optional[P
 
     precision = precision or PrecisionConfig()
     memory = memory or MemoryConfig()
+    if tp_mesh is not None and tp_mesh.size() > 1:
+        if spec is None:
+            raise ValueError("shard_stage: tensor parallelism needs the ModelSpec (its TP plan)")
+        apply_tensor_parallel(stage, spec, tp_mesh)
     apply_activation_checkpointing(stage, memory)
     if memory.compile:
         apply_compile(stage, memory)
@@ -150,11 +184,31 @@ def build_schedule(plan: MeshPlan, stages: list[tuple[int, nn.Module]], pp_group
     return pl.ScheduleInterleaved1F1B(pipe_stages, n_microbatches=plan.microbatches, loss_fn=loss_fn)
 
 
-def global_grad_norm(params: list[nn.Parameter], group=None) -> torch.Tensor:
-    """L2 norm of all gradients of the whole model, across pp stages and FSDP shards.
+def _copies(p: torch.Tensor, stage_ranks: int) -> int:
+    """How many ranks of a stage hold the same local piece of ``p``: the ranks outside its
+    mesh (a parameter FSDP shards over dp but tensor parallelism left whole lives on every
+    tp rank) times the sizes of the mesh dims it is replicated over (a rowwise bias over
+    tp, HSDP's replicas)."""
+    from torch.distributed.tensor import DTensor, Replicate
 
-    Each rank owns a disjoint shard of each parameter of its own stage(s), so the sum of
-    local squared norms, all-reduced over the world, is the global squared norm.
+    if not isinstance(p, DTensor):
+        return stage_ranks
+    mesh = p.device_mesh
+    copies = stage_ranks // mesh.size()
+    for dim, placement in enumerate(p.placements):
+        if isinstance(placement, Replicate):
+            copies *= mesh.size(dim)
+    return max(copies, 1)
+
+
+def global_grad_norm(params: list[nn.Parameter], group=None, stage_ranks: int = 0) -> torch.Tensor:
+    """L2 norm of all gradients of the whole model, across pp stages, tp splits and FSDP
+    shards.
+
+    Each piece of a gradient lives on one or more ranks of its stage (``stage_ranks`` =
+    dp x tp; 0: each rank owns a disjoint piece, plain FSDP): every rank adds its local
+    squared norm divided by the piece's number of copies (:func:`_copies`), so the sum
+    all-reduced over the world is the global squared norm, each element counted once.
 
     The local sum stays on the gradients' device (one device-to-host copy per step, not
     one per parameter) and the all-reduce runs on the host: ``group`` must serve CPU
@@ -173,17 +227,19 @@ def global_grad_norm(params: list[nn.Parameter], group=None) -> torch.Tensor:
             acc = torch.zeros((), dtype=torch.float64, device=g.device)
         # An explicit float64 copy, squared in place: one temporary per gradient (and never
         # the gradient itself, which .double() would return when it already is float64).
-        acc += g.detach().to(torch.float64, copy=True).square_().sum().to(acc.device)
+        sq = g.detach().to(torch.float64, copy=True).square_().sum()
+        copies = _copies(p.grad, stage_ranks) if stage_ranks else 1
+        acc += (sq / copies if copies > 1 else sq).to(acc.device)
     sq = torch.zeros((), dtype=torch.float64) if acc is None else acc.cpu()
     if dist.is_initialized():
         dist.all_reduce(sq, group=group)
     return sq.sqrt()
 
 
-def clip_grads_(params: list[nn.Parameter], max_norm: float, group=None) -> float:
+def clip_grads_(params: list[nn.Parameter], max_norm: float, group=None, stage_ranks: int = 0) -> float:
     """Scale every gradient so the global norm is at most ``max_norm``; returns the norm
-    before clipping. ``group``: as for :func:`global_grad_norm` (a host group)."""
-    norm = float(global_grad_norm(params, group))
+    before clipping. ``group``, ``stage_ranks``: as for :func:`global_grad_norm`."""
+    norm = float(global_grad_norm(params, group, stage_ranks))
     scale = max_norm / (norm + 1e-6)
     if scale < 1.0:
         for p in params:

@@ -27,7 +27,8 @@ from rayflex.worker.instrument import ActivationCounter, pipeline_wait_timer
 from rayflex.mesh.plan import MeshPlan
 from rayflex.worker.status import StepRecord, WorkerState, WorkerStatus
 from rayflex.worker.meta_init import build_sharded_stages
-from rayflex.worker.parallelize import build_device_mesh, build_schedule, clip_grads_, shard_stage
+from rayflex.worker.parallelize import (build_device_mesh, build_schedule, clip_grads_, data_parallel_mesh,
+                                        shard_stage, tp_grad_summed_params)
 from rayflex.config import TrainSpec
 from rayflex.constants import fault_log_path, injected_failure_steps, knob, node_ip
 
@@ -140,6 +141,8 @@ class TrainWorker:
             raise RuntimeError(f"rank {self.rank}: cannot reconfigure while the training loop runs")
         self.rank = rank
         self.plan = plan
+        coords = plan.mesh_coords(rank)
+        self.pp_index, self.dp_index, self.tp_index = coords.pp, coords.dp, coords.tp
         self._records: list[StepRecord] = []
         self._checkpoint_events: list[dict] = []
         self._state = WorkerState.IDLE
@@ -205,17 +208,23 @@ class TrainWorker:
         self.ckpt_group = self.groups.checkpoint
         t_pg = time.time()
         self.mesh = build_device_mesh(self.plan, self.device.type)
-        self.pp_index, self.dp_index = self.plan.coords(self.rank)
-        self.dp_mesh = self.mesh["dp"]
+        self.dp_mesh = data_parallel_mesh(self.mesh, self.plan)
+        self.tp_mesh = self.mesh["tp"] if self.plan.tp > 1 else None
         pipelined = self.plan.pp > 1
+
         def shard(s: int, module):
             return shard_stage(module, self.dp_mesh, pipelined=pipelined, precision=self.spec.precision,
-                               memory=self.spec.memory, last=s == self.plan.num_stages - 1)
+                               memory=self.spec.memory, last=s == self.plan.num_stages - 1, tp_mesh=self.tp_mesh,
+                               spec=self.spec.model)
 
         # Built on the meta device, sharded, then filled block by block: a rank never holds
         # more than its shards and one full block (weights identical to a plain build).
         self.stages = build_sharded_stages(self.spec.model, self.plan, self.rank, self.device, shard=shard)
         self.params = [p for _, m in self.stages for p in m.parameters()]
+        # Whole on every tp rank but fed only that rank's heads (tp_plan's
+        # replicated_with_grad_allreduce): their gradients are summed over tp each step.
+        self._tp_summed = ([p for _, m in self.stages for p in tp_grad_summed_params(m, self.spec.model)]
+                           if self.tp_mesh is not None else [])
         opt = self.spec.run.optimizer
         # One optimizer per stage module: checkpoint keys then stay per-FQN whatever the split.
         # No LR scheduler object: each step sets its learning rate from (step, run.steps)
@@ -261,7 +270,8 @@ class TrainWorker:
         return TrainState(modules=[m for _, m in self.stages], optimizers=self.optimizers,
                           get_step=lambda: self._step, total_steps=self.spec.run.steps,
                           config={"run": self.spec.run.name, "world_size": self.plan.world_size,
-                                  "pp": self.plan.pp, "dp": self.plan.dp})
+                                  "pp": self.plan.pp, "dp": self.plan.dp, "tp": self.plan.tp,
+                                  "dp_replicate": self.plan.dp_replicate})
 
     # ----------------------------------------------------------------- loop
     def start(self, end_step: int) -> int:
@@ -343,6 +353,10 @@ class TrainWorker:
         t_fb = time.perf_counter()
         with self.activations.track(), pipeline_wait_timer() as waits:
             loss_contrib = self._forward_backward(x, y, loss_fn)
+        if self._tp_summed:
+            from rayflex.models.tp_plan import sum_replicated_grads
+
+            sum_replicated_grads(self._tp_summed, self.tp_mesh.get_group())
         probe = {"activation_peak_bytes": self.activations.peak, "pipeline_wait_s": waits["wait_s"],
                  "forward_backward_s": time.perf_counter() - t_fb,
                  "sample_indices": indices.tolist() if self.spec.data.log_samples else None}
@@ -365,9 +379,10 @@ class TrainWorker:
         from rayflex.worker.parallelize import global_grad_norm
 
         clip = self.spec.run.optimizer.grad_clip
+        stage_ranks = self.plan.dp * self.plan.tp  # the ranks holding one stage (tp copies counted once)
         if clip is not None:
-            return clip_grads_(self.params, clip, self.groups.host)
-        return float(global_grad_norm(self.params, self.groups.host))
+            return clip_grads_(self.params, clip, self.groups.host, stage_ranks)
+        return float(global_grad_norm(self.params, self.groups.host, stage_ranks))
 
     def _agree(self, loss_sum: float) -> "StepAgreement":
         """One tiny all-reduce carries the loss and the control flags, so every rank agrees
@@ -376,7 +391,9 @@ class TrainWorker:
         import torch.distributed as dist
 
         wants_ckpt = self._checkpoint_request is not None
-        control = torch.tensor([loss_sum, float(self._stop.is_set()), float(wants_ckpt)], dtype=torch.float64)
+        # The tp ranks of a dp rank computed the same loss: one of them reports it.
+        loss_share = loss_sum if self.tp_index == 0 else 0.0
+        control = torch.tensor([loss_share, float(self._stop.is_set()), float(wants_ckpt)], dtype=torch.float64)
         t_sync = time.perf_counter()
         dist.all_reduce(control, group=self.groups.host)
         return StepAgreement(loss=float(control[0]) / self.plan.dp, stop=bool(control[1] > 0),
@@ -522,7 +539,8 @@ class TrainWorker:
         FSDP and DTensor hold the process groups, whose sockets close only when freed."""
         import gc
 
-        for name in ("stages", "params", "optimizers", "schedule", "mesh", "dp_mesh", "pp_group",
+        for name in ("stages", "params", "_tp_summed", "optimizers", "schedule", "mesh", "dp_mesh", "tp_mesh",
+                     "pp_group",
                      "staging", "_gloo", "groups", "ckpt_group"):
             self.__dict__.pop(name, None)
         self.checkpointer = None

@@ -1,0 +1,152 @@
+"""3-D parallelism on CPU/gloo: tensor parallel x pipeline x FSDP/HSDP meshes train what one
+process trains, and a checkpoint saved on one layout resumes on another.
+
+The ranks are TrainWorkers in spawned processes (no Ray: the mesh is the question here,
+and four processes that each import torch once run every layout one after another, as
+an elastic restart reuses a process). Each layout starts from the same seeded weights
+and sees the same batches, so its per-step losses must be the single-process reference's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import SEQ_LEN
+from spawn_ranks import run_ranks
+
+TIMEOUT_S = 150
+STEPS = 3
+GLOBAL_BATCH = 12  # divisible by every dp below: 1, 2, 3, 4
+
+
+def _model():
+    from rayflex.models import GPTConfig, gpt
+
+    # 4 heads, MLP 128 and a vocabulary of 128 split over tp=2; 4 layers = 6 blocks for pp=2.
+    return gpt(GPTConfig(vocab_size=128, seq_len=SEQ_LEN, d_model=32, n_layers=4, n_heads=4))
+
+
+def _spec(data_uri: str, storage: str, name: str, parallel, *, world: int, steps: int = STEPS, every: int = 0,
+          resume: bool = False):
+    import rayflex as rf
+
+    return rf.TrainSpec(model=_model(), data=rf.DataConfig(uri=data_uri, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH),
+                        run=rf.RunConfig(name=name, storage=storage, steps=steps,
+                                         optimizer=rf.OptimizerConfig(lr=1e-2, grad_clip=1.0)),
+                        scaling=rf.ScalingConfig(num_workers=world), parallel=parallel,
+                        checkpoint=rf.CheckpointConfig(every_steps=every, resume=resume, async_save=False))
+
+
+def _layouts():
+    import rayflex as rf
+
+    return {
+        "tp2_dp2": (4, rf.ParallelConfig(tp=2)),
+        "pp2_tp2": (4, rf.ParallelConfig(pp=2, tp=2, microbatches=2)),
+        "hsdp_replicate2_shard2": (4, rf.ParallelConfig(dp_shard=2)),
+        "pp2_tp2_dp2": (8, rf.ParallelConfig(pp=2, tp=2, microbatches=2)),
+        "dp3": (3, rf.ParallelConfig()),
+    }
+
+
+def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, jobs: list, ports: list) -> dict:
+    """Run each job ``(name, layout, end_step, run_steps, every, resume)`` on the first ranks
+    of this process pool, in order; each answers its losses and where it restored from."""
+    from rayflex.constants import set_node_ip
+    from rayflex.mesh.plan import plan_mesh
+    from rayflex.worker.train_worker import TrainWorker
+
+    set_node_ip("127.0.0.1")
+    layouts = _layouts()
+    out, worker = {}, None
+    for (name, layout, end_step, run_steps, every, resume), job_port in zip(jobs, ports):
+        size, parallel = layouts[layout]
+        if rank >= size:
+            continue
+        spec = _spec(data_uri, storage, "ckpt" if every or resume else name, parallel, world=size,
+                     steps=run_steps, every=every, resume=resume)
+        plan = plan_mesh(spec.model, spec.parallel, spec.data, size)
+        if worker is None or worker.spec != spec:
+            worker = TrainWorker(rank, spec, plan)
+        else:
+            worker.reconfigure(rank, plan)
+        info = worker.setup("127.0.0.1", job_port, restore=resume)
+        worker.start(end_step)
+        finished = worker.join(TIMEOUT_S - 30)
+        status = worker.poll()
+        assert finished and status.error is None, (name, status.error)
+        qkv = [p for n, p in worker.stages[0][1].named_parameters() if n.endswith("qkv.weight")][0]
+        out[name] = {"losses": [r.loss for r in status.records], "steps": [r.step for r in status.records],
+                     "restored": (info["restored"] or {}).get("step"), "mesh": plan.describe(),
+                     # this rank's piece of a qkv weight: rows split over tp, then over dp by FSDP
+                     "qkv": (tuple(qkv.shape), tuple(qkv.to_local().shape), [str(p) for p in qkv.placements])}
+        assert worker.release(10, 0)
+    return out
+
+
+def _reference(data_uri: str, storage: str, steps: int) -> list[float]:
+    import rayflex as rf
+    from rayflex.testing.reference import single_process_losses
+
+    return single_process_losses(_spec(data_uri, storage, "reference", rf.ParallelConfig(), world=1, steps=steps),
+                                 steps)
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(dataset_uri, tmp_path_factory):
+    """tp2 x dp2, pp2 x tp2, HSDP 2 x 2, then a checkpoint saved at pp2 x tp2 (step 2 of
+    4) resumed at dp3: all in one pool of four processes."""
+    from rayflex.worker.train_worker import free_port
+
+    storage = f"file://{tmp_path_factory.mktemp('runs3d')}"
+    jobs = [("tp2_dp2", "tp2_dp2", STEPS, STEPS, 0, False), ("pp2_tp2", "pp2_tp2", STEPS, STEPS, 0, False),
+            ("hsdp", "hsdp_replicate2_shard2", STEPS, STEPS, 0, False),
+            # the first two steps of a 4-step run, then the rest of it on another layout
+            ("save_pp2_tp2", "pp2_tp2", 2, 4, 2, False), ("resume_dp3", "dp3", 4, 4, 2, True)]
+    got = run_ranks(_run_jobs, 4, dataset_uri, storage, jobs, [free_port() for _ in jobs], timeout_s=TIMEOUT_S)
+    return got, {STEPS: _reference(dataset_uri, storage, STEPS), 4: _reference(dataset_uri, storage, 4)}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name,mesh", [("tp2_dp2", "pp1 x dp2 x tp2"), ("pp2_tp2", "pp2 x dp1 x tp2"),
+                                       ("hsdp", "pp1 x dp4(2x2 hsdp)")])
+def test_a_3d_mesh_trains_what_one_process_trains(four_rank_runs, name, mesh):
+    got, reference = four_rank_runs
+    for rank, runs in got.items():
+        run = runs[name]
+        assert run["mesh"] == mesh
+        (rows, cols), local, placements = run["qkv"]
+        tp = 2 if "tp2" in mesh else 1
+        dp_shard = 2 if "hsdp" in mesh else 2 if "dp2" in mesh else 1
+        assert local == (rows // (tp * dp_shard), cols), (name, run["qkv"])  # really split
+        assert run["steps"] == list(range(1, STEPS + 1)), (rank, run)
+        assert run["losses"] == pytest.approx(reference[STEPS], abs=1e-5), (name, rank, run["losses"], reference)
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_saved_at_pp2_tp2_resumes_at_dp3_with_the_never_stopped_loss(four_rank_runs):
+    got, reference = four_rank_runs
+    for rank, runs in got.items():
+        saved = runs["save_pp2_tp2"]
+        assert saved["losses"] == pytest.approx(reference[4][:2], abs=1e-5), (rank, saved)
+        if rank < 3:
+            resumed = runs["resume_dp3"]
+            assert resumed["mesh"] == "pp1 x dp3" and resumed["restored"] == 2, resumed
+            assert resumed["steps"] == [3, 4]
+            assert resumed["losses"] == pytest.approx(reference[4][2:], abs=1e-5), (rank, resumed, reference[4])
+        else:
+            assert "resume_dp3" not in runs
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow  # eight processes; make test-slow
+def test_pp2_tp2_dp2_on_eight_ranks_trains_what_one_process_trains(dataset_uri, tmp_path):
+    from rayflex.worker.train_worker import free_port
+
+    storage = f"file://{tmp_path}/runs"
+    got = run_ranks(_run_jobs, 8, dataset_uri, storage, [("pp2_tp2_dp2", "pp2_tp2_dp2", STEPS, STEPS, 0, False)],
+                    [free_port()], timeout_s=TIMEOUT_S)
+    reference = _reference(dataset_uri, storage, STEPS)
+    for rank, runs in got.items():
+        assert runs["pp2_tp2_dp2"]["mesh"] == "pp2 x dp2 x tp2"
+        assert runs["pp2_tp2_dp2"]["losses"] == pytest.approx(reference, abs=1e-5), (rank, runs, reference)
