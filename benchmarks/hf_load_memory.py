@@ -216,14 +216,14 @@ def _rank(rank: int, world: int, port: int, system: str, spec, root: str, out, t
     import rayflex.models.hf  # noqa: F401 - both systems start with transformers and rayflex imported
     import transformers.models.llama.modeling_llama  # noqa: F401
     from rayflex.mesh.plan import plan_mesh
-    from rayflex.worker.parallelize import build_device_mesh
+    from rayflex.worker.parallelize import build_device_mesh, data_parallel_mesh
 
     faulthandler.dump_traceback_later(timeout_s, exit=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     plan = plan_mesh(spec, rf.ParallelConfig(), rf.DataConfig(uri="file:///unused", global_batch=world), world)
-    dp_mesh = build_device_mesh(plan, "cpu")["dp"]
+    dp_mesh = data_parallel_mesh(build_device_mesh(plan, "cpu"), plan)
     gc.collect()
     dist.barrier()
     base = _status_kb()

@@ -59,14 +59,14 @@ def _rank(rank: int, world: int, port: int, build: str, layers: int, d_model: in
     import rayflex as rf
     from rayflex.mesh.plan import plan_mesh
     from rayflex.worker.meta_init import build_sharded_stages
-    from rayflex.worker.parallelize import build_device_mesh, build_local_stages, shard_stage
+    from rayflex.worker.parallelize import build_device_mesh, build_local_stages, data_parallel_mesh, shard_stage
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     spec = model_spec(layers, d_model)
     plan = plan_mesh(spec, rf.ParallelConfig(), rf.DataConfig(uri="file:///unused", global_batch=world), world)
-    dp_mesh = build_device_mesh(plan, "cpu")["dp"]
+    dp_mesh = data_parallel_mesh(build_device_mesh(plan, "cpu"), plan)
     device = torch.device("cpu")
     dist.barrier()
     base_kb = _status_kb("VmRSS")

@@ -549,6 +549,9 @@ class TrainSpec:
                               "pass rayflex.models.gpt(...) or your own ModelSpec")
         validate_together(scaling=self.scaling, parallel=self.parallel, data=self.data,
                           num_blocks=self.model.num_blocks)
+        if not self.parallel.is_auto:
+            rules.check_tp(getattr(self.model, "metadata", None), self.parallel.tp,
+                           model=getattr(self.model, "name", "the model"))
         if self.run.steps == 0 and not (self.checkpoint.resume or self.checkpoint.every_steps):
             raise ConfigError("RunConfig.steps", "steps=0 only saves the initial weights as the step-0 "
                               "checkpoint, and checkpoints are off (resume=False, every_steps=0)",

@@ -86,7 +86,7 @@ def run_rank(rank: int, layouts: list[tuple[int, int, int, int]], results) -> No
     import rayflex as rf
     from rayflex.mesh.plan import plan_mesh
     from rayflex.worker.meta_init import build_sharded_stages
-    from rayflex.worker.parallelize import build_device_mesh, build_local_stages, shard_stage
+    from rayflex.worker.parallelize import build_device_mesh, build_local_stages, data_parallel_mesh, shard_stage
     from rayflex.worker.train_worker import _clear_sharding_caches
 
     torch.set_num_threads(1)
@@ -101,7 +101,7 @@ def run_rank(rank: int, layouts: list[tuple[int, int, int, int]], results) -> No
             parallel = (rf.ParallelConfig(pp=pp, schedule="interleaved", stages_per_rank=per_rank) if per_rank > 1
                         else rf.ParallelConfig(pp=pp))
             plan = plan_mesh(spec, parallel, rf.DataConfig(uri="file:///unused", global_batch=8), world)
-            dp_mesh = build_device_mesh(plan, "cpu")["dp"]
+            dp_mesh = data_parallel_mesh(build_device_mesh(plan, "cpu"), plan)
             plain = build_local_stages(spec, plan, rank, device)
             for _, module in plain:
                 shard_stage(module, dp_mesh, pipelined=plan.pp > 1)

@@ -19,18 +19,71 @@ STEPS = 3
 GLOBAL_BATCH = 12  # divisible by every dp below: 1, 2, 3, 4
 
 
-def _model():
-    from rayflex.models import GPTConfig, gpt
+class UserLM:
+    """A user's own module (``ModelSpec.from_module``) with a TP plan in transformers'
+    notation; its attention views heads by a fixed head size, as TP requires."""
 
+    @staticmethod
+    def build():
+        import torch.nn.functional as F
+        from torch import nn
+
+        width, heads, vocab = 32, 4, 128
+
+        class Layer(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.norm = nn.LayerNorm(width)
+                self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+                self.o = nn.Linear(width, width)
+                self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+            def forward(self, x):
+                b, t, _ = x.shape
+                h = self.norm(x)
+                q, k, v = (p(h).view(b, t, -1, width // heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1)
+                x = x + self.o(a)
+                return x + self.down(F.gelu(self.up(x)))
+
+        class LM(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Embedding(vocab, width)
+                self.layers = nn.ModuleList(Layer() for _ in range(2))
+                self.norm = nn.LayerNorm(width)
+                self.lm_head = nn.Linear(width, vocab, bias=False)
+
+            def forward(self, ids):
+                x = self.embed(ids)
+                for layer in self.layers:
+                    x = layer(x)
+                return self.lm_head(self.norm(x))
+
+        return LM()
+
+    PLAN = {"layers.*.q": "colwise", "layers.*.k": "colwise", "layers.*.v": "colwise", "layers.*.o": "rowwise",
+            "layers.*.up": "colwise", "layers.*.down": "rowwise", "embed": "rowwise_replicated_input",
+            "lm_head": "colwise_gather_output"}
+
+
+def _model(kind: str = "gpt"):
+    from rayflex.models import GPTConfig, gpt
+    from rayflex.models.gpt_blocks import lm_loss
+    from rayflex.models.spec import ModelSpec
+
+    if kind == "user":
+        return ModelSpec.from_module(UserLM.build, loss_fn=lm_loss, tp_plan=UserLM.PLAN,
+                                     tp_divides={"attention heads": 4})
     # 4 heads, MLP 128 and a vocabulary of 128 split over tp=2; 4 layers = 6 blocks for pp=2.
     return gpt(GPTConfig(vocab_size=128, seq_len=SEQ_LEN, d_model=32, n_layers=4, n_heads=4))
 
 
 def _spec(data_uri: str, storage: str, name: str, parallel, *, world: int, steps: int = STEPS, every: int = 0,
-          resume: bool = False):
+          resume: bool = False, model: str = "gpt"):
     import rayflex as rf
 
-    return rf.TrainSpec(model=_model(), data=rf.DataConfig(uri=data_uri, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH),
+    return rf.TrainSpec(model=_model(model), data=rf.DataConfig(uri=data_uri, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH),
                         run=rf.RunConfig(name=name, storage=storage, steps=steps,
                                          optimizer=rf.OptimizerConfig(lr=1e-2, grad_clip=1.0)),
                         scaling=rf.ScalingConfig(num_workers=world), parallel=parallel,
@@ -46,6 +99,7 @@ def _layouts():
         "hsdp_replicate2_shard2": (4, rf.ParallelConfig(dp_shard=2)),
         "pp2_tp2_dp2": (8, rf.ParallelConfig(pp=2, tp=2, microbatches=2)),
         "dp3": (3, rf.ParallelConfig()),
+        "user_tp2_dp2": (4, rf.ParallelConfig(tp=2)),
     }
 
 
@@ -64,7 +118,7 @@ def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, job
         if rank >= size:
             continue
         spec = _spec(data_uri, storage, "ckpt" if every or resume else name, parallel, world=size,
-                     steps=run_steps, every=every, resume=resume)
+                     steps=run_steps, every=every, resume=resume, model="user" if layout.startswith("user") else "gpt")
         plan = plan_mesh(spec.model, spec.parallel, spec.data, size)
         if worker is None or worker.spec != spec:
             worker = TrainWorker(rank, spec, plan)
@@ -75,7 +129,7 @@ def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, job
         finished = worker.join(TIMEOUT_S - 30)
         status = worker.poll()
         assert finished and status.error is None, (name, status.error)
-        qkv = [p for n, p in worker.stages[0][1].named_parameters() if n.endswith("qkv.weight")][0]
+        qkv = [p for n, p in worker.stages[0][1].named_parameters() if n.endswith(("qkv.weight", ".q.weight"))][0]
         out[name] = {"losses": [r.loss for r in status.records], "steps": [r.step for r in status.records],
                      "restored": (info["restored"] or {}).get("step"), "mesh": plan.describe(),
                      # this rank's piece of a qkv weight: rows split over tp, then over dp by FSDP
@@ -84,12 +138,12 @@ def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, job
     return out
 
 
-def _reference(data_uri: str, storage: str, steps: int) -> list[float]:
+def _reference(data_uri: str, storage: str, steps: int, model: str = "gpt") -> list[float]:
     import rayflex as rf
     from rayflex.testing.reference import single_process_losses
 
-    return single_process_losses(_spec(data_uri, storage, "reference", rf.ParallelConfig(), world=1, steps=steps),
-                                 steps)
+    spec = _spec(data_uri, storage, "reference", rf.ParallelConfig(), world=1, steps=steps, model=model)
+    return single_process_losses(spec, steps)
 
 
 @pytest.fixture(scope="module")
@@ -101,10 +155,12 @@ def four_rank_runs(dataset_uri, tmp_path_factory):
     storage = f"file://{tmp_path_factory.mktemp('runs3d')}"
     jobs = [("tp2_dp2", "tp2_dp2", STEPS, STEPS, 0, False), ("pp2_tp2", "pp2_tp2", STEPS, STEPS, 0, False),
             ("hsdp", "hsdp_replicate2_shard2", STEPS, STEPS, 0, False),
+            ("user_tp2_dp2", "user_tp2_dp2", STEPS, STEPS, 0, False),
             # the first two steps of a 4-step run, then the rest of it on another layout
             ("save_pp2_tp2", "pp2_tp2", 2, 4, 2, False), ("resume_dp3", "dp3", 4, 4, 2, True)]
     got = run_ranks(_run_jobs, 4, dataset_uri, storage, jobs, [free_port() for _ in jobs], timeout_s=TIMEOUT_S)
-    return got, {STEPS: _reference(dataset_uri, storage, STEPS), 4: _reference(dataset_uri, storage, 4)}
+    return got, {STEPS: _reference(dataset_uri, storage, STEPS), 4: _reference(dataset_uri, storage, 4),
+                 "user": _reference(dataset_uri, storage, STEPS, "user")}
 
 
 @pytest.mark.multiproc
@@ -121,6 +177,16 @@ def test_a_3d_mesh_trains_what_one_process_trains(four_rank_runs, name, mesh):
         assert local == (rows // (tp * dp_shard), cols), (name, run["qkv"])  # really split
         assert run["steps"] == list(range(1, STEPS + 1)), (rank, run)
         assert run["losses"] == pytest.approx(reference[STEPS], abs=1e-5), (name, rank, run["losses"], reference)
+
+
+@pytest.mark.multiproc
+def test_a_users_module_with_a_tp_plan_trains_at_tp2_dp2_as_in_one_process(four_rank_runs):
+    got, reference = four_rank_runs
+    for rank, runs in got.items():
+        run = runs["user_tp2_dp2"]
+        (rows, cols), local, _ = run["qkv"]
+        assert local == (rows // 4, cols), run["qkv"]  # q split over tp, then over dp
+        assert run["losses"] == pytest.approx(reference["user"], abs=1e-5), (rank, run["losses"], reference["user"])
 
 
 @pytest.mark.multiproc

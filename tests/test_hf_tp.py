@@ -7,7 +7,8 @@ import pytest
 
 from rayflex.errors import ConfigError
 from rayflex.models.hf import causal_lm
-from rayflex.models.hf_tp import check_tp, tp_plan
+from rayflex.mesh.rules import check_tp
+from rayflex.models.hf_tp import tp_plan
 
 from hf_helpers import SEQ_LEN, tiny_config
 from spawn_ranks import run_ranks
@@ -23,12 +24,21 @@ def test_the_plan_is_transformers_own_for_one_decoder_layer():
     assert tp_plan(causal_lm(tiny_config("qwen3")))["self_attn.q_norm"] == "replicated_with_grad_allreduce"
 
 
+def test_the_embedding_and_head_split_by_vocabulary():
+    plan = causal_lm(tiny_config("llama")).metadata["tp"]["plan"]
+    assert plan["first"] == {"embed_tokens": "rowwise_replicated_input"}
+    assert plan["last"] == {"lm_head": "colwise_gather_output"}
+
+
 def test_a_model_without_a_plan_or_an_uneven_split_is_refused():
-    with pytest.raises(ConfigError, match="gpt2 has no tensor-parallel plan.*use tp=1"):
-        check_tp(causal_lm(tiny_config("gpt2")), 2)
-    check_tp(causal_lm(tiny_config("gpt2")), 1)  # no split, nothing to check
+    gpt2 = causal_lm(tiny_config("gpt2"))
+    with pytest.raises(ConfigError, match="cannot be split over tp=2 ranks: transformers ships no tensor-parallel "
+                                          "plan for gpt2.*use tp=1"):
+        check_tp(gpt2.metadata, 2, model=gpt2.name)
+    check_tp(gpt2.metadata, 1)  # no split, nothing to check
+    llama = causal_lm(tiny_config("llama"))
     with pytest.raises(ConfigError, match=r"tp=4 does not divide the key/value heads \(2\)"):
-        check_tp(causal_lm(tiny_config("llama")), 4)  # 4 attention heads, 2 key/value heads
+        check_tp(llama.metadata, 4)  # 4 attention heads, 2 key/value heads
 
 
 def _tp_rank(rank: int, world: int, port: int, families: tuple) -> dict:
@@ -50,18 +60,22 @@ def _compare_block(family: str, world: int) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from rayflex.models.hf_tp import apply_tp
+    from rayflex.models.tp_plan import apply_tp, sum_replicated_grads
 
     spec = causal_lm(tiny_config(family))
     torch.manual_seed(0)
     x = torch.randn(2, SEQ_LEN, spec.hidden_size)
     whole = spec.block(1)
-    split = apply_tp(spec.block(1), spec, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    split = spec.block(1)
+    summed = apply_tp(split, tp_plan(spec), mesh)
     out = {}
     for name, block in (("whole", whole), ("split", split)):
         xi = x.clone().requires_grad_(True)
         y = block(xi)
         y.square().mean().backward()
+        if block is split:
+            sum_replicated_grads(summed, mesh.get_group())
         grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
                  for n, p in block.named_parameters()}
         out[name] = (y.detach(), xi.grad.clone(), grads)

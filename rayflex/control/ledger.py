@@ -103,7 +103,9 @@ class StepLedger:
                 statistics.fmean(r.pipeline_wait_s / r.forward_backward_s if r.forward_backward_s else 0.0
                                  for r in recs.values() if r.pp_index == s) for s in stages]
         if self.spec.data.log_samples:
-            first_stage = sorted((r.dp_index, r.sample_indices) for r in recs.values() if r.pp_index == 0)
+            # One record per dp index: the tp ranks of a dp rank read the same samples.
+            first_stage = sorted((r.dp_index, r.sample_indices) for r in recs.values()
+                                 if r.pp_index == 0 and r.tp_index == 0)
             self.recorder.rundir.add_line("samples.jsonl", {
                 "step": r0.step, "world_size": plan.world_size,
                 "indices": [i for _, idx in first_stage for i in idx or []]})

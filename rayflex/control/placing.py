@@ -122,7 +122,8 @@ def _start_group(ctx, plan, placement, survivors: dict, world: int, *, shrinking
 
 
 def _plan_event(world: int, plan, resolved, placement, group) -> ev.PlanChosen:
-    return ev.PlanChosen(world_size=world, pp=plan.pp, dp=plan.dp, schedule=plan.schedule,
+    return ev.PlanChosen(world_size=world, pp=plan.pp, dp=plan.dp, tp=plan.tp, dp_replicate=plan.dp_replicate,
+                         schedule=plan.schedule,
                          stage_blocks=[list(b) for b in plan.stage_blocks], stage_costs=list(plan.stage_costs),
                          balance=plan.balance, microbatches=plan.microbatches, micro_batch=plan.micro_batch,
                          accum_steps=plan.accum_steps,

@@ -223,7 +223,8 @@ def module_spec_fields(factory: Callable[[], nn.Module], blocks: str = "layers",
                        pre: str | Iterable[str] = ("embed",), post: str | Iterable[str] = ("norm", "lm_head"),
                        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], name: str | None = None,
                        hidden_size: int = 0, init_seed: int = 1234, init: str = "module",
-                       ignore: str | Iterable[str] = ()) -> dict[str, Any]:
+                       ignore: str | Iterable[str] = (), tp_plan: dict[str, str] | None = None,
+                       tp_divides: dict[str, int] | None = None) -> dict[str, Any]:
     """The fields of the ModelSpec that ``ModelSpec.from_module`` returns (see there)."""
     if not callable(factory) or isinstance(factory, nn.Module):
         raise ConfigError(f"{WHERE}(factory)", f"got {describe(factory)}, not a zero-argument callable",
@@ -250,8 +251,52 @@ def module_spec_fields(factory: Callable[[], nn.Module], blocks: str = "layers",
     if not hidden_size:  # the width the embedding hands to the layers, when it says so
         embeds = [m for p in pre for m in root.get_submodule(p).modules() if isinstance(m, nn.Embedding)]
         hidden_size = embeds[-1].embedding_dim if embeds else 0
+    tp = _tp_metadata(root, layout, tp_plan, tp_divides)
     return {"name": name or f"{type(root).__name__}-{len(layers)}", "num_blocks": layout.num_blocks,
-            "build_block": builder, "loss_fn": loss_fn, "hidden_size": hidden_size, "init_seed": init_seed}
+            "build_block": builder, "loss_fn": loss_fn, "hidden_size": hidden_size, "init_seed": init_seed,
+            "metadata": {"tp": tp}}
+
+
+def _tp_metadata(root: nn.Module, layout: ModuleLayout, plan: dict[str, str] | None,
+                 divides: dict[str, int] | None) -> dict:
+    """``metadata["tp"]`` from a plan in transformers' notation: paths in *your* module,
+    ``*`` for the layer index (``{"layers.*.attn.q": "colwise", "embed": "rowwise_replicated_input",
+    "lm_head": "colwise_gather_output"}``). Every path must name a module: a typo would
+    otherwise leave that module whole and the model silently wrong on tp ranks."""
+    from rayflex.models.tp_plan import STYLES, tp_metadata
+
+    if plan is None:
+        return {"unsupported": "ModelSpec.from_module was given no tp_plan"}
+    if not isinstance(plan, dict) or not plan:
+        raise ConfigError(f"{WHERE}(tp_plan)", f"got {plan!r}", "pass a dict of module path -> style, e.g. "
+                          "{'layers.*.attn.q_proj': 'colwise', 'layers.*.attn.o_proj': 'rowwise'}")
+    parts: dict[str, dict[str, str]] = {"first": {}, "inner": {}, "last": {}}
+    layer_prefix = layout.blocks + ".*."
+    for path, style in plan.items():
+        if style not in STYLES:
+            raise ConfigError(f"{WHERE}(tp_plan)", f"{path!r}: unknown style {style!r}", f"use one of {STYLES}")
+        if path.startswith(layer_prefix):
+            inner = path[len(layer_prefix):]
+            target, where = root.get_submodule(layout.blocks)[0], "inner"
+        else:
+            owner = next((p for p in layout.pre + layout.post if path == p or path.startswith(p + ".")), None)
+            if owner is None:
+                raise ConfigError(f"{WHERE}(tp_plan)", f"{path!r} is in neither the layers ({layer_prefix}...) "
+                                  f"nor pre/post {layout.pre + layout.post}",
+                                  f"write layer paths as {layer_prefix}<path>, others by their own path")
+            inner, target = path, root
+            where = "first" if owner in layout.pre else "last"
+        try:
+            target.get_submodule(inner)
+        except AttributeError:
+            raise ConfigError(f"{WHERE}(tp_plan)", f"{path!r} names no module of the model",
+                              "check the path against model.named_modules()") from None
+        parts[where][inner] = style
+    # Without pre (post) modules the first (last) block is a layer: it splits as one.
+    for where, modules in (("first", layout.pre), ("last", layout.post)):
+        if not modules:
+            parts[where] = dict(parts["inner"])
+    return tp_metadata(**parts, divides=dict(divides or {}))
 
 
 def _names(value, role: str) -> tuple[str, ...]:

@@ -86,7 +86,12 @@ class ModelSpec:
         ``name`` (class name and depth), ``hidden_size`` (0: the embedding's width),
         ``init_seed=1234``, ``init="module"`` (weights of ``torch.manual_seed(init_seed);
         factory()``, one full CPU build per block) or ``"reset"`` (each layer's
-        ``reset_parameters()``, per block). Block 0 is ``pre`` chained, then one block per
+        ``reset_parameters()``, per block), ``tp_plan`` (tensor parallelism, in transformers'
+        notation: ``{"layers.*.attn.q_proj": "colwise", "layers.*.attn.o_proj": "rowwise",
+        "embed": "rowwise_replicated_input", "lm_head": "colwise_gather_output"}``; styles in
+        :mod:`rayflex.models.tp_plan`; None: the model cannot be split, ``tp`` must be 1) and
+        ``tp_divides`` (``{"attention heads": 8}``: sizes ``tp`` must divide, checked before
+        launch). Block 0 is ``pre`` chained, then one block per
         layer, then ``post``; keys keep your names (``blocks.0.embed.weight``,
         ``blocks.3.<layers[2]'s names>``) and
         :func:`rayflex.models.module_spec.to_module_state_dict` maps them back.

@@ -67,6 +67,7 @@ from rayflex.errors import ConfigError
 from rayflex.planning.topology import Bandwidths, LinkTier, NodeInfo, Topology
 
 REL_TOL = 1e-9  # relative tolerance when comparing modeled costs
+LEVELS = range(len(LinkTier))
 
 
 def meets(cost: float, bound: float) -> bool:
@@ -84,43 +85,84 @@ def improves(cost: float, best: float) -> bool:
 # --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MeshShape:
-    """A pp x dp mesh; ``rank = stage * dp + dp_index``."""
+    """A pp x dp x tp mesh, dp = dp_replicate x dp_shard; rank order as ``MeshPlan``'s
+    (module docstring). ``MeshShape(pp, dp)`` is the plain pp x dp mesh."""
 
     pp: int
     dp: int
+    tp: int = 1
+    dp_replicate: int = 1
 
     def __post_init__(self):
-        for name in ("pp", "dp"):
+        for name in ("pp", "dp", "tp", "dp_replicate"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"MeshShape.{name}", f"must be an integer >= 1, got {v!r}",
-                                  "use pp=1 for no pipeline and dp=1 for no data parallelism")
+                                  "use pp=1 for no pipeline, dp=1 for no data parallelism, tp=1 for no "
+                                  "tensor parallelism and dp_replicate=1 for plain FSDP")
+        if self.dp % self.dp_replicate:
+            raise ConfigError("MeshShape.dp_replicate", f"dp_replicate={self.dp_replicate} does not divide "
+                              f"dp={self.dp}", "use a divisor of dp (dp_shard = dp / dp_replicate)")
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.tp
 
-    def rank(self, stage: int, dp_index: int) -> int:
-        return stage * self.dp + dp_index
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    @property
+    def units(self) -> "MeshShape":
+        """The pp x dp mesh of tp groups the planner places (one unit = ``tp`` slots of a node)."""
+        return MeshShape(self.pp, self.dp)
+
+    def rank(self, stage: int, dp_index: int, tp_index: int = 0) -> int:
+        return (stage * self.dp + dp_index) * self.tp + tp_index
 
     def coords(self, rank: int) -> Tuple[int, int]:
-        return divmod(rank, self.dp)
+        """(stage, dp_index) of a rank."""
+        return divmod(rank // self.tp, self.dp)
+
+    def mesh_coords(self, rank: int) -> Tuple[int, int, int, int]:
+        """(stage, replica, shard, tp_index): the rank's place along ``MESH_DIMS``."""
+        rest, t = divmod(rank, self.tp)
+        rest, s = divmod(rest, self.dp_shard)
+        p, r = divmod(rest, self.dp_replicate)
+        return p, r, s, t
+
+    def describe(self) -> str:
+        """``pp=2 x dp=4`` / ``pp=2 x dp=4 (2x2 hsdp) x tp=8``."""
+        dp = f"dp={self.dp}" + (f" ({self.dp_replicate}x{self.dp_shard} hsdp)" if self.dp_replicate > 1 else "")
+        return " x ".join([f"pp={self.pp}", dp] + ([f"tp={self.tp}"] if self.tp > 1 else []))
 
 
 @dataclass(frozen=True)
 class CommProfile:
-    """Bytes the model moves per step: what the cost model needs and nothing more."""
+    """Bytes the model moves per step: what the cost model needs and nothing more.
+
+    ``stage_param_bytes``: the parameter bytes one rank of each stage holds (its tp shard).
+    ``tp_allreduce_bytes``: per stage, the bytes of every tensor-parallel all-reduce a rank
+    of it issues per step (payloads, before the ring factor); empty without tp.
+    """
 
     stage_param_bytes: Tuple[float, ...]
     activation_bytes: float
     microbatches: int = 1
     reshard_after_forward: bool = False
+    tp_allreduce_bytes: Tuple[float, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "stage_param_bytes", tuple(float(b) for b in self.stage_param_bytes))
+        object.__setattr__(self, "tp_allreduce_bytes", tuple(float(b) for b in self.tp_allreduce_bytes))
         if not self.stage_param_bytes or any(b < 0 for b in self.stage_param_bytes):
             raise ConfigError("CommProfile.stage_param_bytes", "must list one byte count >= 0 per stage",
                               "give the parameter bytes of each pipeline stage")
+        if self.tp_allreduce_bytes and (len(self.tp_allreduce_bytes) != len(self.stage_param_bytes)
+                                        or any(b < 0 for b in self.tp_allreduce_bytes)):
+            raise ConfigError("CommProfile.tp_allreduce_bytes",
+                              f"has {len(self.tp_allreduce_bytes)} entries for {len(self.stage_param_bytes)} stages",
+                              "give one byte count >= 0 per pipeline stage, or none without tensor parallelism")
         if self.activation_bytes < 0 or self.microbatches < 1:
             raise ConfigError("CommProfile", f"activation_bytes={self.activation_bytes} and "
                               f"microbatches={self.microbatches} must be >= 0 and >= 1",
@@ -132,22 +174,29 @@ class CommProfile:
 
     @classmethod
     def uniform(cls, pp: int, total_param_bytes: float, activation_bytes: float,
-                microbatches: int = 1, reshard_after_forward: bool = False) -> "CommProfile":
-        """Parameters split evenly over ``pp`` stages."""
+                microbatches: int = 1, reshard_after_forward: bool = False,
+                tp_allreduce_bytes: float = 0.0) -> "CommProfile":
+        """Parameters (and TP all-reduce bytes, per rank) split evenly over ``pp`` stages."""
+        tp = tuple([tp_allreduce_bytes / pp] * pp) if tp_allreduce_bytes else ()
         return cls(tuple([total_param_bytes / pp] * pp), activation_bytes, microbatches,
-                   reshard_after_forward)
+                   reshard_after_forward, tp)
 
 
 # --------------------------------------------------------------------------------------
 # The topology as a tree of integer ids, and the cost model on it
 # --------------------------------------------------------------------------------------
 class NodeTree:
-    """Eligible nodes as a 4-level tree: node (0) < domain (1) < zone (2) < cluster (3)."""
+    """Eligible nodes as a 4-level tree: node (0) < domain (1) < zone (2) < cluster (3).
 
-    def __init__(self, nodes: Sequence[NodeInfo]):
+    ``unit``: slots per placed unit (``tp``: a tp group never leaves its node), so ``cap``
+    counts whole units per node.
+    """
+
+    def __init__(self, nodes: Sequence[NodeInfo], unit: int = 1):
         self.nodes = list(nodes)
         self.n = len(self.nodes)
-        self.cap = [nd.slots for nd in self.nodes]
+        self.unit = unit
+        self.cap = [nd.slots // unit for nd in self.nodes]
         zones: Dict = {}
         doms: Dict = {}
         self.zone = [zones.setdefault(nd.zone, len(zones)) for nd in self.nodes]
@@ -184,6 +233,14 @@ class NodeTree:
                     break
         return worst
 
+    def fit_level(self, units: int) -> int:
+        """Smallest level at which some subtree holds ``units`` units (3 when none does:
+        the cluster as a whole is the last resort)."""
+        for lv in range(3):
+            if any(sum(self.cap[i] for i in ns) >= units for ns in self.subtrees(lv).values()):
+                return lv
+        return 3
+
     def tie_level(self, a: Mapping[int, int], b: Mapping[int, int]) -> int:
         """Smallest level at which count vectors ``a`` and ``b`` agree on every subtree."""
         for lv in range(3):
@@ -199,47 +256,131 @@ class NodeTree:
 
 
 class TierCosts:
-    """Per-tier seconds: ``fsdp[s][level]`` for stage s's group and ``p2p[level]`` per boundary."""
+    """Per-tier seconds of each term: ``shard[s][level]`` (stage s's FSDP shard groups),
+    ``replica[s][level]`` (its HSDP all-reduce), ``tp[s][level]`` (its TP all-reduces),
+    ``p2p[level]`` (one boundary); and ``fsdp[s][level]``, what the planner's relaxation and
+    exact search charge a stage whose dp group spans ``level``.
+
+    Without HSDP ``fsdp`` is ``shard`` (the dp group is the shard group). With it, a dp group
+    at level L has its shard and replicate groups at levels a, b <= L with max(a, b) = L (a
+    pair of its units is joined through one shard and one replicate group, and the tree is
+    ultrametric), so ``fsdp[s][L] = min(shard[L] + replica[b0], shard[a0] + replica[L])`` is
+    a lower bound on the stage's cost, with a0, b0 the floors ``set_group_floors`` sets.
+    """
 
     def __init__(self, mesh: MeshShape, profile: CommProfile, bw: Bandwidths):
         if len(profile.stage_param_bytes) != mesh.pp:
             raise ConfigError("CommProfile.stage_param_bytes",
                               f"has {len(profile.stage_param_bytes)} entries for pp={mesh.pp}",
                               "give one parameter byte count per pipeline stage")
-        ring = profile.fsdp_collectives * (mesh.dp - 1) / mesh.dp
-        self.fsdp = [[ring * p / bw.of(t) for t in LinkTier] for p in profile.stage_param_bytes]
+        shard, reps, tp = mesh.dp_shard, mesh.dp_replicate, mesh.tp
+        ring = profile.fsdp_collectives * (shard - 1) / shard
+        rep_ring = 2 * (reps - 1) / reps
+        tp_ring = 2 * (tp - 1) / tp
+        tp_bytes = profile.tp_allreduce_bytes or (0.0,) * mesh.pp
+        self.shard = [[ring * p / bw.of(t) for t in LinkTier] for p in profile.stage_param_bytes]
+        self.replica = [[rep_ring * p / shard / bw.of(t) for t in LinkTier] for p in profile.stage_param_bytes]
+        self.tp = [[tp_ring * x / bw.of(t) for t in LinkTier] for x in tp_bytes]
         self.p2p = [2.0 * profile.activation_bytes * profile.microbatches / bw.of(t) for t in LinkTier]
+        # plain FSDP over the whole dp group: what HSDP is compared against in explanations
+        dp_ring = profile.fsdp_collectives * (mesh.dp - 1) / mesh.dp
+        self.plain = [[dp_ring * p / bw.of(t) for t in LinkTier] for p in profile.stage_param_bytes]
+        self.hsdp = reps > 1
+        self.set_group_floors(0, 0)
+
+    def set_group_floors(self, shard_floor: int, replica_floor: int) -> None:
+        """The levels below which no shard / replicate group can sit (the smallest subtree
+        holding dp_shard / dp_replicate units); tightens ``fsdp`` with HSDP."""
+        if not self.hsdp:
+            self.fsdp = self.shard
+            return
+        self.fsdp = [[min(sh[lv] + rp[min(replica_floor, lv)], sh[min(shard_floor, lv)] + rp[lv]) for lv in LEVELS]
+                     for sh, rp in zip(self.shard, self.replica)]
+
+    @property
+    def tp_floor(self) -> float:
+        """TP seconds when every tp group shares a node (what placement guarantees)."""
+        return max(row[0] for row in self.tp)
 
 
 @dataclass(frozen=True)
 class CostBreakdown:
-    """One assignment's modeled seconds per stage and boundary, and the tree levels that set them."""
+    """One assignment's modeled seconds per stage and boundary, and the tree levels that set them.
+
+    ``row_levels``: each stage's worst FSDP shard group; ``replica_levels`` its worst HSDP
+    replicate group; ``tp_levels`` its worst tp group.
+    """
 
     total: float
     fsdp_s: Tuple[float, ...]
     p2p_s: Tuple[float, ...]
     row_levels: Tuple[int, ...]
     boundary_levels: Tuple[int, ...]
+    replica_s: Tuple[float, ...] = ()
+    replica_levels: Tuple[int, ...] = ()
+    tp_s: Tuple[float, ...] = ()
+    tp_levels: Tuple[int, ...] = ()
+
+    @property
+    def tp_total(self) -> float:
+        """What TP adds to the step: the slowest stage's all-reduces."""
+        return max(self.tp_s, default=0.0)
 
 
 def evaluate(tree: NodeTree, costs: TierCosts, mesh: MeshShape, node_of_rank: Sequence[int]) -> CostBreakdown:
     """The modeled seconds of an explicit rank -> node assignment (the ground truth)."""
-    pp, dp = mesh.pp, mesh.dp
-    rows, bnds = [], []
+    pp, dp, tp, shard, reps = mesh.pp, mesh.dp, mesh.tp, mesh.dp_shard, mesh.dp_replicate
+    stage_ranks = dp * tp
+
+    def lane(s: int, t: int) -> Sequence[int]:
+        """Nodes of stage s's dp indices at tp index t, in dp order."""
+        base = s * stage_ranks
+        return node_of_rank[base + t:base + stage_ranks:tp] if tp > 1 else node_of_rank[base:base + dp]
+
+    rows, reps_lv, tps, bnds = [], [], [], []
     for s in range(pp):
-        rows.append(tree.span_level(set(node_of_rank[s * dp:(s + 1) * dp])))
+        lanes = [lane(s, t) for t in range(tp)]
+        rows.append(max(tree.span_level(set(ln[r * shard:(r + 1) * shard])) for ln in lanes for r in range(reps)))
+        reps_lv.append(max(tree.span_level(set(ln[i::shard])) for ln in lanes for i in range(shard))
+                       if reps > 1 else 0)
+        base = s * stage_ranks
+        tps.append(max(tree.span_level(set(node_of_rank[base + d * tp:base + (d + 1) * tp])) for d in range(dp))
+                   if tp > 1 else 0)
     for s in range(pp - 1):
-        a, b = node_of_rank[s * dp:(s + 1) * dp], node_of_rank[(s + 1) * dp:(s + 2) * dp]
+        a, b = node_of_rank[s * stage_ranks:(s + 1) * stage_ranks], node_of_rank[(s + 1) * stage_ranks:(s + 2) * stage_ranks]
         bnds.append(max(tree.level(x, y) for x, y in zip(a, b)))
-    fsdp = tuple(costs.fsdp[s][lv] for s, lv in enumerate(rows))
+    fsdp = tuple(costs.shard[s][lv] for s, lv in enumerate(rows))
+    replica = tuple(costs.replica[s][lv] for s, lv in enumerate(reps_lv))
+    tp_s = tuple(costs.tp[s][lv] for s, lv in enumerate(tps))
     p2p = tuple(costs.p2p[lv] for lv in bnds)
-    return CostBreakdown(sum(fsdp) + sum(p2p), fsdp, p2p, tuple(rows), tuple(bnds))
+    total = sum(fsdp) + sum(replica) + sum(p2p) + max(tp_s)
+    return CostBreakdown(total, fsdp, p2p, tuple(rows), tuple(bnds), replica, tuple(reps_lv), tp_s, tuple(tps))
+
+
+def expand_units(node_of_unit: Sequence[int], tp: int) -> List[int]:
+    """Rank -> node from unit -> node: unit u holds ranks ``u*tp .. u*tp+tp-1``."""
+    return [i for i in node_of_unit for _ in range(tp)] if tp > 1 else list(node_of_unit)
+
+
+def canonical_unit_orders(tree: NodeTree, mesh: MeshShape) -> List[List[int]]:
+    """Two simple unit -> node layouts on the tree's hierarchical order: dp-major (units in
+    rank order fill nodes, so each stage's dp group, and in it each shard group, is packed
+    node by node, rack by rack) and pipeline-major (each node holds whole pipelines)."""
+    units = mesh.pp * mesh.dp
+    slots = [i for i in tree.order for _ in range(tree.cap[i])][:units]
+    if len(slots) < units:
+        raise ValueError(f"{len(slots)} units of {tree.unit} slots for a mesh of {units}")
+    pipe_major = [0] * units
+    for k, node in enumerate(slots):  # the k-th unit slot hosts pipeline k // pp at stage k % pp
+        d, s = divmod(k, mesh.pp)
+        pipe_major[s * mesh.dp + d] = node
+    return [slots, pipe_major]
 
 
 def ranks_from_counts(tree: NodeTree, rows: Sequence[Mapping[int, int]], dp: int) -> List[int]:
-    """Turn per-stage node counts into rank -> node, matching pipelines hierarchically.
+    """Turn per-stage node counts into unit -> node, matching pipelines hierarchically.
 
-    Stage s+1's ranks are matched to stage s's pipelines inside a node first, then a domain,
+    Stage s+1's units are matched to stage s's pipelines inside a node first, then a domain,
     a zone, anywhere: on a tree metric this greedy makes the worst link of every boundary
     the smallest level at which the two stages' counts agree.
     """
@@ -271,9 +412,9 @@ def ranks_from_counts(tree: NodeTree, rows: Sequence[Mapping[int, int]], dp: int
     return out
 
 
-def modeled_comm_seconds(topology: Topology, mesh: MeshShape, profile: CommProfile,
-                         rank_to_node: Sequence[str], bandwidths: Optional[Bandwidths] = None) -> float:
-    """Modeled communication seconds per step of any rank -> node id assignment."""
+def modeled_comm(topology: Topology, mesh: MeshShape, profile: CommProfile, rank_to_node: Sequence[str],
+                 bandwidths: Optional[Bandwidths] = None) -> CostBreakdown:
+    """The modeled communication of any rank -> node id assignment, term by term."""
     if len(rank_to_node) != mesh.world_size:
         raise ValueError(f"rank_to_node has {len(rank_to_node)} entries for world size {mesh.world_size}")
     used = set(rank_to_node)
@@ -283,5 +424,10 @@ def modeled_comm_seconds(topology: Topology, mesh: MeshShape, profile: CommProfi
     if missing:
         raise ValueError(f"rank_to_node names nodes not in the topology: {sorted(missing)[:5]}")
     costs = TierCosts(mesh, profile, bandwidths or topology.bandwidths)
-    return evaluate(tree, costs, mesh, [index[n] for n in rank_to_node]).total
+    return evaluate(tree, costs, mesh, [index[n] for n in rank_to_node])
 
+
+def modeled_comm_seconds(topology: Topology, mesh: MeshShape, profile: CommProfile,
+                         rank_to_node: Sequence[str], bandwidths: Optional[Bandwidths] = None) -> float:
+    """Modeled communication seconds per step of any rank -> node id assignment."""
+    return modeled_comm(topology, mesh, profile, rank_to_node, bandwidths).total

@@ -89,6 +89,8 @@ class PlanChosen(Event):
     world_size: int = 0
     pp: int = 1
     dp: int = 1
+    tp: int = 1
+    dp_replicate: int = 1  # HSDP replicas (dp = dp_replicate x dp_shard)
     schedule: str = ""
     stage_blocks: list = field(default_factory=list)
     stage_costs: list = field(default_factory=list)

@@ -191,8 +191,8 @@ def _copies(p: torch.Tensor, stage_ranks: int) -> int:
     tp, HSDP's replicas)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    if not isinstance(p, DTensor):
-        return stage_ranks
+    if not isinstance(p, DTensor):  # never in a sharded stage; counted as a piece of its own
+        return 1
     mesh = p.device_mesh
     copies = stage_ranks // mesh.size()
     for dim, placement in enumerate(p.placements):

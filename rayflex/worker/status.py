@@ -38,6 +38,7 @@ class StepRecord:
     forward_backward_s: float = 0.0
     pp_index: int = 0
     dp_index: int = 0
+    tp_index: int = 0
     sample_indices: Optional[list] = None
     # Seconds blocked in the end-of-step all-reduce: the last rank to arrive waits least.
     sync_wait_s: float = 0.0

@@ -312,7 +312,8 @@ class TrainWorker:
                     self._records.append(StepRecord(step=step, loss=loss, step_time_s=dt,
                                                     lr=self._lr_of_step(step), grad_norm=grad_norm,
                                                     time=time.time(), samples=self.spec.data.global_batch,
-                                                    pp_index=self.pp_index, dp_index=self.dp_index, **probe))
+                                                    pp_index=self.pp_index, dp_index=self.dp_index,
+                                                    tp_index=self.tp_index, **probe))
                 if self.checkpointer is not None:
                     self._note_checkpoint(self.checkpointer.completed())
                 periodic = self.spec.checkpoint.every_steps and step % self.spec.checkpoint.every_steps == 0

@@ -1,9 +1,18 @@
-"""Memory per rank: what a pp x dp mesh with FSDP2 inside each stage holds on one device.
+"""Memory per rank: what a pp x dp x tp mesh with FSDP2 (or HSDP) inside each stage holds
+on one device.
 
 The model follows what rayflex actually runs (``actors/parallel.py``, ``actors/worker.py``,
 torch's pipelining schedules), so its terms are the tensors a rank really allocates:
 
-* **Sharded state** (whole run): each parameter's ``1/dp`` shard, its AdamW states
+* **Tensor parallelism** (``tp`` > 1, Megatron-style): a rank holds ``1/tp`` of every
+  block's matrices (q/k/v and MLP up by columns, o_proj and MLP down by rows; embedding
+  and head split over the vocabulary); norms, row-parallel biases and a learned position
+  table stay whole (:func:`tp_replicated_params`). Activations inside the split (q/k/v,
+  attention output, MLP intermediates, logits) are ``1/tp``; the block's input and norm
+  outputs, which every tp rank needs whole (no sequence parallelism), are not. Every term
+  below is then of the rank's shard (``ModelDescription.split_over_tp``).
+* **Sharded state** (whole run): each parameter's ``1/dp_shard`` shard (``dp_shard = dp``
+  for plain FSDP; HSDP keeps a whole copy per replica of ``dp_shard`` ranks), its AdamW states
   (``optimizer_states`` of them) and, from the reduce-scatter to the next step's
   ``zero_grad(set_to_none=True)``, its sharded gradient. With ``master_weights`` the
   shards, gradients and states are fp32 while compute runs in ``param_bytes`` (FSDP2's
@@ -185,6 +194,14 @@ class ModelDescription:
     # layer computes cos/sin.
     positions: str = "learned"
     qk_norm: bool = False  # an RMSNorm over head_dim on q and on k (Qwen3)
+    # Tensor parallelism the model supports: the sizes tp must divide (``(("attention
+    # heads", 64), ...)``, the ``divides`` of ``ModelSpec.metadata["tp"]``), or None when it
+    # has no TP plan; ``tp_unsupported`` then says why (rules.tp_problem reads both).
+    tp_divides: Optional[tuple] = None
+    tp_unsupported: str = ""
+    # 1: the whole model. k > 1: the view of one rank of a k-way tp group (block params are
+    # its shard; the activation formulas split accordingly), made by split_over_tp.
+    tp_split: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", tuple(self.blocks))
@@ -225,6 +242,35 @@ class ModelDescription:
     def with_precision(self, precision: Precision) -> "ModelDescription":
         return replace(self, precision=precision)
 
+    def tp_metadata(self) -> dict:
+        """``ModelSpec.metadata``'s "tp" entry as ``rules.tp_problem`` reads it."""
+        if self.tp_divides is None:
+            return {"tp": {"unsupported": self.tp_unsupported}} if self.tp_unsupported else {}
+        return {"tp": {"plan": "megatron", "divides": dict(self.tp_divides)}}
+
+    def tp_problem(self, tp: int):
+        """Why this model cannot run tp-way tensor parallel (a ConfigError), or None."""
+        from rayflex.mesh.rules import tp_problem
+
+        return tp_problem(self.tp_metadata(), tp, model=self.name)
+
+    def split_over_tp(self, tp: int) -> "ModelDescription":
+        """One rank's view of the model split over ``tp`` ranks (module docstring)."""
+        if tp == 1 or self.tp_split == tp:
+            return self
+        if self.tp_split != 1:
+            raise ValueError(f"{self.name} is already split over tp={self.tp_split}")
+        e = self.precision.param_bytes
+        blocks = []
+        for b in self.blocks:
+            whole = tp_replicated_params(self, b)
+            measured = b.activation_bytes_per_token
+            if measured is not None:  # its input (one hidden width) is whole, the rest split
+                keep = min(measured, self.hidden_size * e)
+                measured = keep + (measured - keep) / tp
+            blocks.append(replace(b, params=whole + (b.params - whole) / tp, activation_bytes_per_token=measured))
+        return replace(self, blocks=tuple(blocks), tp_split=tp)
+
     def with_checkpointing(self, memory) -> "ModelDescription":
         """Blocks recomputed as ``memory`` (a :class:`rayflex.config.MemoryConfig`) selects
         them; the same rule (``MemoryConfig.checkpointed``) the workers follow."""
@@ -252,17 +298,18 @@ class ModelDescription:
     # ---- constructors -------------------------------------------------------------
     @classmethod
     def transformer(cls, name: str, *, n_layers: int, d_model: int, n_heads: int, vocab_size: int,
-                    seq_len: int, ffn_hidden: int = 0, precision: Precision | None = None) -> "ModelDescription":
+                    seq_len: int, ffn_hidden: int = 0, precision: Precision | None = None,
+                    tp_divides: Optional[tuple] = None) -> "ModelDescription":
         """rayflex's GPT block structure (``models/gpt.py``) at any size: learned token and
         position embeddings, pre-norm blocks with a biased QKV/proj and a two-matrix GELU
-        MLP, an untied head."""
+        MLP, an untied head. ``tp_divides``: see the field (None: no TP plan)."""
         h, f = d_model, ffn_hidden or 4 * d_model
         layer = 4 * h * h + 2 * h * f + 9 * h + f  # qkv+proj (w, b), fc+out (w, b), 2 LayerNorms
         blocks = ([BlockDescription(kind="embedding", params=(vocab_size + seq_len) * h)]
                   + [BlockDescription(kind="transformer", params=layer) for _ in range(n_layers)]
                   + [BlockDescription(kind="head", params=vocab_size * h + 2 * h)])
         return cls(name=name, blocks=tuple(blocks), hidden_size=h, seq_len=seq_len, vocab_size=vocab_size,
-                   num_heads=n_heads, ffn_hidden=f, precision=precision or Precision())
+                   num_heads=n_heads, ffn_hidden=f, precision=precision or Precision(), tp_divides=tp_divides)
 
     @classmethod
     def from_gpt(cls, cfg, precision: Precision | None = None) -> "ModelDescription":
@@ -298,14 +345,15 @@ class ModelDescription:
         ``activation_bytes_per_token`` per block, e.g. from :func:`measure_activation_bytes`
         on this host.
         """
+        tp = _tp_support(getattr(spec, "metadata", None))
         cfg = gpt_config_of(spec)
         if cfg is not None and activation_bytes_per_token is None:
             # parameters from the model's config (its position table), activations at the
             # data's sequence length
-            return replace(cls.from_gpt(cfg, precision), name=spec.name, seq_len=seq_len)
+            return replace(cls.from_gpt(cfg, precision), name=spec.name, seq_len=seq_len, **tp)
         hf = hf_size_of(spec)
         if hf is not None and activation_bytes_per_token is None:
-            return cls.from_hf(hf, name=spec.name, seq_len=seq_len, precision=precision)
+            return replace(cls.from_hf(hf, name=spec.name, seq_len=seq_len, precision=precision), **tp)
         if activation_bytes_per_token is None:
             raise ConfigError("ModelDescription.from_spec",
                               f"model {spec.name!r} is not a rayflex GPT, so its activation sizes are unknown",
@@ -317,23 +365,35 @@ class ModelDescription:
         blocks = tuple(BlockDescription(kind="other", params=c, activation_bytes_per_token=float(a))
                        for c, a in zip(counts, activation_bytes_per_token))
         return cls(name=spec.name, blocks=blocks, hidden_size=spec.hidden_size or 1, seq_len=seq_len,
-                   vocab_size=1, precision=precision or Precision())
+                   vocab_size=1, precision=precision or Precision(), **tp)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelDescription":
         """``{name, n_layers, d_model, n_heads, vocab_size, seq_len, ffn_hidden?, precision?}``
         (a GPT-style stack), or ``{name, blocks: [{kind, params, activation_bytes_per_token?}],
         hidden_size, seq_len, vocab_size, num_heads?, precision?}``. ``precision`` is a preset
-        name (``fp32``, ``bf16``, ``bf16-master``) or ``{param_bytes, master_weights}``."""
+        name (``fp32``, ``bf16``, ``bf16-master``) or ``{param_bytes, master_weights}``.
+        ``tp``: ``{divides: {attention heads: 64, ...}}`` if the model can be split
+        Megatron-style, ``false`` if not; a GPT-style stack without it is assumed splittable
+        over divisors of ``n_heads`` (like the presets), a ``blocks`` list is not."""
         d = dict(d)
         prec = d.pop("precision", None)
         precision = (Precision.named(prec) if isinstance(prec, str)
                      else Precision(**prec) if isinstance(prec, dict) else Precision())
+        tp = d.pop("tp", None)
+        if tp is not None and tp is not False and not (isinstance(tp, dict) and isinstance(tp.get("divides", {}), dict)):
+            raise ConfigError("model description.tp", f"expected {{divides: {{...}}}} or false, got {tp!r}",
+                              "write tp: {divides: {attention heads: 64}} or tp: false")
         try:
             if "blocks" in d:
                 blocks = tuple(BlockDescription(**b) for b in d.pop("blocks"))
-                return cls(blocks=blocks, precision=precision, **d)
-            return cls.transformer(d.pop("name", "model"), precision=precision, **d)
+                divides = None if not tp else tuple(sorted(tp.get("divides", {}).items()))
+                return cls(blocks=blocks, precision=precision, tp_divides=divides, **d)
+            if tp is None:
+                divides = (("attention heads", d.get("n_heads", 1)),)
+            else:
+                divides = None if tp is False else tuple(sorted(tp.get("divides", {}).items()))
+            return cls.transformer(d.pop("name", "model"), precision=precision, tp_divides=divides, **d)
         except TypeError as e:
             raise ConfigError("model description", str(e), "see ModelDescription.from_dict for the fields") from None
 
@@ -368,11 +428,48 @@ PRESETS = {
 }
 
 
+# Both are assumed splittable Megatron-style; tp must divide their attention heads and the
+# 8 key/value heads of the LLaMA models whose widths they take (GQA), so that a tp chosen
+# for the preset is one the real model takes too.
+PRESET_KV_HEADS = 8
+
+
 def preset(name: str, precision: Precision | None = None) -> ModelDescription:
     key = name.lower()
     if key not in PRESETS:
         raise ConfigError("--model", f"unknown model {name!r}", f"use one of {sorted(PRESETS)} or a YAML file")
-    return ModelDescription.transformer(precision=precision or Precision.named("bf16-master"), **PRESETS[key])
+    divides = (("attention heads", PRESETS[key]["n_heads"]), ("kv heads", PRESET_KV_HEADS))
+    return ModelDescription.transformer(precision=precision or Precision.named("bf16-master"), tp_divides=divides,
+                                        **PRESETS[key])
+
+
+def _tp_support(metadata) -> dict:
+    """``tp_divides`` / ``tp_unsupported`` from a ModelSpec's metadata (the model contract:
+    ``metadata["tp"] = {"plan": ..., "divides": {...}}``; no plan, no TP)."""
+    info = (metadata or {}).get("tp")
+    if info and info.get("plan"):
+        return {"tp_divides": tuple(sorted((str(k), int(v)) for k, v in (info.get("divides") or {}).items()))}
+    return {"tp_divides": None, "tp_unsupported": str((info or {}).get("unsupported") or "")}
+
+
+def tp_replicated_params(model: ModelDescription, block: BlockDescription) -> float:
+    """Parameters of ``block`` every tp rank keeps whole: norm weights (and LayerNorm
+    biases), the row-parallel biases of rayflex's GPT (o_proj, MLP down: added after the
+    all-reduce), q/k norms, a learned position table, the head's final norm. The matrices,
+    the column-parallel biases and the vocabulary split."""
+    h = model.hidden_size
+    norm = 2 * h if model.norm == "layer" else h  # weight (+ bias) of one norm
+    if block.kind == "transformer":
+        row_biases = 2 * h if model.norm == "layer" else 0  # rayflex's GPT is biased, HF's Llama is not
+        qk = 2 * model.head_dim if model.qk_norm else 0
+        whole = 2 * norm + row_biases + qk
+    elif block.kind == "embedding":
+        whole = model.seq_len * h if model.positions == "learned" else 0
+    elif block.kind == "head":
+        whole = norm
+    else:
+        whole = 0
+    return min(float(block.params), float(whole))
 
 
 # ------------------------------------------------------------------------------ activations
@@ -408,21 +505,25 @@ def decoder_activation_bytes_per_token(model: ModelDescription, e: int, micro_ba
     * q/k norms: RMSNorms over the q and k widths.
 
     Measured on CPU for tiny Llama, Qwen3 and GPT-2 layers in fp32 and bf16 it is exact
-    to within a few bytes per token.
+    to within a few bytes per token. On one rank of a tp group (``model.tp_split``) the
+    attention, MLP and q/k-norm terms are its heads' and columns' share; the norms' inputs
+    and outputs stay whole.
     """
-    h, f = model.hidden_size, model.ffn_hidden
+    h, f, t = model.hidden_size, model.ffn_hidden, model.tp_split
     q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    # split over tp ranks (their heads and their columns of the MLP): attention, MLP, q/k norms
     attn = (2 * q + 2 * kv) * e + 4 * model.num_heads
-    if model.norm == "rms":
-        norms = 2 * (4 * h + 2 * h * e + 4)
-    else:
-        norms = 2 * (2 * h * e + 8)
-    total = attn + norms + model.ffn_saved_widths * f * e
-    if model.positions == "rotary":
-        total += 2 * model.head_dim * e / max(1, micro_batch)
+    split = attn + model.ffn_saved_widths * f * e
     if model.qk_norm:
-        total += (4 + e) * (q + kv) + 4 * (model.num_heads + model.num_kv_heads)
-    return total
+        split += (4 + e) * (q + kv) + 4 * (model.num_heads + model.num_kv_heads)
+    # whole on every tp rank: the norms' inputs and outputs (the residual stream), rotary tables
+    if model.norm == "rms":
+        whole = 2 * (4 * h + 2 * h * e + 4)
+    else:
+        whole = 2 * (2 * h * e + 8)
+    if model.positions == "rotary":
+        whole += 2 * model.head_dim * e / max(1, micro_batch)
+    return whole + split / t
 
 
 def block_activation_bytes(model: ModelDescription, block: BlockDescription, tokens: int,
@@ -441,7 +542,7 @@ def recomputed_block_kept_bytes(model: ModelDescription, block: BlockDescription
     if block.kind == "embedding":
         return 8 * tokens
     if block.kind == "head" and block.activation_bytes_per_token is None:
-        return (h * e + 4 * model.vocab_size + 8) * tokens
+        return (h * e + 4 * model.vocab_size / model.tp_split + 8) * tokens
     return h * e * tokens
 
 
@@ -462,9 +563,10 @@ def _saved_bytes(model: ModelDescription, block: BlockDescription, tokens: int, 
         # LayerNorm input and output, fp32 log-softmax output (the loss upcasts), int64
         # targets, fp32 LN statistics (RMSNorm: fp32 input, normalised and scaled output,
         # one fp32 rstd)
+        vocab = model.vocab_size / model.tp_split  # vocab-parallel log-softmax
         if model.norm == "rms":
-            return (4 * h + 2 * h * e + 4 * model.vocab_size + 8 + 4) * tokens
-        return (2 * h * e + 4 * model.vocab_size + 8 + 8) * tokens
+            return (4 * h + 2 * h * e + 4 * vocab + 8 + 4) * tokens
+        return (2 * h * e + 4 * vocab + 8 + 8) * tokens
     return 2 * h * e * tokens
 
 
@@ -480,11 +582,14 @@ def block_backward_workspace(model: ModelDescription, block: BlockDescription, t
 
 
 def _gradient_workspace(model: ModelDescription, block: BlockDescription, tokens: int) -> float:
-    h, e = model.hidden_size, model.precision.param_bytes
+    h, e, t = model.hidden_size, model.precision.param_bytes, model.tp_split
     if block.kind == "transformer":
-        return (model.ffn_hidden / h - 1) * h * e * tokens
+        width = model.ffn_hidden / t - h  # the MLP intermediate's gradient, net of what backward frees
+        if t > 1:  # at least the (whole) input gradient being all-reduced over the tp group
+            width = max(width, h)
+        return width * e * tokens
     if block.kind == "head":
-        return model.vocab_size * (4 + e) * tokens
+        return model.vocab_size / t * (4 + e) * tokens
     return h * e * tokens
 
 
@@ -541,10 +646,29 @@ class Layout:
     accum_steps: int = 1  # pp == 1 only
     stages_per_rank: int = 1
     stage_blocks: tuple = ()
+    tp: int = 1
+    # FSDP shard-group size; 0 (or dp) shards over every dp rank, a divisor of dp < dp is HSDP
+    dp_shard: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dp_shard == self.dp:
+            object.__setattr__(self, "dp_shard", 0)  # one spelling of plain FSDP
+        if self.dp_shard and self.dp % self.dp_shard:
+            raise ConfigError("Layout.dp_shard", f"{self.dp_shard} does not divide dp={self.dp}",
+                              "use a divisor of dp, or 0 for plain FSDP")
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.tp
+
+    @property
+    def shard(self) -> int:
+        """Ranks a stage's state is sharded over (dp without HSDP)."""
+        return self.dp_shard or self.dp
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.shard
 
     @property
     def num_stages(self) -> int:
@@ -558,7 +682,8 @@ class Layout:
         """From a :class:`rayflex.mesh.plan.MeshPlan`."""
         return cls(pp=plan.pp, dp=plan.dp, schedule=plan.schedule if plan.pp > 1 else "none",
                    microbatches=plan.microbatches, micro_batch=plan.micro_batch, accum_steps=plan.accum_steps,
-                   stages_per_rank=plan.stages_per_rank, stage_blocks=tuple(tuple(s) for s in plan.stage_blocks))
+                   stages_per_rank=plan.stages_per_rank, stage_blocks=tuple(tuple(s) for s in plan.stage_blocks),
+                   tp=getattr(plan, "tp", 1), dp_shard=getattr(plan, "dp_shard", plan.dp))
 
 
 @dataclass(frozen=True)
@@ -653,9 +778,11 @@ def in_flight_peak(schedule: str, pp_index: int, pp: int, m: int, v: int = 1) ->
 
 # ------------------------------------------------------------------------------ estimate
 def estimate_memory(model: ModelDescription, layout: Layout, runtime: Runtime | None = None) -> MemoryEstimate:
-    """Peak bytes of every pp rank of ``layout`` (dp replicas of a stage hold the same)."""
+    """Peak bytes of every pp rank of ``layout`` (dp and tp ranks of a stage hold the same)."""
     runtime = runtime or Runtime()
+    # stages are cut on the whole model's parameter counts, as the workers cut them
     stage_blocks = layout.stage_blocks or stage_split(model.block_params, layout.num_stages)
+    model = model.split_over_tp(layout.tp)
     if len(stage_blocks) != layout.num_stages:
         raise ConfigError("Layout.stage_blocks", f"{len(stage_blocks)} stages for pp={layout.pp} x "
                           f"stages_per_rank={layout.stages_per_rank}", "give one block list per stage")
@@ -678,7 +805,7 @@ def _optimizer_temp(model: ModelDescription, params: float, largest: float, dp: 
 
 def _rank_memory_fsdp(model: ModelDescription, layout: Layout, runtime: Runtime) -> RankMemory:
     """pp == 1: FSDP over the whole model, accumulation passes one after another."""
-    p, dp = model.precision, layout.dp
+    p, dp = model.precision, layout.shard
     total = model.total_params
     largest = max(model.block_params)
     params_sh, opt, grads_sh = _state_bytes(model, total, dp)
@@ -713,13 +840,14 @@ def _setup_bytes(model: ModelDescription, stage_params: Iterable[float], largest
 
 def _rank_memory_pipeline(model: ModelDescription, layout: Layout, stage_blocks, pp_index: int,
                           runtime: Runtime) -> RankMemory:
-    p, dp, m, v = model.precision, layout.dp, layout.microbatches, layout.stages_per_rank
+    p, dp, m, v = model.precision, layout.shard, layout.microbatches, layout.stages_per_rank
     e, h = p.param_bytes, model.hidden_size
     tokens = layout.micro_batch * model.seq_len
     last_stage = layout.num_stages - 1
     stages = layout.local_stages(pp_index)
-    boundary = tokens * h * e  # one activation (or its gradient) crossing a stage boundary
-    logits = tokens * model.vocab_size * e
+    # one activation (or its gradient) crossing a stage boundary: whole on every tp rank
+    boundary = tokens * h * e
+    logits = tokens * model.vocab_size * e / model.tp_split  # the rank's vocabulary slice
     chunk_params, chunk_acts, chunk_ws, chunk_in_grad, chunk_keep = [], [], [], [], []
     chunk_first_grads = []
     persistent_buffers = 0.0

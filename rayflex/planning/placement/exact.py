@@ -4,7 +4,9 @@ reference the tests and the benchmark check it against.
 ``exact_counts`` searches per-stage node counts (all the cost model depends on) and is what
 ``Planner`` runs when no level plan packs at the lower bound. ``brute_force_assignment``
 searches rank -> node assignments directly, sharing only the cost table and the symmetry
-key with the planner, so that agreeing with it means something.
+key with the planner, so that agreeing with it means something. ``brute_force_units`` is
+the reference for HSDP, whose cost is not a function of per-node counts: it tries every
+unit -> node assignment and prices each with ``evaluate``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rayflex.planning.cost_model import MeshShape, NodeTree, TierCosts, meets
+from rayflex.planning.cost_model import MeshShape, NodeTree, TierCosts, evaluate, expand_units, improves, meets
 from rayflex.planning.topology import tier_between
 
 
@@ -198,3 +200,50 @@ def brute_force_assignment(tree: NodeTree, costs: TierCosts, mesh: MeshShape) ->
         out.extend(cols)
         rem, prev = nrem, nprev
     return f(0, tuple(tree.cap), tuple([0] * n)), out
+
+
+def brute_force_units(tree: NodeTree, costs: TierCosts, mesh: MeshShape,
+                      max_leaves: int = 200_000) -> Tuple[float, List[int]]:
+    """The optimal cost and a unit -> node assignment achieving it, trying every assignment of
+    the mesh's pp x dp units (tp groups) to nodes and pricing the expanded ranks with
+    ``evaluate``. The only merge: a node not used yet is interchangeable with any other unused
+    node of its rack with as many free units (relabelling them is a tree automorphism).
+    Exponential: for tiny meshes (ValueError past ``max_leaves`` assignments)."""
+    units = mesh.pp * mesh.dp
+    rem = list(tree.cap)
+    used = [False] * tree.n
+    chosen: List[int] = []
+    best: List = [math.inf, None]
+    leaves = [0]
+
+    def go(u: int) -> None:
+        if u == units:
+            leaves[0] += 1
+            if leaves[0] > max_leaves:
+                raise ValueError(f"brute force past {max_leaves} assignments: use a smaller mesh")
+            total = evaluate(tree, costs, mesh, expand_units(chosen, mesh.tp)).total
+            if improves(total, best[0]):
+                best[0], best[1] = total, list(chosen)
+            return
+        fresh_seen = set()
+        for i in range(tree.n):
+            if rem[i] == 0:
+                continue
+            if not used[i]:
+                key = (tree.zone[i], tree.dom[i], rem[i])
+                if key in fresh_seen:
+                    continue
+                fresh_seen.add(key)
+            was = used[i]
+            rem[i] -= 1
+            used[i] = True
+            chosen.append(i)
+            go(u + 1)
+            chosen.pop()
+            used[i] = was
+            rem[i] += 1
+
+    go(0)
+    if best[1] is None:
+        raise ValueError(f"no assignment of {units} units to {sum(tree.cap)} unit slots")
+    return best[0], best[1]

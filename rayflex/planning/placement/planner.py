@@ -18,6 +18,13 @@ This module is the facade; its public names are the placement API. The pieces:
 Planning: reaching the bound proves optimality. Otherwise small instances get the exact
 search, and large ones keep the best realised candidate, with the gap to the bound stated in
 the plan's explanation.
+
+Tensor parallelism: every search runs on pp x dp *units* of ``tp`` slots (``NodeTree(...,
+unit=tp)``), so a tp group never leaves its node and every guarantee above holds for tp > 1
+unchanged (``cost_model``: the unit reduction). HSDP (``dp_replicate > 1``): the bound uses a
+per-stage floor and candidates are priced by ``evaluate``; the exact search is skipped (its
+states are per-node counts, which do not determine HSDP's cost), so a plan is called optimal
+only when it meets the bound, and the explanation says which.
 """
 
 from __future__ import annotations
@@ -34,14 +41,17 @@ from rayflex.planning.cost_model import (
     MeshShape,
     NodeTree,
     TierCosts,
+    canonical_unit_orders,
     evaluate,
+    expand_units,
     improves,
     meets,
+    modeled_comm,
     modeled_comm_seconds,
     ranks_from_counts,
 )
 from rayflex.planning.placement.bound import Relaxation
-from rayflex.planning.placement.exact import brute_force_assignment, exact_counts
+from rayflex.planning.placement.exact import brute_force_assignment, brute_force_units, exact_counts
 from rayflex.planning.placement.explain import explain, rank_ranges, short_id
 from rayflex.planning.placement.packer import realize
 from rayflex.planning.topology import MARKET_LABEL, Bandwidths, NodeInfo, Topology
@@ -52,13 +62,14 @@ __all__ = [
     "Plan",
     "Planner",
     "brute_force_plan",
+    "modeled_comm",
     "modeled_comm_seconds",
     "naive_plan",
 ]
 
 
 def _eligible_nodes(topology: Topology, mesh: MeshShape, require_labels: Optional[Mapping[str, str]],
-                    market_type: Optional[str]) -> List[NodeInfo]:
+                    market_type: Optional[str], check_tp: bool = True) -> List[NodeInfo]:
     """Usable nodes matching the filters; PlacementError naming what is missing otherwise."""
     dead = [n for n in topology.nodes if not n.alive]
     draining = [n for n in topology.nodes if n.alive and n.draining]
@@ -84,14 +95,36 @@ def _eligible_nodes(topology: Topology, mesh: MeshShape, require_labels: Optiona
         nodes = kept
         filters.append(f"{MARKET_LABEL}={market_type}")
     have = sum(n.slots for n in nodes)
+    where = f" matching {', '.join(filters)}" if filters else ""
+    shape = f"pp={mesh.pp} x dp={mesh.dp}" + (f" x tp={mesh.tp}" if mesh.tp > 1 else "")
     if have < mesh.world_size:
-        where = f" matching {', '.join(filters)}" if filters else ""
         raise PlacementError(
-            f"need {mesh.world_size} worker slots (pp={mesh.pp} x dp={mesh.dp}) but only {have} are "
+            f"need {mesh.world_size} worker slots ({shape}) but only {have} are "
             f"usable on {len(nodes)} node(s){where}; not counted: {len(dead)} dead node(s), "
             f"{len(draining)} draining node(s) with {sum(n.slots for n in draining)} slots. "
-            f"Lower pp x dp or add nodes")
+            f"Lower pp x dp{' x tp' if mesh.tp > 1 else ''} or add nodes")
+    if mesh.tp > 1 and check_tp:  # naive placement splits tp groups as Ray's order falls
+        _check_tp_fits(nodes, mesh, shape, where)
     return nodes
+
+
+def _check_tp_fits(nodes: Sequence[NodeInfo], mesh: MeshShape, shape: str, where: str) -> None:
+    """A tp group (tp consecutive ranks) all-reduces activations twice per block each way, so
+    it never leaves a node: refuse a tp no node can hold, and a mesh whose tp groups the
+    nodes cannot hold whole (slots left over on nodes that tp does not divide)."""
+    biggest = max(n.slots for n in nodes)
+    if mesh.tp > biggest:
+        raise PlacementError(
+            f"tp={mesh.tp} needs {mesh.tp} slots on one node (a tensor-parallel group never spans nodes), "
+            f"but the largest usable node{where} has {biggest} slots. Fix: use a tp dividing the node "
+            f"size (at most {biggest}), or nodes with at least {mesh.tp} workers each")
+    groups = sum(n.slots // mesh.tp for n in nodes)
+    if groups < mesh.pp * mesh.dp:
+        sizes = sorted({n.slots for n in nodes})
+        raise PlacementError(
+            f"need {mesh.pp * mesh.dp} tensor-parallel groups of tp={mesh.tp} slots on one node each "
+            f"({shape}), but the usable nodes{where} (of {sizes} slots) hold only {groups} whole groups. "
+            f"Fix: use a tp dividing the node size, fewer ranks, or more nodes")
 
 
 @dataclass(frozen=True)
@@ -109,6 +142,8 @@ class Plan:
     method: str = ""
     fsdp_s: Tuple[float, ...] = ()
     p2p_s: Tuple[float, ...] = ()
+    replica_s: Tuple[float, ...] = ()  # HSDP all-reduce per stage
+    tp_s: float = 0.0  # TP all-reduces (the slowest stage's)
 
     def node_ranks(self) -> Dict[str, List[int]]:
         """Node id -> its ranks in slot order, nodes in order of their first rank."""
@@ -118,11 +153,13 @@ class Plan:
         return out
 
     def to_dict(self) -> dict:
-        return {"pp": self.mesh.pp, "dp": self.mesh.dp, "rank_to_node": list(self.rank_to_node),
+        return {"pp": self.mesh.pp, "dp": self.mesh.dp, "tp": self.mesh.tp,
+                "dp_replicate": self.mesh.dp_replicate, "rank_to_node": list(self.rank_to_node),
                 "rank_to_slot": list(self.rank_to_slot), "modeled_comm_s": self.modeled_comm_s,
                 "naive_comm_s": self.naive_comm_s, "lower_bound_s": self.lower_bound_s,
                 "optimal": self.optimal, "method": self.method, "fsdp_s": list(self.fsdp_s),
-                "p2p_s": list(self.p2p_s), "explanation": self.explanation}
+                "p2p_s": list(self.p2p_s), "replica_s": list(self.replica_s), "tp_s": self.tp_s,
+                "explanation": self.explanation}
 
     def format(self, ranks: bool = False) -> str:
         """The explanation; with ``ranks`` also one line per node listing its ranks."""
@@ -135,23 +172,37 @@ class Plan:
 
 def _make_plan(tree: NodeTree, costs: TierCosts, mesh: MeshShape, profile: CommProfile,
                node_of_rank: Sequence[int], naive_s: float, lower_bound: float, optimal: bool,
-               method: str, relax: Optional[Relaxation] = None) -> Plan:
+               method: str) -> Plan:
     ev = evaluate(tree, costs, mesh, node_of_rank)
     slots_used: Dict[int, int] = {}
     slots = []
     for i in node_of_rank:
         slots.append(slots_used.get(i, 0))
         slots_used[i] = slots[-1] + 1
-    text = explain(tree, mesh, profile, node_of_rank, ev, naive_s, lower_bound, optimal, method,
-                   relax or Relaxation(tree, costs, mesh))
+    text = explain(tree, costs, mesh, profile, node_of_rank, ev, naive_s, lower_bound, optimal, method)
     return Plan(mesh, tuple(tree.nodes[i].node_id for i in node_of_rank), tuple(slots), ev.total,
-                naive_s, text, lower_bound, optimal, method, ev.fsdp_s, ev.p2p_s)
+                naive_s, text, lower_bound, optimal, method, ev.fsdp_s, ev.p2p_s, ev.replica_s, ev.tp_total)
 
 
-def _naive(tree: NodeTree, costs: TierCosts, mesh: MeshShape) -> Tuple[List[int], float]:
-    """Ray Train's placement (ranks fill nodes slot by slot in listed order) and its cost."""
-    node_of_rank = [i for i in range(tree.n) for _ in range(tree.cap[i])][:mesh.world_size]
-    return node_of_rank, evaluate(tree, costs, mesh, node_of_rank).total
+def _setup(nodes: Sequence[NodeInfo], mesh: MeshShape, profile: CommProfile,
+           bw: Bandwidths) -> Tuple[NodeTree, TierCosts, Relaxation, float]:
+    """The unit tree (nodes hold whole tp groups), the cost table, its relaxation and the
+    lower bound on any plan that keeps tp groups whole."""
+    tree, costs = NodeTree(nodes, unit=mesh.tp), TierCosts(mesh, profile, bw)
+    if mesh.dp_replicate > 1:
+        costs.set_group_floors(tree.fit_level(mesh.dp_shard), tree.fit_level(mesh.dp_replicate))
+    relax = Relaxation(tree, costs, mesh.units)
+    if sum(tree.cap) < mesh.pp * mesh.dp:  # naive_plan only: no whole-group plan exists to bound
+        return tree, costs, relax, 0.0
+    return tree, costs, relax, relax.solve() + costs.tp_floor
+
+
+def _naive(tree: NodeTree, costs: TierCosts, mesh: MeshShape) -> Tuple[List[int], float, bool]:
+    """Ray Train's placement (ranks fill nodes slot by slot in listed order), its cost, and
+    whether it keeps every tp group on one node (a plan the planner may return)."""
+    node_of_rank = [i for i, nd in enumerate(tree.nodes) for _ in range(nd.slots)][:mesh.world_size]
+    ev = evaluate(tree, costs, mesh, node_of_rank)
+    return node_of_rank, ev.total, not any(ev.tp_levels)
 
 
 def naive_plan(topology: Topology, mesh: MeshShape, profile: CommProfile, *,
@@ -163,10 +214,9 @@ def naive_plan(topology: Topology, mesh: MeshShape, profile: CommProfile, *,
     ranks follow it slot by slot, so FSDP groups and stage boundaries land wherever that
     order happens to put them.
     """
-    nodes = _eligible_nodes(topology, mesh, require_labels, market_type)
-    tree, costs = NodeTree(nodes), TierCosts(mesh, profile, bandwidths or topology.bandwidths)
-    nor, total = _naive(tree, costs, mesh)
-    lb = Relaxation(tree, costs, mesh).solve()
+    nodes = _eligible_nodes(topology, mesh, require_labels, market_type, check_tp=False)
+    tree, costs, _, lb = _setup(nodes, mesh, profile, bandwidths or topology.bandwidths)
+    nor, total, _ = _naive(tree, costs, mesh)
     return _make_plan(tree, costs, mesh, profile, nor, total, lb, meets(total, lb),
                       "naive: one PACK group, ranks in node order")
 
@@ -183,14 +233,20 @@ def brute_force_plan(topology: Topology, mesh: MeshShape, profile: CommProfile, 
     nodes = _eligible_nodes(topology, mesh, require_labels, market_type)
     if sum(n.slots for n in nodes) > max_slots:
         raise ValueError(f"brute force is for <= {max_slots} slots, got {sum(n.slots for n in nodes)}")
-    tree, costs = NodeTree(nodes), TierCosts(mesh, profile, bandwidths or topology.bandwidths)
-    optimum, out = brute_force_assignment(tree, costs, mesh)
-    _, naive_s = _naive(tree, costs, mesh)
-    return _make_plan(tree, costs, mesh, profile, out, naive_s, optimum, True, "brute force (exhaustive)")
+    tree, costs, _, _ = _setup(nodes, mesh, profile, bandwidths or topology.bandwidths)
+    if mesh.dp_replicate > 1:  # HSDP's cost is not a function of per-node counts: every assignment
+        optimum, units = brute_force_units(tree, costs, mesh)
+    else:
+        unit_cost, units = brute_force_assignment(tree, costs, mesh.units)
+        optimum = unit_cost + costs.tp_floor
+    _, naive_s, _ = _naive(tree, costs, mesh)
+    return _make_plan(tree, costs, mesh, profile, expand_units(units, mesh.tp), naive_s, optimum, True,
+                      "brute force (exhaustive)")
 
 
 class Planner:
-    """Chooses rank -> (node, slot) for a pp x dp mesh by the cost model (``cost_model``).
+    """Chooses rank -> (node, slot) for a pp x dp x tp mesh by the cost model (``cost_model``);
+    each tp group on one node, the pp x dp units placed as below.
 
     When the first level plan packs, the plan meets the lower bound and planning stops
     (uniform clusters, including 16,384 slots, take well under a second). Otherwise it tries
@@ -214,47 +270,56 @@ class Planner:
              require_labels: Optional[Mapping[str, str]] = None,
              market_type: Optional[str] = None) -> Plan:
         nodes = _eligible_nodes(self.topology, mesh, require_labels, market_type)
-        tree, costs = NodeTree(nodes), TierCosts(mesh, profile, self.bandwidths)
+        tree, costs, relax, lower_bound = _setup(nodes, mesh, profile, self.bandwidths)
+        units = mesh.units
         deadline = time.monotonic() + self.time_budget_s
-        relax = Relaxation(tree, costs, mesh)
-        lower_bound = relax.solve()
-        naive_nor, naive_s = _naive(tree, costs, mesh)
+        naive_nor, naive_s, naive_whole = _naive(tree, costs, mesh)
         best: Optional[Tuple[float, List[int], str]] = None
 
-        def consider(counts, method) -> float:
-            """Keep the counts' plan if it beats the best; returns its cost (inf for none)."""
+        def keep(node_of_unit, method) -> float:
+            """Keep a unit -> node layout if it beats the best; returns its cost."""
             nonlocal best
-            if counts is None:
-                return math.inf
-            nor = ranks_from_counts(tree, counts, mesh.dp)
+            nor = expand_units(node_of_unit, mesh.tp)
             total = evaluate(tree, costs, mesh, nor).total
             if best is None or improves(total, best[0]):
                 best = (total, nor, method)
             return total
 
+        def consider(counts, method) -> float:
+            """Keep the counts' plan if it beats the best; returns its cost (inf for none)."""
+            if counts is None:
+                return math.inf
+            return keep(ranks_from_counts(tree, counts, units.dp), method)
+
         # level plans cheapest first; stop once the next one cannot beat what is realised
         first = None
         for tried, (relaxed, rows, bnds) in enumerate(relax.plans()):
             first = first or (rows, bnds)
-            if (tried >= self.level_plans or (best is not None and relaxed >= best[0] * (1 - REL_TOL))
+            if (tried >= self.level_plans
+                    or (best is not None and relaxed + costs.tp_floor >= best[0] * (1 - REL_TOL))
                     or (tried and time.monotonic() > deadline)):
                 break
-            consider(realize(tree, mesh, rows, bnds, deadline=deadline), "hierarchical")
+            consider(realize(tree, units, rows, bnds, deadline=deadline), "hierarchical")
         if best is None or not meets(best[0], lower_bound):
-            consider(realize(tree, mesh, *first, robust=True), "hierarchical (levels relaxed)")
+            consider(realize(tree, units, *first, robust=True), "hierarchical (levels relaxed)")
             alone = [relax.rows_ok[0]] * mesh.pp
-            consider(realize(tree, mesh, alone, [3] * (mesh.pp - 1), robust=True),
+            consider(realize(tree, units, alone, [3] * (mesh.pp - 1), robust=True),
                      "hierarchical (stages packed one by one)")
-            if improves(naive_s, best[0]):
+            if mesh.dp_replicate > 1:
+                # shard groups are runs of consecutive dp indices: packing units in rank order
+                # keeps each run on as few nodes and racks as the tree allows
+                for name, order in zip(("dp-major", "pipeline-major"), canonical_unit_orders(tree, units)):
+                    keep(order, f"{name} order")
+            if naive_whole and improves(naive_s, best[0]):
                 best = (naive_s, naive_nor, "naive order (no better packing found)")
         optimal = meets(best[0], lower_bound)
-        if (not optimal and self.exact_search_states > 0
-                and sum(tree.cap) <= self.exact_search_max_slots):
-            found = exact_counts(tree, costs, mesh, self.exact_search_states,
+        # the exact search's states are per-node unit counts: exact for plain FSDP only
+        if (not optimal and mesh.dp_replicate == 1 and self.exact_search_states > 0
+                and sum(tree.cap) * mesh.tp <= self.exact_search_max_slots):
+            found = exact_counts(tree, costs, units, self.exact_search_states,
                                  time.monotonic() + self.time_budget_s)
             if found is not None:
                 total = consider(found[1], "exact search")
                 optimal, lower_bound = True, max(lower_bound, min(total, best[0]))
         method = best[2] + (" (optimal)" if optimal else "")
-        return _make_plan(tree, costs, mesh, profile, best[1], naive_s, lower_bound, optimal, method, relax)
-
+        return _make_plan(tree, costs, mesh, profile, best[1], naive_s, lower_bound, optimal, method)

@@ -1,0 +1,127 @@
+"""Modeled step time of a candidate mesh: compute, tensor-parallel all-reduces, the pipeline
+bubble and the placement model's communication (seconds, no overlap assumed, so an upper
+bound).
+
+* compute: ``6 * P_rank * tokens_rank / (flops * mfu)``, where ``P_rank`` is the largest
+  parameter count any pp rank holds of one tp shard (the slowest stage sets the pace) and
+  ``tokens_rank = global_batch * seq_len / dp`` (the tp ranks of a dp rank see the same
+  tokens); for balanced stages this is ``6 * P * T / (world * flops * mfu)``.
+* tensor parallelism: 4 all-reduces of a microbatch's hidden states (``b * s * h`` values)
+  per transformer block, 1 for the embedding and 1 for the head (``comm_profile.
+  TP_ALLREDUCES``; 2 more per recomputed block), each a ring over the tp group:
+  ``2 * (tp-1)/tp * bytes / bw(the tp group's tier)``. A tp group sits on one node, so that
+  is NVLink. Priced by the placement cost model, charged at the slowest stage.
+* bubble: ``(compute + TP) * (pp - 1) / (v * m)``: the pipeline runs ``m + pp - 1`` slots for
+  ``m`` microbatches of work (1F1B and GPipe alike), interleaving cuts the idle slots by ``v``
+  (Narayanan et al. 2021); the TP all-reduces sit inside every slot. As a fraction of the
+  pipelined time it is ``(pp-1)/(v*m+pp-1)``.
+* comm: the placement cost model (``rayflex.planning.cost_model``): FSDP all-gather and
+  reduce-scatter of each stage's shard over its shard group's slowest link, the HSDP
+  all-reduce across replicas, plus activations and their gradients across each stage
+  boundary, on the better of two canonical layouts of the cluster (units of tp slots packed
+  in rank order node by node, or pipelines packed node by node); the Planner refines the
+  chosen mesh's placement afterwards. pp == 1 all-gathers each block in forward and again in
+  backward for every accumulation pass: ``2k + 1`` collectives instead of the model's 3, so
+  its bytes are scaled by ``(2k + 1) / 3``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from rayflex.planning.capacity.memory import CapacityError, Layout, ModelDescription
+from rayflex.planning.comm_profile import block_tp_allreduces, layout_comm_profile
+from rayflex.planning.cost_model import (CommProfile, CostBreakdown, MeshShape, NodeTree, TierCosts,
+                                         canonical_unit_orders, evaluate, expand_units, modeled_comm)
+from rayflex.planning.topology import Topology
+
+
+def rank_params(model: ModelDescription, layout: Layout) -> list[float]:
+    """Parameters one rank of each pp rank holds (all its virtual stages, its tp shard)."""
+    local = model.split_over_tp(layout.tp)
+    per_stage = [sum(local.block_params[i] for i in blocks) for blocks in layout.stage_blocks]
+    return [sum(per_stage[s] for s in layout.local_stages(i)) for i in range(layout.pp)]
+
+
+def rank_tp_allreduces(model: ModelDescription, layout: Layout) -> list[int]:
+    """Hidden-state all-reduces per microbatch each pp rank's tp group runs (0 without tp)."""
+    if layout.tp == 1:
+        return [0] * layout.pp
+    per_stage = [sum(block_tp_allreduces(model.blocks[i].kind, model.blocks[i].recompute) for i in blocks)
+                 for blocks in layout.stage_blocks]
+    return [sum(per_stage[s] for s in layout.local_stages(i)) for i in range(layout.pp)]
+
+
+def layout_profile(model: ModelDescription, layout: Layout, global_batch: int) -> CommProfile:
+    """The CommProfile of a candidate (per step), as ``rayflex plan`` places it."""
+    return layout_comm_profile(rank_params(model, layout), model.precision.param_bytes,
+                               global_batch // layout.dp * model.seq_len, model.hidden_size,
+                               layout.stages_per_rank, layout.accum_steps,
+                               tp_allreduces=rank_tp_allreduces(model, layout) if layout.tp > 1 else ())
+
+
+def layout_mesh(layout: Layout) -> MeshShape:
+    return MeshShape(layout.pp, layout.dp, layout.tp, layout.dp_replicate)
+
+
+class CommModel:
+    """Modeled communication of a candidate on the better of the canonical layouts, cached
+    per (pp, v, accumulation, tp, dp_shard): nothing else changes it."""
+
+    def __init__(self, model: ModelDescription, topology: Topology, world: int, global_batch: int):
+        self.model, self.world, self.global_batch = model, world, global_batch
+        # zones, then racks, then node ids: the order the canonical layouts fill
+        nodes = sorted(topology.usable().nodes, key=lambda nd: (nd.zone or "", nd.rack or "", nd.node_id))
+        slots = sum(nd.slots for nd in nodes)
+        if slots < world:
+            raise CapacityError(f"the cluster has {slots} usable slots, fewer than the {world} ranks asked for")
+        self.nodes, self.bandwidths = nodes, topology.bandwidths
+        self.trees: dict = {}
+        self.cache: dict = {}
+
+    def breakdown(self, layout: Layout) -> CostBreakdown:
+        key = (layout.pp, layout.stages_per_rank, layout.accum_steps, layout.tp, layout.shard)
+        if key not in self.cache:
+            self.cache[key] = self._compute(layout)
+        return self.cache[key]
+
+    def _compute(self, layout: Layout) -> CostBreakdown:
+        mesh = layout_mesh(layout)
+        if layout.tp not in self.trees:
+            self.trees[layout.tp] = NodeTree(self.nodes, unit=layout.tp)
+        tree = self.trees[layout.tp]
+        costs = TierCosts(mesh, layout_profile(self.model, layout, self.global_batch), self.bandwidths)
+        options = [evaluate(tree, costs, mesh, expand_units(order, mesh.tp))
+                   for order in canonical_unit_orders(tree, mesh.units)]
+        return min(options, key=lambda ev: ev.total)
+
+
+def placed_breakdown(model: ModelDescription, layout: Layout, global_batch: int, topology: Topology,
+                     rank_to_node: Sequence[str]) -> CostBreakdown:
+    """The modeled communication of a candidate at an explicit placement (a Plan's)."""
+    return modeled_comm(topology, layout_mesh(layout), layout_profile(model, layout, global_batch), rank_to_node)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    tp_s: float
+    bubble_s: float
+    comm_s: float  # FSDP + HSDP + pipeline (TP is tp_s)
+
+    @property
+    def total(self) -> float:
+        return self.compute_s + self.tp_s + self.bubble_s + self.comm_s
+
+
+def step_time(model: ModelDescription, layout: Layout, flops: float, mfu: float, global_batch: int,
+              comm: Optional[CostBreakdown]) -> StepTime:
+    """The step's modeled seconds, term by term (module docstring)."""
+    tokens_rank = global_batch // layout.dp * model.seq_len
+    compute = 6 * max(rank_params(model, layout)) * tokens_rank / (flops * mfu)
+    tp_s = comm.tp_total if comm is not None else 0.0
+    comm_s = (comm.total - tp_s) if comm is not None else 0.0
+    bubble = ((compute + tp_s) * (layout.pp - 1) / (layout.stages_per_rank * layout.microbatches)
+              if layout.pp > 1 else 0.0)
+    return StepTime(compute, tp_s, bubble, comm_s)
