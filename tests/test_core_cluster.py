@@ -1,5 +1,6 @@
-"""The core promise on a real (loopback) 2-node Ray cluster: FSDP2 over Ray actors trains
-the same model as plain torch, reports every step, and fails loudly and fast."""
+"""The core promise on a real (loopback) 2-node Ray cluster: FSDP2 (here with tensor
+parallelism inside each node) over Ray actors trains the same model as plain torch,
+reports every step, and fails loudly and fast."""
 
 import json
 import time
@@ -23,11 +24,13 @@ def _trainer(dataset_uri, storage, name, **over):
     return rf.Trainer(**kw)
 
 
-def test_fsdp_over_ray_matches_single_process(two_node_cluster, dataset_uri, tmp_path):
+def test_tp2_dp2_over_ray_matches_single_process(two_node_cluster, dataset_uri, tmp_path):
+    """Tensor parallel inside each node, FSDP2 across the two (the layout a user of NVLink
+    nodes runs): every step reported, each tp group on one node, the losses of one process."""
     import ray
 
     storage = f"file://{tmp_path}/runs"
-    trainer = _trainer(dataset_uri, storage, "core")
+    trainer = _trainer(dataset_uri, storage, "core", parallel=rf.ParallelConfig(tp=2))
     handle = trainer.submit()
     deadline = time.time() + 120
     while len(handle.metrics()) < 2 and not handle.done() and time.time() < deadline:
@@ -48,7 +51,10 @@ def test_fsdp_over_ray_matches_single_process(two_node_cluster, dataset_uri, tmp
     kinds = [e["kind"] for e in events]
     assert kinds[0] == "run_started" and kinds[-1] == "run_finished" and "plan_chosen" in kinds
     plan = next(e for e in events if e["kind"] == "plan_chosen")
-    assert len(set(plan["rank_to_node"])) == 2, "4 workers on 2 nodes x 2 CPUs use both nodes"
+    assert (plan["pp"], plan["dp"], plan["tp"]) == (1, 2, 2)
+    nodes = plan["rank_to_node"]
+    assert len(set(nodes)) == 2, "4 workers on 2 nodes x 2 CPUs use both nodes"
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3], f"a tp group (ranks 2k, 2k+1) spans nodes: {nodes}"
 
     reference = single_process_losses(trainer.spec, 3)
     for m, ref in zip(metrics[:3], reference):

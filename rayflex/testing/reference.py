@@ -8,7 +8,7 @@ pp x dp must reproduce these losses (fp32, to rounding).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,8 @@ class ReferenceState:
     step: int
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    # The global gradient norm (before clipping) of each step this state was trained through.
+    grad_norms: list = field(default_factory=list)
 
 
 def single_process_train(spec: TrainSpec, steps: int, *,
@@ -54,8 +56,8 @@ def single_process_train(spec: TrainSpec, steps: int, *,
         opt.zero_grad(set_to_none=True)
         loss = spec.model.loss_fn(model(x), y)
         loss.backward()
-        if opt_cfg.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), opt_cfg.grad_clip)
+        clip = opt_cfg.grad_clip if opt_cfg.grad_clip is not None else float("inf")  # inf: measure only
+        state.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         for group in opt.param_groups:
             group["lr"] = opt_cfg.lr_of_step(step, spec.run.steps)
         opt.step()
