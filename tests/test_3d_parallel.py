@@ -72,6 +72,12 @@ def _model(kind: str = "gpt"):
     from rayflex.models.gpt_blocks import lm_loss
     from rayflex.models.spec import ModelSpec
 
+    if kind.startswith("hf-"):  # a tiny Hugging Face model, TP plan from transformers
+        from rayflex.models.hf import causal_lm
+
+        from hf_helpers import tiny_config
+
+        return causal_lm(tiny_config(kind[3:]))
     if kind == "user":
         return ModelSpec.from_module(UserLM.build, loss_fn=lm_loss, tp_plan=UserLM.PLAN,
                                      tp_divides={"attention heads": 4})
@@ -100,6 +106,8 @@ def _layouts():
         "pp2_tp2_dp2": (8, rf.ParallelConfig(pp=2, tp=2, microbatches=2)),
         "dp3": (3, rf.ParallelConfig()),
         "user_tp2_dp2": (4, rf.ParallelConfig(tp=2)),
+        "hf-llama_tp2_dp2": (4, rf.ParallelConfig(tp=2)),
+        "hf-qwen3_tp2_dp2": (4, rf.ParallelConfig(tp=2)),
     }
 
 
@@ -118,7 +126,7 @@ def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, job
         if rank >= size:
             continue
         spec = _spec(data_uri, storage, "ckpt" if every or resume else name, parallel, world=size,
-                     steps=run_steps, every=every, resume=resume, model="user" if layout.startswith("user") else "gpt")
+                     steps=run_steps, every=every, resume=resume, model=layout.split("_")[0] if layout.startswith(("user", "hf-")) else "gpt")
         plan = plan_mesh(spec.model, spec.parallel, spec.data, size)
         if worker is None or worker.spec != spec:
             worker = TrainWorker(rank, spec, plan)
@@ -129,7 +137,7 @@ def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, job
         finished = worker.join(TIMEOUT_S - 30)
         status = worker.poll()
         assert finished and status.error is None, (name, status.error)
-        qkv = [p for n, p in worker.stages[0][1].named_parameters() if n.endswith(("qkv.weight", ".q.weight"))][0]
+        qkv = [p for n, p in worker.stages[0][1].named_parameters() if n.endswith(("qkv.weight", ".q.weight", "q_proj.weight"))][0]
         out[name] = {"losses": [r.loss for r in status.records], "steps": [r.step for r in status.records],
                      "grad_norms": [r.grad_norm for r in status.records],
                      "restored": (info["restored"] or {}).get("step"), "mesh": plan.describe(),
@@ -222,5 +230,24 @@ def test_pp2_tp2_dp2_on_eight_ranks_trains_what_one_process_trains(dataset_uri, 
     for rank, runs in got.items():
         run = runs["pp2_tp2_dp2"]
         assert run["mesh"] == "pp2 x dp2 x tp2"
+        assert run["losses"] == pytest.approx(reference["losses"], abs=1e-5), (rank, run, reference)
+        assert run["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5), (rank, run, reference)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow  # four processes importing transformers; make test-slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: per-head q/k norms, grads summed over tp
+def test_a_hugging_face_model_trains_at_tp2_dp2_as_in_one_process(dataset_uri, tmp_path, family):
+    from rayflex.worker.train_worker import free_port
+
+    storage = f"file://{tmp_path}/runs"
+    layout = f"hf-{family}_tp2_dp2"
+    got = run_ranks(_run_jobs, 4, dataset_uri, storage, [(layout, layout, STEPS, STEPS, 0, False)], [free_port()],
+                    timeout_s=TIMEOUT_S)
+    reference = _reference(dataset_uri, storage, STEPS, f"hf-{family}")
+    for rank, runs in got.items():
+        run = runs[layout]
+        (rows, cols), local, _ = run["qkv"]
+        assert local == (rows // 4, cols), run["qkv"]
         assert run["losses"] == pytest.approx(reference["losses"], abs=1e-5), (rank, run, reference)
         assert run["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5), (rank, run, reference)
