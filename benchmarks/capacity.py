@@ -7,7 +7,8 @@ against the measured peak memory of real rayflex workers on CPU.
 Prints one JSON object on stdout; logs go to stderr.
 
 * search: ``rayflex.planning.capacity.search.search`` for a 7B and a 70B model on 1,024
-  nodes x 8 H100-80GB (racks of 32 nodes, zones of 16 racks), global batch 16,384 samples:
+  nodes x 8 H100-80GB (racks of 32 nodes, zones of 16 racks), global batch 16,384 samples,
+  over every pp x dp x tp layout (tp in 1, 2, 4, 8; FSDP or node/rack/zone-local HSDP):
   the first call (cold caches) and the median of five more. Goal: < 2 s.
 * memory_model: for each configuration, every rank's predicted peak (the model) and
   measured peak (anonymous RSS high-water mark of a real TrainWorker process minus its
@@ -53,6 +54,9 @@ def search_timing(repeats: int = 5) -> dict:
                                "candidates": len(result.candidates), "fitting": len(result.fitting),
                                "first_search_s": first, "search_s_median": statistics.median(times),
                                "search_s_max": max(times), "choice": best.label(),
+                               "choice_pp": best.layout.pp, "choice_tp": best.layout.tp, "choice_dp": best.layout.dp,
+                               "choice_dp_shard": best.layout.shard,
+                               "tp_degrees_searched": sorted({c.layout.tp for c in result.candidates}),
                                "choice_peak_bytes": best.peak_bytes, "choice_step_s": best.step_s}
         log.warning("search %s: first %.3f s, median %.3f s, %d candidates -> %s", name, first,
                     statistics.median(times), len(result.candidates), best.label())

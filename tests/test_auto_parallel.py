@@ -90,9 +90,10 @@ def test_small_gpt_resolves_to_a_mesh_the_workers_can_build():
     for world in (4, 2):
         r = resolve_parallel(spec, world)
         assert isinstance(r.parallel.pp, int) and not r.parallel.is_auto
-        assert r.explanation.startswith(f"Chose pp={r.parallel.pp} x dp={world // r.parallel.pp}")
+        dp = world // (r.parallel.pp * r.parallel.tp)
+        assert r.explanation.startswith(f"Chose pp={r.parallel.pp} x dp={dp}")
         mesh = plan_mesh(spec.model, r.parallel, r.data, world)
-        assert mesh.pp * mesh.dp == world and mesh.pp == r.choice.candidate.layout.pp
+        assert mesh.pp * mesh.dp * mesh.tp == world and mesh.pp == r.choice.candidate.layout.pp
         assert mesh.per_rank_batch * mesh.dp == 8
         if mesh.pp == 1:  # the planner's accumulation micro-batch reaches the mesh
             assert r.data.micro_batch == r.choice.micro_batch == mesh.micro_batch
@@ -152,25 +153,30 @@ def test_70b_on_64_h100_picks_a_pipeline_that_fits_and_still_fits_after_a_shrink
                      stage_blocks=(tuple(range(model.num_blocks)),))
     assert estimate_memory(model, dp_only, cluster.runtime).peak_bytes > cluster.usable_bytes
     policy = FailurePolicy(spec)
+    tps = []
     for usable in (64, 48):  # launch, then a restart after losing two nodes
         decision = policy.resize(usable_slots=usable)
         assert isinstance(decision, Restart) and decision.world_size == usable
         r = resolve_parallel(spec, usable)
-        assert r.parallel.pp > 1 and r.data is spec.data
+        assert r.parallel.pp * r.parallel.tp > 1 and r.data is spec.data
         mesh = plan_mesh(spec.model, r.parallel, r.data, usable)
-        assert mesh.pp * mesh.dp == usable
+        assert mesh.pp * mesh.dp * mesh.tp == usable and mesh.tp == r.parallel.tp
         # the stages the workers build are the ones the planner modeled, and they fit
         assert mesh.stage_blocks == r.choice.candidate.layout.stage_blocks
         peak = estimate_memory(model, Layout.from_plan(mesh), cluster.runtime).peak_bytes
         assert peak <= cluster.usable_bytes
         assert f"pp={mesh.pp} x dp={mesh.dp}" in r.explanation
+        tps.append(mesh.tp)
+    # the elastic rule: the node shape fixes tp, the restart keeps the launch's
+    assert tps[0] == tps[1] and "Elastic rule: tp=" in r.explanation
 
 
 def test_70b_that_fits_nowhere_fails_before_ray(tmp_path):
     import ray
 
+    # seq 2048: even tp=8 inside the nodes leaves every mesh above 72 GB (seq 1024 fits with it)
     t = rf.Trainer.from_spec(_big_spec(num_workers=64)).with_overrides(
-        {"data.global_batch": "512", "data.seq_len": "1024", "run.storage": f"file://{tmp_path}/runs"})
+        {"data.global_batch": "512", "data.seq_len": "2048", "run.storage": f"file://{tmp_path}/runs"})
     with pytest.raises(CapacityError, match=r"no mesh of 64 ranks fits .* smallest peak"):
         t.submit()
     assert not ray.is_initialized()
@@ -200,7 +206,7 @@ def test_valid_world_sizes_for_auto():
 def test_trainer_plan_and_cli_show_the_auto_choice(tmp_path, capsys):
     t = rf.Trainer.from_spec(_spec(global_batch=16, scaling=rf.ScalingConfig(num_workers=16)))
     plan = t.plan(os.path.join(ROOT, "examples", "topologies", "two_racks_64gpu.yaml"), world_size=16)
-    assert plan.mesh.pp * plan.mesh.dp == 16 and plan.explanation.startswith(f"Chose pp={plan.mesh.pp}")
+    assert plan.mesh.world_size == 16 and plan.explanation.startswith(f"Chose pp={plan.mesh.pp}")
 
     from rayflex.cli.main import main
 

@@ -155,7 +155,7 @@ def test_70b_on_64_h100_dp_only_does_not_fit_and_the_choice_does(h100x64):
     best = result.best
     assert best.fits and best.peak_bytes <= cluster.usable_bytes
     assert best.layout.pp > 1
-    dp_only = [c for c in result.candidates if c.layout.pp == 1]
+    dp_only = [c for c in result.candidates if (c.layout.pp, c.layout.tp) == (1, 1)]
     assert dp_only and not any(c.fits for c in dp_only)
     # every candidate the search calls fitting fits by the model, recomputed independently
     for c in result.fitting:

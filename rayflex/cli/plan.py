@@ -1,8 +1,14 @@
-"""``rayflex plan``: will it fit, and which pp x dp is fastest, before anything launches.
+"""``rayflex plan``: will it fit, and which pp x dp x tp is fastest, before anything launches.
 
     rayflex plan examples/gpt_small.py                      # the trainer's model, this host
-    rayflex plan --model 70b --cluster cluster.yaml --explain
+    rayflex plan --model 70b --cluster examples/clusters/h100_8x8.yaml --explain
     rayflex plan SPEC --cluster cluster.yaml --json
+
+Every run prints the table, the choice (pp, tp, dp and, with HSDP, the shard groups) and a
+short *why*: the fastest mesh of every tensor-parallel degree and shard-group size with its
+memory per rank and modeled step time, and the link tier each kind of group was priced at.
+``--explain`` adds the full reasoning (memory breakdown, step-time terms, what does not
+fit) and the placement planner's rank -> node plan.
 
 SPEC is a Python file or ``module:attr`` defining ``trainer``; its model, seq_len, global
 batch and worker count are planned for. ``--model`` plans a described model instead
@@ -21,7 +27,7 @@ from rayflex.errors import ConfigError
 
 
 def add_subcommand(subparsers) -> None:
-    p = subparsers.add_parser("plan", help="memory per rank and the fastest pp x dp mesh that fits",
+    p = subparsers.add_parser("plan", help="memory per rank and the fastest pp x dp x tp mesh that fits",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("spec", nargs="?", help="a .py file or module:attr defining `trainer`")
     p.add_argument("--model", help="a described model instead of SPEC: 7b, 70b or FILE.yaml")
@@ -32,6 +38,8 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--precision", choices=("fp32", "bf16", "bf16-master"),
                    help="default: fp32 for SPEC (what workers run today), bf16-master for --model presets")
     p.add_argument("--all", action="store_true", help="list every candidate, not the best per mesh shape")
+    p.add_argument("--tp", type=int, action="append", help="only this tensor-parallel degree (repeatable); "
+                   "default: every divisor of the node size the model can take")
     p.add_argument("--explain", action="store_true", help="explain the choice and show its placement")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--topology", help="placement only: SPEC's mesh on a described topology "
@@ -97,12 +105,13 @@ def _inputs(args):
 
 
 def cmd_plan(args) -> int:
+    from rayflex.planning.capacity.explain import summary
     from rayflex.planning.capacity.search import explain, search
 
     if args.topology or args.live:
         return cmd_placement(args)
     model, cluster, global_batch, world = _inputs(args)
-    result = search(model, cluster, global_batch=global_batch, world_size=world)
+    result = search(model, cluster, global_batch=global_batch, world_size=world, tp=args.tp)
     placement = _placement(result) if (args.explain and args.cluster) else None
     if args.json:
         out = result.to_dict()
@@ -116,10 +125,15 @@ def cmd_plan(args) -> int:
     print(f"cluster: {cluster.describe()}; world size {result.world_size}")
     print(f"searched {len(result.candidates)} candidates in {result.search_s:.2f} s")
     print()
-    print(result.table(result.candidates if args.all else None))
+    print(result.table(result.candidates if args.all else _table_rows(result)))
     print()
     best = result.best
-    print(f"choice: {best.label()}: {best.peak_bytes / 1e9:.2f} GB per rank, modeled step {best.step_s:.3f} s")
+    lay = best.layout
+    hsdp = f" (HSDP: dp_shard={lay.shard} x dp_replicate={lay.dp_replicate})" if lay.dp_replicate > 1 else ""
+    print(f"choice: {best.label()}: pp={lay.pp} tp={lay.tp} dp={lay.dp}{hsdp}, {best.peak_bytes / 1e9:.2f} GB per "
+          f"rank, modeled step {best.step_s:.3f} s")
+    print()
+    print(summary(result))
     if args.explain:
         print()
         print(explain(result))
@@ -130,6 +144,13 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _table_rows(result, not_fitting: int = 8):
+    """The best of every mesh shape that fits, and the few smallest that do not."""
+    rows = result.best_per_shape()
+    fit = [c for c in rows if c.fits]
+    return fit + [c for c in rows if not c.fits][:not_fitting]
+
+
 def _precision_name(model) -> str:
     p = model.precision
     return f"{8 * p.param_bytes}-bit compute" + (", fp32 master weights" if p.master_weights else "")
@@ -137,12 +158,9 @@ def _precision_name(model) -> str:
 
 def _placement(result):
     """The Planner's rank -> node plan for the chosen mesh (refines the search's layout)."""
-    from rayflex.planning.capacity.search import _rank_params
-    from rayflex.planning.comm_profile import layout_comm_profile
-    from rayflex.planning.placement.planner import MeshShape, Planner
+    from rayflex.planning.capacity.step_time import layout_mesh, layout_profile
+    from rayflex.planning.placement.planner import Planner
 
-    lay, model = result.best.layout, result.model
-    profile = layout_comm_profile(_rank_params(model, lay), model.precision.param_bytes,
-                                  result.global_batch // lay.dp * model.seq_len, model.hidden_size,
-                                  lay.stages_per_rank, lay.accum_steps)
-    return Planner(result.cluster.topology).plan(MeshShape(lay.pp, lay.dp), profile)
+    lay = result.best.layout
+    return Planner(result.cluster.topology).plan(layout_mesh(lay), layout_profile(result.model, lay,
+                                                                                   result.global_batch))

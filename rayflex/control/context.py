@@ -35,6 +35,9 @@ class RunContext:
         self.watcher: Any = None
         self.group: Any = None  # the live attempt's workers (status, fault injection, teardown)
         self.plan: Any = None  # the live attempt's mesh
+        # layout="auto": the first attempt's tp, which restarts keep while it fits (the node
+        # shape fixed it; docs/parallelism.md).
+        self.launch_tp: Optional[int] = None
 
     @property
     def warm_restarts(self) -> bool:
@@ -65,12 +68,13 @@ class RunContext:
         return best_world_size(self.spec, self.usable_slots(topology)) or 0
 
     def plan_at(self, size: int, topology):
-        """(mesh, how pp was chosen, placement) for ``size`` ranks on ``topology``. With
-        pp="auto" the capacity planner picks the fastest mesh that fits, at every (re)start."""
+        """(mesh, how the layout was chosen, placement) for ``size`` ranks on ``topology``.
+        With layout="auto" the capacity planner picks the fastest mesh that fits, at every
+        (re)start, keeping the launch tp while a mesh with it fits."""
         from rayflex.planning.capacity.auto import resolve_parallel
         from rayflex.planning.comm_profile import plan_for
 
-        resolved = resolve_parallel(self.spec, size, topology)
+        resolved = resolve_parallel(self.spec, size, topology, launch_tp=self.launch_tp)
         mesh = plan_mesh(self.spec.model, resolved.parallel, resolved.data, size)
         return mesh, resolved, plan_for(self.spec, mesh, topology)  # PlacementError names what is missing
 
@@ -108,3 +112,5 @@ class RunContext:
 
     def note_attempt(self, group, plan: Optional[Any]) -> None:
         self.group, self.plan = group, plan if plan is not None else self.plan
+        if self.launch_tp is None and self.plan is not None:
+            self.launch_tp = self.plan.tp

@@ -42,12 +42,14 @@ def valid_world_sizes(spec: TrainSpec) -> list[int]:
     """World sizes in [min_workers, max_workers] the run can use, largest first: those
     where ``plan_mesh`` accepts the spec's pipeline and batch (``rayflex.mesh.rules``).
 
-    With ``pp="auto"`` a size is valid when some pp could run there (``rules.pp_options``);
+    With ``layout="auto"`` a size is valid when some pp could run there at a tp the model
+    splits into (``rules.pp_options``, ``rules.tp_options_of``);
     whether that mesh fits in memory is decided when the restart re-plans (CapacityError).
     """
     return rules.valid_world_sizes(spec.parallel.mesh_layout, spec.data.global_batch,
                                    min_size=spec.scaling.min_size, max_size=spec.scaling.max_size,
-                                   micro_batch=spec.data.micro_batch, num_blocks=spec.model.num_blocks)
+                                   micro_batch=spec.data.micro_batch, num_blocks=spec.model.num_blocks,
+                                   tp_options=rules.tp_options_of(getattr(spec.model, "metadata", None)))
 
 
 def best_world_size(spec: TrainSpec, usable_slots: int) -> Optional[int]:

@@ -271,17 +271,19 @@ def pp_options(world_size: int, global_batch: int, num_blocks: int, tp: int = 1)
 
 
 def valid_world_sizes(layout: Optional[MeshLayout], global_batch: int, *, min_size: int, max_size: int,
-                      micro_batch: Optional[int] = None, num_blocks: Optional[int] = None) -> list[int]:
+                      micro_batch: Optional[int] = None, num_blocks: Optional[int] = None,
+                      tp_options: tuple[int, ...] = (1,)) -> list[int]:
     """World sizes in ``[min_size, max_size]`` a run can use, largest first.
 
     ``layout=None`` is ``layout="auto"``: a size is valid where :func:`pp_options` offers a
-    pp (``num_blocks`` is then required).
+    pp at one of ``tp_options`` (the tp degrees the model splits into, :func:`tp_options_of`;
+    ``num_blocks`` is then required).
     """
     sizes = range(max_size, min_size - 1, -1)
     if layout is None:
         if num_blocks is None:
             raise ValueError("valid_world_sizes(layout=None) (layout='auto') needs num_blocks")
-        return [n for n in sizes if pp_options(n, global_batch, num_blocks)]
+        return [n for n in sizes if any(pp_options(n, global_batch, num_blocks, tp) for tp in tp_options)]
     return [n for n in sizes if mesh_problem(n, layout, global_batch, micro_batch=micro_batch,
                                              num_blocks=num_blocks) is None]
 
@@ -309,6 +311,16 @@ def tp_problem(metadata: Optional[dict], tp: int, *, model: str = "this model") 
             return ConfigError("ParallelConfig.tp", f"tp={tp} does not divide the {what} ({n}) of {model}",
                                f"use a tp dividing {n} (one of {[d for d in divisors(n) if d > 1]})")
     return None
+
+
+# The tp degrees layout="auto" considers before it knows the node shape: what a node of up
+# to 8 devices can hold (the planner then keeps those dividing the real node).
+TP_DEGREES = (1, 2, 4, 8)
+
+
+def tp_options_of(metadata: Optional[dict]) -> tuple[int, ...]:
+    """The :data:`TP_DEGREES` a model (its ``ModelSpec.metadata``) can be split into."""
+    return tuple(tp for tp in TP_DEGREES if tp_problem(metadata, tp) is None)
 
 
 def check_tp(metadata: Optional[dict], tp: int, *, model: str = "this model") -> None:

@@ -3,9 +3,9 @@
 The communication profile comes from the model itself: parameter bytes per stage (FSDP
 traffic inside each dp group, of one rank's tp shard), activation bytes per microbatch (p2p
 traffic between adjacent stages) and, with tensor parallelism, the bytes of the tp group's
-activation all-reduces (Megatron-style blocks: :data:`TP_ALLREDUCES`). The controller plans with :func:`plan_for` on every (re)start;
-``Trainer.plan()`` and ``rayflex plan`` for a dry run against the live cluster or a
-described topology.
+activation all-reduces (Megatron-style blocks: :data:`TP_ALLREDUCES`). The controller plans
+with :func:`plan_for` on every (re)start; ``Trainer.plan()`` and ``rayflex plan`` for a dry
+run against the live cluster or a described topology.
 
 Every CommProfile is made by :func:`build_comm_profile`: the run's (per microbatch, from a
 MeshPlan) here, the capacity search's (per step, from a layout) by
@@ -25,19 +25,25 @@ from rayflex.planning.topology import Topology
 BYTES_PER_VALUE = 4
 
 # All-reduces of one microbatch's hidden states (b x s x h values) a tp rank issues per
-# block, forward + backward, under the Megatron-style split the workers apply: a transformer
-# block's rowwise o_proj and MLP down projection each all-reduce their output in forward and
-# their colwise partners' input gradients in backward (2 + 2); the vocab-parallel embedding
-# all-reduces its output (forward only: token ids have no gradient); the vocab-parallel head
-# all-reduces its input gradient (backward only; the loss's max/sum over the vocab are b x s
-# values, negligible). A recomputed block replays its forward in backward: 2 more.
+# block, forward + backward, under the Megatron-style split the workers apply
+# (rayflex.models.tp_plan): a transformer block's rowwise o_proj and MLP down projection
+# each all-reduce their output in forward and their colwise partners' input gradients in
+# backward (2 + 2); the vocab-split embedding all-reduces its output (forward only: token ids
+# have no gradient); the vocab-split head all-reduces its input gradient in backward and
+# all-gathers the logits in forward (``colwise_gather_output``), counted in :func:`
+# block_tp_allreduces`. A recomputed block replays its forward in backward: its forward
+# all-reduces once more.
 TP_ALLREDUCES = {"embedding": 1, "transformer": 4, "head": 1, "other": 4}
 RECOMPUTE_TP_ALLREDUCES = {"embedding": 1, "transformer": 2, "head": 0, "other": 2}
 
 
-def block_tp_allreduces(kind: str, recompute: bool = False) -> int:
-    """Hidden-state all-reduces per microbatch a tp rank issues for one block of ``kind``."""
-    return TP_ALLREDUCES[kind] + (RECOMPUTE_TP_ALLREDUCES[kind] if recompute else 0)
+def block_tp_allreduces(kind: str, recompute: bool = False, vocab_per_hidden: float = 0.0) -> float:
+    """Hidden-state all-reduces per microbatch a tp rank issues for one block of ``kind``, in
+    all-reduce equivalents: the head's all-gather of ``vocab`` logits per token moves what an
+    all-reduce of ``vocab / 2`` values does (a ring all-gather is half a ring all-reduce), so
+    it counts ``vocab_per_hidden / 2``."""
+    n = TP_ALLREDUCES[kind] + (RECOMPUTE_TP_ALLREDUCES[kind] if recompute else 0)
+    return n + (vocab_per_hidden / 2 if kind == "head" else 0.0)
 
 
 def spec_block_kinds(num_blocks: int) -> list[str]:
@@ -65,7 +71,7 @@ def build_comm_profile(stage_param_bytes: Sequence[float], activation_bytes: flo
 
 def layout_comm_profile(rank_params: Sequence[float], bytes_per_value: float, per_rank_tokens: int,
                         hidden_size: int, stages_per_rank: int, accum_steps: int,
-                        tp_allreduces: Sequence[int] = ()) -> CommProfile:
+                        tp_allreduces: Sequence[float] = ()) -> CommProfile:
     """The capacity search's profile of a layout (``rayflex plan`` places its choice with it).
 
     ``rank_params``: parameters of one rank of each pp rank (its tp shard). Per step rather
@@ -90,14 +96,15 @@ def comm_profile(spec: TrainSpec, mesh: MeshPlan) -> CommProfile:
     holds 1/tp of every block: the Megatron-style split shards embedding, blocks and head)."""
     counts = spec.model.param_counts()
     kinds = spec_block_kinds(len(counts))
+    hidden = spec.model.hidden_size or 1
+    vocab_per_hidden = counts[-1] / hidden / hidden  # the head's weight is vocab x hidden
     # A pp rank holds stages_per_rank stages; its FSDP traffic is theirs together.
     stage_bytes = [0.0] * mesh.pp
-    allreduces = [0] * mesh.pp
+    allreduces = [0.0] * mesh.pp
     for stage, blocks in enumerate(mesh.stage_blocks):
         stage_bytes[stage % mesh.pp] += sum(counts[i] for i in blocks) * BYTES_PER_VALUE / mesh.tp
-        allreduces[stage % mesh.pp] += sum(block_tp_allreduces(kinds[i], spec.memory.checkpointed(i))
-                                           for i in blocks)
-    hidden = spec.model.hidden_size or 1
+        allreduces[stage % mesh.pp] += sum(block_tp_allreduces(kinds[i], spec.memory.checkpointed(i),
+                                                               vocab_per_hidden) for i in blocks)
     activation = mesh.micro_batch * spec.data.seq_len * hidden * BYTES_PER_VALUE
     passes = mesh.microbatches * mesh.accum_steps
     tp_bytes = [n * activation * passes for n in allreduces] if mesh.tp > 1 else []
@@ -112,4 +119,5 @@ def plan_for(spec: TrainSpec, mesh: MeshPlan, topology: Optional[Topology] = Non
         topology = Topology.from_ray(cpus_per_worker=spec.scaling.cpus_per_worker or 1.0,
                                      use_gpu=spec.scaling.use_gpu)
     shape = MeshShape(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp, dp_replicate=mesh.dp_replicate)
-    return Planner(topology).plan(shape, comm_profile(spec, mesh), require_labels=dict(spec.scaling.node_labels) or None)
+    return Planner(topology).plan(shape, comm_profile(spec, mesh),
+                                  require_labels=dict(spec.scaling.node_labels) or None)

@@ -221,17 +221,14 @@ class NodeTree:
         return out
 
     def span_level(self, nodes) -> int:
-        """Tree level of the smallest subtree holding all ``nodes`` (worst pair, ultrametric)."""
-        it = iter(nodes)
-        first = next(it)
-        worst = 0
-        for j in it:
-            lv = self.level(first, j)
-            if lv > worst:
-                worst = lv
-                if lv == 3:
-                    break
-        return worst
+        """Tree level of the smallest subtree holding all ``nodes`` (worst pair, ultrametric).
+        A domain lies in one zone (its key includes the zone), so one domain means level 1."""
+        nodes = set(nodes)
+        if len(nodes) == 1:
+            return 0
+        if len({self.dom[i] for i in nodes}) == 1:
+            return 1
+        return 2 if len({self.zone[i] for i in nodes}) == 1 else 3
 
     def fit_level(self, units: int) -> int:
         """Smallest level at which some subtree holds ``units`` units (3 when none does:
@@ -297,6 +294,23 @@ class TierCosts:
         self.fsdp = [[min(sh[lv] + rp[min(replica_floor, lv)], sh[min(shard_floor, lv)] + rp[lv]) for lv in LEVELS]
                      for sh, rp in zip(self.shard, self.replica)]
 
+    @classmethod
+    def from_tables(cls, shard: Sequence[Sequence[float]], p2p: Sequence[float]) -> "TierCosts":
+        """A plain-FSDP table (no HSDP, no tp): what the unit searches price a pp x dp
+        assignment of units with (``unit_view``, the HSDP planner's coarse problems)."""
+        self = cls.__new__(cls)
+        self.shard = self.fsdp = self.plain = [list(row) for row in shard]
+        zeros = [[0.0] * len(LinkTier) for _ in shard]
+        self.replica, self.tp = zeros, zeros
+        self.p2p = list(p2p)
+        self.hsdp = False
+        return self
+
+    def unit_view(self) -> "TierCosts":
+        """This table as the unit search sees it: each stage charged ``fsdp`` (exact without
+        HSDP, the per-stage floor with it), tp left out (a constant on whole tp groups)."""
+        return TierCosts.from_tables(self.fsdp, self.p2p)
+
     @property
     def tp_floor(self) -> float:
         """TP seconds when every tp group shares a node (what placement guarantees)."""
@@ -327,34 +341,73 @@ class CostBreakdown:
         return max(self.tp_s, default=0.0)
 
 
+@dataclass(frozen=True)
+class GroupLevels:
+    """Where an assignment's groups landed: per stage the tree level of its worst FSDP shard
+    group, HSDP replicate group and tp group, and per boundary its worst lane. The cost is a
+    function of these alone (``price``), so one placement can be priced for many profiles."""
+
+    rows: Tuple[int, ...]
+    replicas: Tuple[int, ...]
+    tps: Tuple[int, ...]
+    boundaries: Tuple[int, ...]
+
+
+def group_levels(tree: NodeTree, mesh: MeshShape, node_of_rank: Sequence[int]) -> GroupLevels:
+    """The levels of every group of an explicit rank -> node assignment."""
+    pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
+    tps = tuple(max(tree.span_level(node_of_rank[u * tp:(u + 1) * tp]) for u in range(s * dp, (s + 1) * dp))
+                if tp > 1 else 0 for s in range(pp))
+    if not any(tps):  # every tp group on one node: all tp lanes of a unit see the same links
+        return _lane_levels(tree, mesh, node_of_rank[::tp], tps)
+    # a split tp group (naive placement): each tp index is a lane of its own; the worst counts
+    per_stage = dp * tp
+    lanes = [_lane_levels(tree, mesh, [i for s in range(pp)
+                                       for i in node_of_rank[s * per_stage + t:(s + 1) * per_stage:tp]], tps)
+             for t in range(tp)]
+
+    def worst(field: str) -> Tuple[int, ...]:
+        return tuple(max(levels) for levels in zip(*(getattr(ln, field) for ln in lanes)))
+
+    return GroupLevels(worst("rows"), worst("replicas"), tps, worst("boundaries"))
+
+
+def unit_levels(tree: NodeTree, mesh: MeshShape, node_of_unit: Sequence[int]) -> GroupLevels:
+    """The levels of a unit -> node assignment (every tp group on its unit's node)."""
+    return _lane_levels(tree, mesh, node_of_unit, (0,) * mesh.pp)
+
+
+def _lane_levels(tree: NodeTree, mesh: MeshShape, node_of_unit: Sequence[int], tps: Tuple[int, ...]) -> GroupLevels:
+    """Levels of one tp lane: the pp x dp assignment of the ranks with one tp index."""
+    pp, dp, shard, reps = mesh.pp, mesh.dp, mesh.dp_shard, mesh.dp_replicate
+    rows, replicas = [], []
+    for s in range(pp):
+        group = node_of_unit[s * dp:(s + 1) * dp]
+        if reps == 1:
+            rows.append(tree.span_level(group))
+            replicas.append(0)
+        else:
+            rows.append(max(tree.span_level(group[r * shard:(r + 1) * shard]) for r in range(reps)))
+            replicas.append(max(tree.span_level(group[i::shard]) for i in range(shard)))
+    bnds = tuple(max(tree.level(x, y) for x, y in zip(node_of_unit[s * dp:(s + 1) * dp],
+                                                        node_of_unit[(s + 1) * dp:(s + 2) * dp]))
+                 for s in range(pp - 1))
+    return GroupLevels(tuple(rows), tuple(replicas), tuple(tps), bnds)
+
+
+def price(costs: TierCosts, levels: GroupLevels) -> CostBreakdown:
+    """The modeled seconds of groups at these levels (module docstring's aggregation)."""
+    fsdp = tuple(costs.shard[s][lv] for s, lv in enumerate(levels.rows))
+    replica = tuple(costs.replica[s][lv] for s, lv in enumerate(levels.replicas))
+    tp_s = tuple(costs.tp[s][lv] for s, lv in enumerate(levels.tps))
+    p2p = tuple(costs.p2p[lv] for lv in levels.boundaries)
+    total = sum(fsdp) + sum(replica) + sum(p2p) + max(tp_s)
+    return CostBreakdown(total, fsdp, p2p, levels.rows, levels.boundaries, replica, levels.replicas, tp_s, levels.tps)
+
+
 def evaluate(tree: NodeTree, costs: TierCosts, mesh: MeshShape, node_of_rank: Sequence[int]) -> CostBreakdown:
     """The modeled seconds of an explicit rank -> node assignment (the ground truth)."""
-    pp, dp, tp, shard, reps = mesh.pp, mesh.dp, mesh.tp, mesh.dp_shard, mesh.dp_replicate
-    stage_ranks = dp * tp
-
-    def lane(s: int, t: int) -> Sequence[int]:
-        """Nodes of stage s's dp indices at tp index t, in dp order."""
-        base = s * stage_ranks
-        return node_of_rank[base + t:base + stage_ranks:tp] if tp > 1 else node_of_rank[base:base + dp]
-
-    rows, reps_lv, tps, bnds = [], [], [], []
-    for s in range(pp):
-        lanes = [lane(s, t) for t in range(tp)]
-        rows.append(max(tree.span_level(set(ln[r * shard:(r + 1) * shard])) for ln in lanes for r in range(reps)))
-        reps_lv.append(max(tree.span_level(set(ln[i::shard])) for ln in lanes for i in range(shard))
-                       if reps > 1 else 0)
-        base = s * stage_ranks
-        tps.append(max(tree.span_level(set(node_of_rank[base + d * tp:base + (d + 1) * tp])) for d in range(dp))
-                   if tp > 1 else 0)
-    for s in range(pp - 1):
-        a, b = node_of_rank[s * stage_ranks:(s + 1) * stage_ranks], node_of_rank[(s + 1) * stage_ranks:(s + 2) * stage_ranks]
-        bnds.append(max(tree.level(x, y) for x, y in zip(a, b)))
-    fsdp = tuple(costs.shard[s][lv] for s, lv in enumerate(rows))
-    replica = tuple(costs.replica[s][lv] for s, lv in enumerate(reps_lv))
-    tp_s = tuple(costs.tp[s][lv] for s, lv in enumerate(tps))
-    p2p = tuple(costs.p2p[lv] for lv in bnds)
-    total = sum(fsdp) + sum(replica) + sum(p2p) + max(tp_s)
-    return CostBreakdown(total, fsdp, p2p, tuple(rows), tuple(bnds), replica, tuple(reps_lv), tp_s, tuple(tps))
+    return price(costs, group_levels(tree, mesh, node_of_rank))
 
 
 def expand_units(node_of_unit: Sequence[int], tp: int) -> List[int]:

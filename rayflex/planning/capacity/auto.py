@@ -1,9 +1,20 @@
-"""``ParallelConfig(pp="auto")``: turn the capacity planner's choice into concrete configs.
+"""``ParallelConfig(layout="auto")``: turn the capacity planner's choice into concrete configs.
 
 The controller calls :func:`resolve_parallel` on every placement (launch and each elastic
 restart), then ``plan_mesh`` on the result; ``Trainer.plan()`` and the driver's preflight
 call it too. A spec with an integer ``pp`` passes through untouched, without importing the
 planner.
+
+Elastic rule for tensor parallelism: **tp is fixed by the node shape, not by the world
+size.** The launch size (``ScalingConfig.num_workers``) picks the tp; every other size keeps
+it as long as some mesh with that tp fits, and only the pipeline depth, dp and the shard
+groups change. A restart therefore never re-splits every block (a tp change reshards every
+parameter, and a node-local tp group is the right one whatever the number of nodes). Only
+when no mesh with the launch tp fits does the planner search every tp, and the explanation
+says so. The launch tp is found by planning the launch size on the same cluster; a caller
+whose cluster can no longer hold the launch size (a live topology after losing nodes)
+passes ``launch_tp`` (the controller: its launch mesh's tp), without which that size is
+planned freely.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from rayflex.config import DataConfig, ParallelConfig, TrainSpec
-from rayflex.errors import ConfigError
+from rayflex.errors import ConfigError, PlacementError
 
 if TYPE_CHECKING:
     from rayflex.planning.capacity.search import ParallelChoice
@@ -40,24 +51,41 @@ _CACHE: "OrderedDict[tuple, tuple[Any, ParallelChoice]]" = OrderedDict()
 _CACHE_SIZE = 64
 
 
-def resolve_parallel(spec: TrainSpec, world_size: int, topology: Optional["Topology"] = None) -> ResolvedParallel:
+def resolve_parallel(spec: TrainSpec, world_size: int, topology: Optional["Topology"] = None, *,
+                     launch_tp: Optional[int] = None) -> ResolvedParallel:
     """The ParallelConfig and DataConfig to run ``spec`` at ``world_size`` ranks.
 
-    With ``pp="auto"`` the cluster is ``spec.parallel.cluster`` (a description file) if set,
-    else ``topology`` (its nodes, with this host's CPUs as devices), else one host with
-    ``world_size`` CPU slots. Raises CapacityError (with the numbers) when no mesh fits.
+    With ``layout="auto"`` the cluster is ``spec.parallel.cluster`` (a description file) if
+    set, else ``topology`` (its nodes, with this host's CPUs as devices), else one host with
+    ``world_size`` CPU slots. ``launch_tp``: the tp the run launched with (module docstring:
+    kept while it fits); None finds it by planning the launch size. Raises CapacityError
+    (with the numbers) when no mesh fits.
     """
     if not spec.parallel.is_auto:
         return ResolvedParallel(spec.parallel, spec.data, "", None)
     cluster, key = _cluster(spec.parallel.cluster, topology, world_size)
-    choice = _best(spec, world_size, cluster, key)
+    keep = launch_tp if launch_tp is not None else _launch_tp(spec, world_size, topology)
+    choice = _best(spec, world_size, cluster, key, keep)
     parallel = ParallelConfig(pp=choice.pp, schedule=choice.schedule, microbatches=choice.microbatches,
                               stages_per_rank=choice.stages_per_rank, balance=spec.parallel.balance,
-                              cluster=spec.parallel.cluster)
+                              cluster=spec.parallel.cluster, tp=choice.tp, dp_shard=choice.dp_shard)
     data = spec.data
     if choice.pp == 1 and choice.micro_batch is not None:
         data = dataclasses.replace(spec.data, micro_batch=choice.micro_batch)
     return ResolvedParallel(parallel, data, choice.explanation, choice)
+
+
+def _launch_tp(spec: TrainSpec, world_size: int, topology: Optional["Topology"]) -> Optional[int]:
+    """The tp the launch size gets on this cluster; None at the launch size itself, or when
+    the cluster cannot plan the launch size any more."""
+    launch = spec.scaling.num_workers
+    if world_size == launch:
+        return None
+    cluster, key = _cluster(spec.parallel.cluster, topology, launch)
+    try:
+        return _best(spec, launch, cluster, key, None).tp
+    except PlacementError:  # CapacityError: the launch size does not fit what is left
+        return None
 
 
 def _cluster(path: Optional[str], topology: Optional["Topology"], world_size: int) -> tuple[Any, tuple]:
@@ -76,19 +104,42 @@ def _cluster(path: Optional[str], topology: Optional["Topology"], world_size: in
     return local, ("local", world_size)
 
 
-def _best(spec: TrainSpec, world_size: int, cluster: Any, cluster_key: tuple) -> "ParallelChoice":
+def _best(spec: TrainSpec, world_size: int, cluster: Any, cluster_key: tuple,
+          keep_tp: Optional[int]) -> "ParallelChoice":
+    """The planner's choice at ``world_size``, keeping ``keep_tp`` if a mesh with it fits."""
+    from rayflex.planning.capacity.memory import CapacityError
+
+    if keep_tp is not None:
+        try:
+            choice = _search(spec, world_size, cluster, cluster_key, keep_tp)
+        except CapacityError as e:
+            why = str(e)
+        else:
+            note = (f"Elastic rule: tp={keep_tp} is the launch mesh's (tp is fixed by the node shape) and a mesh "
+                    f"with it fits at {world_size} ranks, so only pp, dp and the shard groups were re-planned.")
+            return dataclasses.replace(choice, explanation=f"{choice.explanation}\n{note}")
+        choice = _search(spec, world_size, cluster, cluster_key, None)
+        note = (f"Elastic rule: the launch mesh's tp={keep_tp} fits no mesh at {world_size} ranks "
+                f"({why.split('. Fix:')[0]}), so every tp was searched.")
+        return dataclasses.replace(choice, explanation=f"{choice.explanation}\n{note}")
+    return _search(spec, world_size, cluster, cluster_key, None)
+
+
+def _search(spec: TrainSpec, world_size: int, cluster: Any, cluster_key: tuple,
+            tp: Optional[int]) -> "ParallelChoice":
     from rayflex.planning.capacity.search import best_parallel_config
 
     # Cached because a non-GPT model is described by running its blocks once on CPU, and
     # elastic runs re-plan the same few sizes again and again.
     key = (id(spec.model), spec.data.global_batch, spec.data.seq_len, world_size, cluster_key, spec.precision,
-           spec.memory)
+           spec.memory, tp)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is spec.model:
         _CACHE.move_to_end(key)
         return hit[1]
     choice = best_parallel_config(spec.model, cluster, world_size, spec.data.global_batch, spec.data.seq_len,
-                                  precision_config=spec.precision, memory_config=spec.memory)
+                                  precision_config=spec.precision, memory_config=spec.memory,
+                                  tp=None if tp is None else [tp])
     _CACHE[key] = (spec.model, choice)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)

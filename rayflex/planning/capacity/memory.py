@@ -8,9 +8,11 @@ torch's pipelining schedules), so its terms are the tensors a rank really alloca
   block's matrices (q/k/v and MLP up by columns, o_proj and MLP down by rows; embedding
   and head split over the vocabulary); norms, row-parallel biases and a learned position
   table stay whole (:func:`tp_replicated_params`). Activations inside the split (q/k/v,
-  attention output, MLP intermediates, logits) are ``1/tp``; the block's input and norm
-  outputs, which every tp rank needs whole (no sequence parallelism), are not. Every term
-  below is then of the rank's shard (``ModelDescription.split_over_tp``).
+  attention output, MLP intermediates) are ``1/tp``; the block's input and norm outputs,
+  which every tp rank needs whole (no sequence parallelism), are not, and neither are the
+  logits: the head gathers them (``colwise_gather_output``, ``rayflex.models.tp_plan``) so
+  the loss sees the whole vocabulary. Every term below is then of the rank's shard
+  (``ModelDescription.split_over_tp``).
 * **Sharded state** (whole run): each parameter's ``1/dp_shard`` shard (``dp_shard = dp``
   for plain FSDP; HSDP keeps a whole copy per replica of ``dp_shard`` ranks), its AdamW states
   (``optimizer_states`` of them) and, from the reduce-scatter to the next step's
@@ -65,10 +67,13 @@ simulation above) and the optimizer step.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from typing import Iterable, Optional, Sequence
 
 from rayflex.errors import ConfigError, PlacementError
 from rayflex.mesh.stage_split import stage_split
+from rayflex.planning.capacity.schedules import (in_flight_peak, schedule_ops, schedule_peak,  # noqa: F401
+                                                 schedule_peak_linear)
 from rayflex.models.gpt_config import gpt_config_of
 from rayflex.models.hf_families import hf_size_of
 
@@ -227,11 +232,12 @@ class ModelDescription:
     def num_blocks(self) -> int:
         return len(self.blocks)
 
-    @property
+    # cached: the search reads them for every candidate (the fields are frozen)
+    @cached_property
     def block_params(self) -> tuple:
         return tuple(b.params for b in self.blocks)
 
-    @property
+    @cached_property
     def total_params(self) -> int:
         return sum(self.block_params)
 
@@ -260,6 +266,12 @@ class ModelDescription:
             return self
         if self.tp_split != 1:
             raise ValueError(f"{self.name} is already split over tp={self.tp_split}")
+        views = self.__dict__.setdefault("_tp_views", {})  # the search asks once per candidate
+        if tp not in views:
+            views[tp] = self._split(tp)
+        return views[tp]
+
+    def _split(self, tp: int) -> "ModelDescription":
         e = self.precision.param_bytes
         blocks = []
         for b in self.blocks:
@@ -381,7 +393,7 @@ class ModelDescription:
         precision = (Precision.named(prec) if isinstance(prec, str)
                      else Precision(**prec) if isinstance(prec, dict) else Precision())
         tp = d.pop("tp", None)
-        if tp is not None and tp is not False and not (isinstance(tp, dict) and isinstance(tp.get("divides", {}), dict)):
+        if tp not in (None, False) and not (isinstance(tp, dict) and isinstance(tp.get("divides", {}), dict)):
             raise ConfigError("model description.tp", f"expected {{divides: {{...}}}} or false, got {tp!r}",
                               "write tp: {divides: {attention heads: 64}} or tp: false")
         try:
@@ -542,7 +554,7 @@ def recomputed_block_kept_bytes(model: ModelDescription, block: BlockDescription
     if block.kind == "embedding":
         return 8 * tokens
     if block.kind == "head" and block.activation_bytes_per_token is None:
-        return (h * e + 4 * model.vocab_size / model.tp_split + 8) * tokens
+        return (h * e + 4 * model.vocab_size + 8) * tokens
     return h * e * tokens
 
 
@@ -563,10 +575,9 @@ def _saved_bytes(model: ModelDescription, block: BlockDescription, tokens: int, 
         # LayerNorm input and output, fp32 log-softmax output (the loss upcasts), int64
         # targets, fp32 LN statistics (RMSNorm: fp32 input, normalised and scaled output,
         # one fp32 rstd)
-        vocab = model.vocab_size / model.tp_split  # vocab-parallel log-softmax
         if model.norm == "rms":
-            return (4 * h + 2 * h * e + 4 * vocab + 8 + 4) * tokens
-        return (2 * h * e + 4 * vocab + 8 + 8) * tokens
+            return (4 * h + 2 * h * e + 4 * model.vocab_size + 8 + 4) * tokens
+        return (2 * h * e + 4 * model.vocab_size + 8 + 8) * tokens
     return 2 * h * e * tokens
 
 
@@ -588,8 +599,8 @@ def _gradient_workspace(model: ModelDescription, block: BlockDescription, tokens
         if t > 1:  # at least the (whole) input gradient being all-reduced over the tp group
             width = max(width, h)
         return width * e * tokens
-    if block.kind == "head":
-        return model.vocab_size / t * (4 + e) * tokens
+    if block.kind == "head":  # the head gathers whole logits over the tp group (tp_plan)
+        return model.vocab_size * (4 + e) * tokens
     return h * e * tokens
 
 
@@ -741,41 +752,6 @@ def fmt_bytes(b: float) -> str:
     return f"{b:.0f} B"
 
 
-# ------------------------------------------------------------------------------ schedules
-def schedule_ops(schedule: str, pp_index: int, pp: int, m: int, v: int = 1):
-    """This rank's compute ops in torch's order: ``("F"|"B", local_chunk)`` tuples."""
-    if schedule == "gpipe":
-        return [("F", 0)] * m + [("B", 0)] * m
-    if schedule == "1f1b":
-        w = min(m, pp - pp_index)
-        return [("F", 0)] * w + [op for _ in range(m - w) for op in (("B", 0), ("F", 0))] + [("B", 0)] * w
-    if schedule == "interleaved":
-        rounds = max(1, m // pp)
-        per_round = m // rounds
-        warmup = min((v - 1) * per_round + 2 * (pp - 1 - pp_index), m * v)
-        total_fwd = m * v
-        ops = []
-        for k in range(total_fwd):  # forward op k, and (past the warm-up) backward op k - warmup
-            if k < warmup:
-                ops.append(("F", (k // per_round) % v))
-            else:
-                ops.append(("F", (k // per_round) % v))
-                ops.append(("B", v - 1 - ((k - warmup) // per_round) % v))
-        for k in range(total_fwd, total_fwd + warmup):
-            ops.append(("B", v - 1 - ((k - warmup) // per_round) % v))
-        return ops
-    raise ConfigError("schedule", f"unknown schedule {schedule!r}", "use gpipe, 1f1b or interleaved")
-
-
-def in_flight_peak(schedule: str, pp_index: int, pp: int, m: int, v: int = 1) -> int:
-    """Most chunk-microbatches this rank holds at once (the activation count of the docs)."""
-    live = peak = 0
-    for kind, _ in schedule_ops(schedule, pp_index, pp, m, v):
-        live += 1 if kind == "F" else -1
-        peak = max(peak, live)
-    return peak
-
-
 # ------------------------------------------------------------------------------ estimate
 def estimate_memory(model: ModelDescription, layout: Layout, runtime: Runtime | None = None) -> MemoryEstimate:
     """Peak bytes of every pp rank of ``layout`` (dp and tp ranks of a stage hold the same)."""
@@ -838,16 +814,51 @@ def _setup_bytes(model: ModelDescription, stage_params: Iterable[float], largest
     return params * b / dp + runtime.overhead_bytes
 
 
-def _rank_memory_pipeline(model: ModelDescription, layout: Layout, stage_blocks, pp_index: int,
-                          runtime: Runtime) -> RankMemory:
-    p, dp, m, v = model.precision, layout.shard, layout.microbatches, layout.stages_per_rank
+@dataclass(frozen=True)
+class _Walk:
+    """What a pp rank's schedule holds at its peak, independent of dp and the shard-group size
+    (so the search's HSDP variants of a mesh share one walk)."""
+
+    chunk_params: tuple
+    largest: float
+    persistent_buffers: float
+    leak: float
+    acts: float
+    grads: float
+    kept: float
+    workspace: float
+    live: int
+    end_kept: float
+    mean_chunk: float
+
+
+_WALKS: dict = {}  # (id(model), ...) -> (model, _Walk); the model is kept so its id stays its own
+_WALKS_SIZE = 8192
+
+
+def _pipeline_walk(model: ModelDescription, layout: Layout, stage_blocks, pp_index: int, runtime: Runtime) -> _Walk:
+    blocks = stage_blocks if isinstance(stage_blocks, tuple) else tuple(tuple(b) for b in stage_blocks)
+    key = (id(model), layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank, layout.micro_batch,
+           blocks, pp_index, runtime)
+    hit = _WALKS.get(key)
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    walk = _walk(model, layout, stage_blocks, pp_index, runtime)
+    if len(_WALKS) >= _WALKS_SIZE:
+        _WALKS.clear()
+    _WALKS[key] = (model, walk)
+    return walk
+
+
+def _walk(model: ModelDescription, layout: Layout, stage_blocks, pp_index: int, runtime: Runtime) -> _Walk:
+    p, m, v = model.precision, layout.microbatches, layout.stages_per_rank
     e, h = p.param_bytes, model.hidden_size
     tokens = layout.micro_batch * model.seq_len
     last_stage = layout.num_stages - 1
     stages = layout.local_stages(pp_index)
     # one activation (or its gradient) crossing a stage boundary: whole on every tp rank
     boundary = tokens * h * e
-    logits = tokens * model.vocab_size * e / model.tp_split  # the rank's vocabulary slice
+    logits = tokens * model.vocab_size * e  # whole: the head gathers them over the tp group
     chunk_params, chunk_acts, chunk_ws, chunk_in_grad, chunk_keep = [], [], [], [], []
     chunk_first_grads = []
     persistent_buffers = 0.0
@@ -869,50 +880,37 @@ def _rank_memory_pipeline(model: ModelDescription, layout: Layout, stage_blocks,
         chunk_first_grads.append(_first_backward_growth(model, blocks, tokens, layout.micro_batch))
         chunk_in_grad.append(boundary if s > 0 else 0.0)
         chunk_keep.append(logits if (s == last_stage and runtime.keeps_outputs) else 0.0)
-    stage_params = sum(chunk_params)
+    leak = chunk_acts[0] if (runtime.leaks_inference_graph and stages[0] == 0) else 0.0
+
+    chunks = (chunk_acts, chunk_keep, chunk_in_grad, chunk_ws, chunk_first_grads,
+              [c * p.accum_grad_bytes for c in chunk_params])
+    if v == 1 and layout.schedule in ("gpipe", "1f1b"):
+        best = schedule_peak_linear(layout.schedule, pp_index, layout.pp, m, *(c[0] for c in chunks))
+    else:
+        best = schedule_peak(layout.schedule, pp_index, layout.pp, m, v, *chunks)
+    _, acts_pk, grads_pk, kept_pk, ws_pk, live_pk = best
+    end_kept = sum(m * (k + g) for k, g in zip(chunk_keep, chunk_in_grad))
+    return _Walk(tuple(chunk_params), largest, persistent_buffers, leak, acts_pk, grads_pk, kept_pk, ws_pk,
+                 live_pk, end_kept, sum(chunk_acts) / len(chunk_acts))
+
+
+def _rank_memory_pipeline(model: ModelDescription, layout: Layout, stage_blocks, pp_index: int,
+                          runtime: Runtime) -> RankMemory:
+    w = _pipeline_walk(model, layout, stage_blocks, pp_index, runtime)
+    dp, e = layout.shard, model.precision.param_bytes
+    stage_params = sum(w.chunk_params)
     params_sh, opt, grads_sh = _state_bytes(model, stage_params, dp)
     gathered = stage_params * e
-    leak = chunk_acts[0] if (runtime.leaks_inference_graph and stages[0] == 0) else 0.0
-    base = params_sh + opt + persistent_buffers + leak + runtime.overhead_bytes
-
-    # Walk the schedule: activations in flight, unsharded gradients once a chunk has run a
-    # backward, input gradients and kept logits accumulating to the end of the step.
-    acts = grads = step_kept = 0.0
-    has_grads = [False] * v
-    best = (-1.0, 0.0, 0.0, 0.0, 0.0, 0)  # total, acts, grads, kept, workspace, live count
-    live = 0
-    for kind, c in schedule_ops(layout.schedule, pp_index, layout.pp, m, v):
-        if kind == "F":
-            acts += chunk_acts[c]
-            step_kept += chunk_keep[c]
-            live += 1
-            ws = 0.0
-        else:
-            ws = chunk_ws[c]
-            if not has_grads[c]:
-                # the chunk's gradients appear block by block while its activations go
-                has_grads[c] = True
-                grads += chunk_params[c] * p.accum_grad_bytes
-                ws += chunk_first_grads[c] - chunk_params[c] * p.accum_grad_bytes
-        total = acts + grads + step_kept + ws
-        if total > best[0]:
-            best = (total, acts, grads, step_kept, ws, live)
-        if kind == "B":
-            acts -= chunk_acts[c]
-            step_kept += chunk_in_grad[c]
-            live -= 1
-    _, acts_pk, grads_pk, kept_pk, ws_pk, live_pk = best
-    fb = base + gathered + acts_pk + grads_pk + kept_pk + ws_pk
-    end_kept = sum(m * (k + g) for k, g in zip(chunk_keep, chunk_in_grad))
-    opt_phase = (params_sh + opt + grads_sh + persistent_buffers + leak + end_kept + runtime.overhead_bytes
-                 + _optimizer_temp(model, stage_params, largest, dp, runtime))
-    setup = _setup_bytes(model, chunk_params, largest, dp, runtime)
-    mean_chunk = sum(chunk_acts) / len(chunk_acts)
+    base = params_sh + opt + w.persistent_buffers + w.leak + runtime.overhead_bytes
+    fb = base + gathered + w.acts + w.grads + w.kept + w.workspace
+    opt_phase = (params_sh + opt + grads_sh + w.persistent_buffers + w.leak + w.end_kept + runtime.overhead_bytes
+                 + _optimizer_temp(model, stage_params, w.largest, dp, runtime))
+    setup = _setup_bytes(model, w.chunk_params, w.largest, dp, runtime)
     return _pick(pp_index, runtime, setup=setup, fb=fb, opt_phase=opt_phase, params_sharded=params_sh,
-                 optimizer=opt, grads=grads_pk, gathered=gathered, acts=acts_pk + leak,
-                 buffers=persistent_buffers + kept_pk, workspace=ws_pk, grads_sh=grads_sh,
-                 mbs=(acts_pk / mean_chunk if mean_chunk else float(live_pk)),
-                 opt_buffers=persistent_buffers + end_kept, leak=leak)
+                 optimizer=opt, grads=w.grads, gathered=gathered, acts=w.acts + w.leak,
+                 buffers=w.persistent_buffers + w.kept, workspace=w.workspace, grads_sh=grads_sh,
+                 mbs=(w.acts / w.mean_chunk if w.mean_chunk else float(w.live)),
+                 opt_buffers=w.persistent_buffers + w.end_kept, leak=w.leak)
 
 
 def _first_backward_growth(model: ModelDescription, blocks, tokens: int, micro_batch: int) -> float:

@@ -7,8 +7,9 @@ bound).
   ``tokens_rank = global_batch * seq_len / dp`` (the tp ranks of a dp rank see the same
   tokens); for balanced stages this is ``6 * P * T / (world * flops * mfu)``.
 * tensor parallelism: 4 all-reduces of a microbatch's hidden states (``b * s * h`` values)
-  per transformer block, 1 for the embedding and 1 for the head (``comm_profile.
-  TP_ALLREDUCES``; 2 more per recomputed block), each a ring over the tp group:
+  per transformer block, 1 for the embedding and 1 for the head plus its all-gather of the
+  logits (``comm_profile.block_tp_allreduces``; 2 more per recomputed block), each a ring
+  over the tp group:
   ``2 * (tp-1)/tp * bytes / bw(the tp group's tier)``. A tp group sits on one node, so that
   is NVLink. Priced by the placement cost model, charged at the slowest stage.
 * bubble: ``(compute + TP) * (pp - 1) / (v * m)``: the pipeline runs ``m + pp - 1`` slots for
@@ -32,23 +33,25 @@ from typing import Optional, Sequence
 
 from rayflex.planning.capacity.memory import CapacityError, Layout, ModelDescription
 from rayflex.planning.comm_profile import block_tp_allreduces, layout_comm_profile
-from rayflex.planning.cost_model import (CommProfile, CostBreakdown, MeshShape, NodeTree, TierCosts,
-                                         canonical_unit_orders, evaluate, expand_units, modeled_comm)
+from rayflex.planning.cost_model import (CommProfile, CostBreakdown, GroupLevels, MeshShape, NodeTree, TierCosts,
+                                         canonical_unit_orders, modeled_comm, price, unit_levels)
 from rayflex.planning.topology import Topology
 
 
 def rank_params(model: ModelDescription, layout: Layout) -> list[float]:
     """Parameters one rank of each pp rank holds (all its virtual stages, its tp shard)."""
-    local = model.split_over_tp(layout.tp)
-    per_stage = [sum(local.block_params[i] for i in blocks) for blocks in layout.stage_blocks]
+    params = model.split_over_tp(layout.tp).block_params
+    per_stage = [sum(params[i] for i in blocks) for blocks in layout.stage_blocks]
     return [sum(per_stage[s] for s in layout.local_stages(i)) for i in range(layout.pp)]
 
 
-def rank_tp_allreduces(model: ModelDescription, layout: Layout) -> list[int]:
-    """Hidden-state all-reduces per microbatch each pp rank's tp group runs (0 without tp)."""
+def rank_tp_allreduces(model: ModelDescription, layout: Layout) -> list[float]:
+    """Hidden-state all-reduces (equivalents) per microbatch each pp rank's tp group runs
+    (0 without tp)."""
     if layout.tp == 1:
         return [0] * layout.pp
-    per_stage = [sum(block_tp_allreduces(model.blocks[i].kind, model.blocks[i].recompute) for i in blocks)
+    vocab = model.vocab_size / model.hidden_size
+    per_stage = [sum(block_tp_allreduces(model.blocks[i].kind, model.blocks[i].recompute, vocab) for i in blocks)
                  for blocks in layout.stage_blocks]
     return [sum(per_stage[s] for s in layout.local_stages(i)) for i in range(layout.pp)]
 
@@ -66,8 +69,9 @@ def layout_mesh(layout: Layout) -> MeshShape:
 
 
 class CommModel:
-    """Modeled communication of a candidate on the better of the canonical layouts, cached
-    per (pp, v, accumulation, tp, dp_shard): nothing else changes it."""
+    """Modeled communication of a candidate on the better of the canonical layouts. Where
+    the groups land depends on (pp, dp, tp, dp_shard) only, so the levels are found once per
+    shape and priced for each candidate's bytes."""
 
     def __init__(self, model: ModelDescription, topology: Topology, world: int, global_batch: int):
         self.model, self.world, self.global_batch = model, world, global_batch
@@ -78,23 +82,25 @@ class CommModel:
             raise CapacityError(f"the cluster has {slots} usable slots, fewer than the {world} ranks asked for")
         self.nodes, self.bandwidths = nodes, topology.bandwidths
         self.trees: dict = {}
+        self.levels: dict = {}
         self.cache: dict = {}
 
     def breakdown(self, layout: Layout) -> CostBreakdown:
         key = (layout.pp, layout.stages_per_rank, layout.accum_steps, layout.tp, layout.shard)
         if key not in self.cache:
-            self.cache[key] = self._compute(layout)
+            mesh = layout_mesh(layout)
+            costs = TierCosts(mesh, layout_profile(self.model, layout, self.global_batch), self.bandwidths)
+            self.cache[key] = min((price(costs, lv) for lv in self._levels(mesh)), key=lambda ev: ev.total)
         return self.cache[key]
 
-    def _compute(self, layout: Layout) -> CostBreakdown:
-        mesh = layout_mesh(layout)
-        if layout.tp not in self.trees:
-            self.trees[layout.tp] = NodeTree(self.nodes, unit=layout.tp)
-        tree = self.trees[layout.tp]
-        costs = TierCosts(mesh, layout_profile(self.model, layout, self.global_batch), self.bandwidths)
-        options = [evaluate(tree, costs, mesh, expand_units(order, mesh.tp))
-                   for order in canonical_unit_orders(tree, mesh.units)]
-        return min(options, key=lambda ev: ev.total)
+    def _levels(self, mesh: MeshShape) -> list[GroupLevels]:
+        key = (mesh.pp, mesh.tp, mesh.dp_shard)
+        if key not in self.levels:
+            if mesh.tp not in self.trees:
+                self.trees[mesh.tp] = NodeTree(self.nodes, unit=mesh.tp)
+            tree = self.trees[mesh.tp]
+            self.levels[key] = [unit_levels(tree, mesh, order) for order in canonical_unit_orders(tree, mesh.units)]
+        return self.levels[key]
 
 
 def placed_breakdown(model: ModelDescription, layout: Layout, global_batch: int, topology: Topology,

@@ -120,7 +120,8 @@ def explain(tree: NodeTree, costs: TierCosts, mesh: MeshShape, profile: CommProf
                      f"({mix} of {lanes}), {ev.p2p_s[s]:.4g} s/step")
     ratio = ev.total / naive_s if naive_s > 0 else 1.0
     gap = (ev.total - lower_bound) / lower_bound if lower_bound > 0 else 0.0
-    extra = (f" + HSDP {sum(ev.replica_s):.4g} s" if reps > 1 else "") + (f" + TP {ev.tp_total:.4g} s" if tp > 1 else "")
+    extra = ((f" + HSDP {sum(ev.replica_s):.4g} s" if reps > 1 else "")
+             + (f" + TP {ev.tp_total:.4g} s" if tp > 1 else ""))
     lines.append(f"modeled comm per step: {ev.total:.4g} s (FSDP {sum(ev.fsdp_s):.4g} s{extra} + pipeline "
                  f"{sum(ev.p2p_s):.4g} s); naive PACK in node order: {naive_s:.4g} s "
                  f"(this plan = {ratio:.2f}x naive); lower bound {lower_bound:.4g} s "

@@ -29,31 +29,28 @@ only when it meets the bound, and the explanation says which.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from rayflex.errors import PlacementError
 from rayflex.planning.cost_model import (
-    REL_TOL,
     CommProfile,
     MeshShape,
     NodeTree,
     TierCosts,
-    canonical_unit_orders,
     evaluate,
     expand_units,
     improves,
     meets,
     modeled_comm,
     modeled_comm_seconds,
-    ranks_from_counts,
 )
 from rayflex.planning.placement.bound import Relaxation
-from rayflex.planning.placement.exact import brute_force_assignment, brute_force_units, exact_counts
+from rayflex.planning.placement.exact import brute_force_assignment, brute_force_units
 from rayflex.planning.placement.explain import explain, rank_ranges, short_id
-from rayflex.planning.placement.packer import realize
+from rayflex.planning.placement.hsdp import hsdp_candidates, refine
+from rayflex.planning.placement.unit_search import search_units
 from rayflex.planning.topology import MARKET_LABEL, Bandwidths, NodeInfo, Topology
 
 __all__ = [
@@ -271,55 +268,31 @@ class Planner:
              market_type: Optional[str] = None) -> Plan:
         nodes = _eligible_nodes(self.topology, mesh, require_labels, market_type)
         tree, costs, relax, lower_bound = _setup(nodes, mesh, profile, self.bandwidths)
-        units = mesh.units
         deadline = time.monotonic() + self.time_budget_s
         naive_nor, naive_s, naive_whole = _naive(tree, costs, mesh)
+        # the pp x dp units under the plain table (exact without HSDP, its floor with it); the
+        # exact search's budget is its own, as its own phase
+        found = search_units(tree, costs.unit_view(), mesh.units, deadline=deadline, level_plans=self.level_plans,
+                             exact_states=self.exact_search_states,
+                             exact_max_units=self.exact_search_max_slots // mesh.tp,
+                             exact_budget_s=self.time_budget_s, relax=relax)
+        lower_bound = max(lower_bound, found.bound + costs.tp_floor)
+        candidates = [(found.node_of_unit, found.method)]
+        if mesh.dp_replicate > 1:
+            candidates = hsdp_candidates(nodes, tree, costs, mesh, candidates[0], deadline)
         best: Optional[Tuple[float, List[int], str]] = None
-
-        def keep(node_of_unit, method) -> float:
-            """Keep a unit -> node layout if it beats the best; returns its cost."""
-            nonlocal best
-            nor = expand_units(node_of_unit, mesh.tp)
+        for units, method in candidates:
+            nor = expand_units(units, mesh.tp)
             total = evaluate(tree, costs, mesh, nor).total
             if best is None or improves(total, best[0]):
                 best = (total, nor, method)
-            return total
-
-        def consider(counts, method) -> float:
-            """Keep the counts' plan if it beats the best; returns its cost (inf for none)."""
-            if counts is None:
-                return math.inf
-            return keep(ranks_from_counts(tree, counts, units.dp), method)
-
-        # level plans cheapest first; stop once the next one cannot beat what is realised
-        first = None
-        for tried, (relaxed, rows, bnds) in enumerate(relax.plans()):
-            first = first or (rows, bnds)
-            if (tried >= self.level_plans
-                    or (best is not None and relaxed + costs.tp_floor >= best[0] * (1 - REL_TOL))
-                    or (tried and time.monotonic() > deadline)):
-                break
-            consider(realize(tree, units, rows, bnds, deadline=deadline), "hierarchical")
-        if best is None or not meets(best[0], lower_bound):
-            consider(realize(tree, units, *first, robust=True), "hierarchical (levels relaxed)")
-            alone = [relax.rows_ok[0]] * mesh.pp
-            consider(realize(tree, units, alone, [3] * (mesh.pp - 1), robust=True),
-                     "hierarchical (stages packed one by one)")
-            if mesh.dp_replicate > 1:
-                # shard groups are runs of consecutive dp indices: packing units in rank order
-                # keeps each run on as few nodes and racks as the tree allows
-                for name, order in zip(("dp-major", "pipeline-major"), canonical_unit_orders(tree, units)):
-                    keep(order, f"{name} order")
-            if naive_whole and improves(naive_s, best[0]):
-                best = (naive_s, naive_nor, "naive order (no better packing found)")
+        if mesh.dp_replicate > 1 and not meets(best[0], lower_bound):
+            units, changed = refine(tree, costs, mesh, best[1][::mesh.tp], deadline + self.time_budget_s)
+            if changed:
+                nor = expand_units(units, mesh.tp)
+                best = (evaluate(tree, costs, mesh, nor).total, nor, best[2] + ", refined by unit swaps")
+        if naive_whole and improves(naive_s, best[0]):
+            best = (naive_s, naive_nor, "naive order (no better packing found)")
         optimal = meets(best[0], lower_bound)
-        # the exact search's states are per-node unit counts: exact for plain FSDP only
-        if (not optimal and mesh.dp_replicate == 1 and self.exact_search_states > 0
-                and sum(tree.cap) * mesh.tp <= self.exact_search_max_slots):
-            found = exact_counts(tree, costs, units, self.exact_search_states,
-                                 time.monotonic() + self.time_budget_s)
-            if found is not None:
-                total = consider(found[1], "exact search")
-                optimal, lower_bound = True, max(lower_bound, min(total, best[0]))
         method = best[2] + (" (optimal)" if optimal else "")
         return _make_plan(tree, costs, mesh, profile, best[1], naive_s, lower_bound, optimal, method)
