@@ -67,7 +67,7 @@ def test_save_pp2_dp2_resume_at_pp1_dp3(two_node_cluster, dataset_uri, tmp_path,
     _crash_at_step_4(dataset_uri, storage, "pp2", monkeypatch, workers=4, pp=2)
     assert mf.list_committed(root) == [2], "only the step before the crash is committed"
     m = mf.read_manifest(root, 2)
-    assert m.mesh == {"pp": 2, "dp": 2}
+    assert m.mesh == {"pp": 2, "dp": 2, "tp": 1, "dp_replicate": 1}
     trainer = _trainer(dataset_uri, storage, "pp2", workers=3, pp=1)
     assert trainer.fit(progress=False).steps_completed == STEPS
     _assert_resumed_like_uninterrupted(trainer, tmp_path / "runs" / "pp2", resumed_from=2)
