@@ -34,9 +34,37 @@ def _trainer(dataset_uri, tmp_path, name, *, workers=4, min_workers=2, steps=STE
                       elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60, **elastic))
 
 
-def _assert_recovered(result, trainer, events, *, world_size):
-    steps_total = trainer.spec.run.steps
-    assert result.status == "finished" and result.steps_completed == steps_total
+# A run that must shrink and grow back gets this many steps: more than it ever needs (it is
+# stopped a few steps after it is whole again, `_stop_once_grown`), so a busy machine never
+# ends the run before the newcomers are warm and a quiet one does not train on for nothing.
+GROW_STEPS = 400
+
+
+def _stop_once_grown(handle, world_size: int, *, extra_steps: int = 2, timeout_s: float = 240):
+    """Wait until the run has shrunk and grown back to ``world_size`` and trained
+    ``extra_steps`` at that size, then stop it (a checkpoint at the stop); its Result."""
+    deadline = time.time() + timeout_s
+    shrunk, grown_at = False, None
+    while time.time() < deadline and not handle.done():
+        st = handle.status()
+        size = st.get("world_size")
+        if st.get("state") == "RUNNING" and size is not None:
+            shrunk = shrunk or size < world_size
+            if shrunk and size == world_size:
+                grown_at = st["step"] if grown_at is None else grown_at
+                if st["step"] >= grown_at + extra_steps:
+                    return handle.stop(timeout_s=max(1.0, deadline - time.time()))
+        time.sleep(0.1)
+    raise AssertionError(f"the run did not grow back to {world_size} workers within {timeout_s}s")
+
+
+def _assert_recovered(result, trainer, events, *, world_size, stopped=False):
+    """Every step once, restarted from a checkpoint, ending at ``world_size`` with the loss
+    of a run that never failed; ``stopped``: stopped by the test after growing back, so
+    "every step" is every step up to the stop."""
+    steps_total = result.steps_completed if stopped else trainer.spec.run.steps
+    assert result.status == ("stopped" if stopped else "finished"), result.status
+    assert result.steps_completed == steps_total
     restarted = [e for e in events if e["kind"] == "restarted"]
     loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
     assert restarted and loaded, "the run restarted from a checkpoint"
@@ -51,15 +79,14 @@ def _assert_recovered(result, trainer, events, *, world_size):
 
 def test_killed_worker_actor_is_replaced(two_node_cluster, dataset_uri, tmp_path):
     # restart_while_warming (the default): the run restarts at once with the processes
-    # that survived, and grows back to 4 once the replacement is warm — long enough a run
-    # for that to happen before the end.
-    trainer = _trainer(dataset_uri, tmp_path, "kill-actor", steps=60)
+    # that survived, and grows back to 4 once the replacement is warm; stopped soon after.
+    trainer = _trainer(dataset_uri, tmp_path, "kill-actor", steps=GROW_STEPS)
     handle = trainer.submit()
     st = wait_until_running(handle, 5, committed=3)
     victim = next(w for w in st["workers"] if w["rank"] == 1)
     killed_at = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
-    result = handle.wait(timeout_s=240)
+    result = _stop_once_grown(handle, 4)
     events = run_events(tmp_path, "kill-actor")
     died = next(e for e in events if e["kind"] == "worker_died")
     assert died["rank"] == 1 and died["node_id"] == victim["node_id"]
@@ -73,7 +100,7 @@ def test_killed_worker_actor_is_replaced(two_node_cluster, dataset_uri, tmp_path
     started = [e for e in events if e["kind"] == "workers_started"]
     assert all(e["spawn_s"] < 3.0 for e in started[1:]), "no restart waited for a process to start"
     assert "capacity returned" in restarted[-1]["reason"] and restarted[-1]["world_size"] == 4
-    _assert_recovered(result, trainer, events, world_size=4)
+    _assert_recovered(result, trainer, events, world_size=4, stopped=True)
 
 
 def test_frozen_worker_is_detected_as_hang(two_node_cluster, dataset_uri, tmp_path):

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from conftest import run_events, wait_until_running
-from test_elastic_cluster import _assert_recovered, _trainer, fast_detection  # noqa: F401
+from test_elastic_cluster import fast_detection  # noqa: F401 - the autouse fixture
+from test_elastic_cluster import GROW_STEPS, _assert_recovered, _stop_once_grown, _trainer
 
 pytestmark = pytest.mark.cluster
 
@@ -17,9 +18,9 @@ pytestmark = pytest.mark.cluster
 def test_node_loss_shrinks_then_capacity_return_grows_back(two_node_cluster, dataset_uri, tmp_path):
     cluster = two_node_cluster
     worker_node = next(iter(cluster.worker_nodes))
-    # Long enough for the newcomers to warm up while the run trains at size 2: the
-    # run grows only once they are up, so it never stalls on process start.
-    trainer = _trainer(dataset_uri, tmp_path, "node-loss", steps=90)
+    # The run grows only once the newcomers are up, so it never stalls on process start;
+    # it is stopped a few steps after it is whole again.
+    trainer = _trainer(dataset_uri, tmp_path, "node-loss", steps=GROW_STEPS)
     handle = trainer.submit()
     wait_until_running(handle, 4, committed=3)
     lost_id = worker_node.node_id
@@ -30,7 +31,7 @@ def test_node_loss_shrinks_then_capacity_return_grows_back(two_node_cluster, dat
         assert time.time() < deadline, "the run should continue on the surviving node"
         time.sleep(0.2)
     cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={"rack": "r1"})
-    result = handle.wait(timeout_s=300)
+    result = _stop_once_grown(handle, 4, timeout_s=300)
     events = run_events(tmp_path, "node-loss")
     lost = next(e for e in events if e["kind"] in ("node_lost", "worker_died"))
     assert lost["time"] - removed_at < 5.0
@@ -42,4 +43,4 @@ def test_node_loss_shrinks_then_capacity_return_grows_back(two_node_cluster, dat
     assert grow["lost_steps"] == 0, "growing resumes from the checkpoint of the step it stopped at"
     started = [e for e in events if e["kind"] == "workers_started"]
     assert started[-1]["spawn_s"] < 3.0, "the newcomers were warmed before the stop, not after it"
-    _assert_recovered(result, trainer, events, world_size=4)
+    _assert_recovered(result, trainer, events, world_size=4, stopped=True)
