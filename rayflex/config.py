@@ -359,7 +359,7 @@ class OptimizerConfig:
 
 
 PARAM_DTYPES = ("fp32", "bf16")
-ACTIVATION_CHECKPOINTING = ("none", "full", "every_k")
+ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "auto")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -398,8 +398,10 @@ class MemoryConfig:
     ``activation_checkpointing``: "none" keeps every activation for backward; "full"
     keeps only each block's input and recomputes the block in backward; "every_k"
     does that for every ``ac_every``-th block (global block indices ``k-1, 2k-1, ...``,
-    so the choice does not depend on the pipeline split). Parameter names, and so
-    checkpoints, are the same whichever is chosen.
+    so the choice does not depend on the pipeline split); "auto" (with
+    ``ParallelConfig(layout="auto")``): the capacity planner picks one of those per world
+    size with the rest of the layout, the fastest that fits (the run's ``plan_chosen`` event
+    says which). Parameter names, and so checkpoints, are the same whichever is chosen.
 
     ``compile``: ``torch.compile`` each block's forward (after checkpointing, before
     sharding) with ``compile_backend`` ("inductor" needs a C++ compiler on CPU;
@@ -427,6 +429,9 @@ class MemoryConfig:
     def checkpointed(self, index: int) -> bool:
         """Whether block ``index`` (global) recomputes its activations in backward; the one
         rule the workers and the memory model both follow."""
+        if self.activation_checkpointing == "auto":
+            raise ValueError("MemoryConfig(activation_checkpointing='auto') is resolved by the capacity planner "
+                             "per world size (MeshPlan.memory_config); ask the resolved config")
         if self.activation_checkpointing == "full":
             return True
         if self.activation_checkpointing == "every_k":
@@ -552,6 +557,11 @@ class TrainSpec:
         if not self.parallel.is_auto:
             rules.check_tp(getattr(self.model, "metadata", None), self.parallel.tp,
                            model=getattr(self.model, "name", "the model"))
+            if self.memory.activation_checkpointing == "auto":
+                raise ConfigError("MemoryConfig.activation_checkpointing",
+                                  "'auto' is chosen by the capacity planner, which only runs with "
+                                  "ParallelConfig(layout='auto')",
+                                  "set layout='auto', or pick 'none', 'full' or 'every_k' yourself")
         if self.run.steps == 0 and not (self.checkpoint.resume or self.checkpoint.every_steps):
             raise ConfigError("RunConfig.steps", "steps=0 only saves the initial weights as the step-0 "
                               "checkpoint, and checkpoints are off (resume=False, every_steps=0)",

@@ -30,6 +30,9 @@ def _trainer(dataset_uri, **over):
      "stages_per_rank=2"),
     (lambda: rf.CheckpointConfig(every_steps=-5), "CheckpointConfig.every_steps", "0 (off)"),
     (lambda: rf.OptimizerConfig(lr=0), "OptimizerConfig.lr", "3e-4"),
+    (lambda: rf.ParallelConfig(tp=0), "ParallelConfig.tp", "1: no tensor parallelism"),
+    (lambda: rf.ParallelConfig(layout="manual"), "ParallelConfig.layout", "'auto'"),
+    (lambda: rf.ParallelConfig(layout="auto", tp=2), "ParallelConfig.layout", "leave pp, tp and dp_shard"),
 ])
 def test_invalid_single_config_names_field_and_fix(make, field, fix_hint):
     with pytest.raises(rf.ConfigError) as info:
@@ -54,6 +57,15 @@ def test_cross_config_errors_raise_before_ray_starts(dataset_uri):
         _trainer(dataset_uri, data=rf.DataConfig(uri=dataset_uri, seq_len=32, global_batch=8, micro_batch=3))
     with pytest.raises(rf.ConfigError, match=r"steps=0 only saves the initial weights.*checkpoints are off"):
         _trainer(dataset_uri, run=rf.RunConfig(name="t", steps=0), checkpoint=rf.CheckpointConfig(resume=False))
+    # 3-D layouts: tp and the model's sizes, HSDP shard groups, the planner's own choices
+    with pytest.raises(rf.ConfigError, match=r"num_workers=6 is not divisible by pp x tp = 1 x 4"):
+        _trainer(dataset_uri, scaling=rf.ScalingConfig(num_workers=6), parallel=rf.ParallelConfig(tp=4))
+    with pytest.raises(rf.ConfigError, match=r"tp=4 does not divide the attention heads \(2\).*one of \[2\]"):
+        _trainer(dataset_uri, parallel=rf.ParallelConfig(tp=4))
+    with pytest.raises(rf.ConfigError, match=r"dp_shard=3 does not divide the data-parallel size 4"):
+        _trainer(dataset_uri, parallel=rf.ParallelConfig(dp_shard=3))
+    with pytest.raises(rf.ConfigError, match=r"'auto' is chosen by the capacity planner.*layout='auto'"):
+        _trainer(dataset_uri, memory=rf.MemoryConfig(activation_checkpointing="auto"))
     assert not ray.is_initialized(), "a config error must not start Ray"
 
 

@@ -249,7 +249,8 @@ class Trainer:
                                          use_gpu=self.spec.scaling.use_gpu)
         world = world_size or self.spec.scaling.num_workers
         resolved = resolve_parallel(self.spec, world, topology)  # as the controller does at launch
-        mesh = plan_mesh(self.spec.model, resolved.parallel, resolved.data, world)
+        mesh = plan_mesh(self.spec.model, resolved.parallel, resolved.data, world,
+                         memory=getattr(resolved, "memory", None))
         plan = plan_for(self.spec, mesh, topology)
         if resolved.explanation:
             plan = dataclasses.replace(plan, explanation=f"{resolved.explanation}\n{plan.explanation}")

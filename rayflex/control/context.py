@@ -75,7 +75,8 @@ class RunContext:
         from rayflex.planning.comm_profile import plan_for
 
         resolved = resolve_parallel(self.spec, size, topology, launch_tp=self.launch_tp)
-        mesh = plan_mesh(self.spec.model, resolved.parallel, resolved.data, size)
+        mesh = plan_mesh(self.spec.model, resolved.parallel, resolved.data, size,
+                         memory=getattr(resolved, "memory", None))
         return mesh, resolved, plan_for(self.spec, mesh, topology)  # PlacementError names what is missing
 
     @staticmethod

@@ -26,7 +26,8 @@ def place(ctx, state: Placing):
     ctx.plan = plan
     group = _start_group(ctx, plan, placement, survivors, world, shrinking=state.workers_up is not None)
     infos = group.setup(restore=ctx.spec.checkpoint.resume)
-    ctx.record(_plan_event(world, plan, resolved, placement, group))
+    ctx.record(_plan_event(world, plan, resolved, placement, group,
+                           plan.memory_config(ctx.spec.memory).activation_checkpointing))
     steps = {i["step"] for i in infos}
     if len(steps) != 1:
         raise RayflexError(f"ranks restored different steps {sorted(steps)}; checkpoint is inconsistent")
@@ -121,9 +122,9 @@ def _start_group(ctx, plan, placement, survivors: dict, world: int, *, shrinking
     return group
 
 
-def _plan_event(world: int, plan, resolved, placement, group) -> ev.PlanChosen:
+def _plan_event(world: int, plan, resolved, placement, group, recompute: str) -> ev.PlanChosen:
     return ev.PlanChosen(world_size=world, pp=plan.pp, dp=plan.dp, tp=plan.tp, dp_replicate=plan.dp_replicate,
-                         schedule=plan.schedule,
+                         activation_checkpointing=recompute, schedule=plan.schedule,
                          stage_blocks=[list(b) for b in plan.stage_blocks], stage_costs=list(plan.stage_costs),
                          balance=plan.balance, microbatches=plan.microbatches, micro_batch=plan.micro_batch,
                          accum_steps=plan.accum_steps,

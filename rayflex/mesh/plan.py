@@ -15,15 +15,16 @@ this is the old ``rank = pp_index * dp + dp_index``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from rayflex.errors import ConfigError
 from rayflex.mesh.rules import check_tp, split_batch
 from rayflex.mesh.stage_split import balanced_split
 
 if TYPE_CHECKING:
-    from rayflex.config import DataConfig, ParallelConfig
+    from rayflex.config import DataConfig, MemoryConfig, ParallelConfig
     from rayflex.models.spec import ModelSpec
 
 
@@ -64,6 +65,10 @@ class MeshPlan:
     # Tensor-parallel ranks per stage, and the FSDP replicas (dp = dp_replicate x dp_shard).
     tp: int = 1
     dp_replicate: int = 1
+    # The capacity planner's activation checkpointing (MemoryConfig(activation_checkpointing=
+    # "auto")); None: the spec's MemoryConfig decides.
+    activation_checkpointing: Optional[str] = None
+    ac_every: int = 2
 
     def __post_init__(self) -> None:
         if self.pp * self.dp * self.tp != self.world_size or self.dp % self.dp_replicate:
@@ -98,6 +103,14 @@ class MeshPlan:
         c = self.mesh_coords(rank)
         return c.pp, c.dp
 
+    def memory_config(self, memory: MemoryConfig) -> MemoryConfig:
+        """``memory`` (the spec's) with this mesh's activation-checkpointing choice, if it
+        carries one: what the workers apply and the planners price."""
+        if self.activation_checkpointing is None:
+            return memory
+        return dataclasses.replace(memory, activation_checkpointing=self.activation_checkpointing,
+                                   ac_every=self.ac_every)
+
     def describe(self) -> str:
         """``pp2 x dp3`` / ``pp2 x dp2(2x1) x tp2``: the layout in a few characters."""
         dp = f"dp{self.dp}" if self.dp_replicate == 1 else f"dp{self.dp}({self.dp_replicate}x{self.dp_shard} hsdp)"
@@ -115,11 +128,13 @@ class MeshPlan:
 
 
 def plan_mesh(spec: ModelSpec, parallel: ParallelConfig, data: DataConfig, world_size: int,
-              *, block_costs: list[float] | None = None) -> MeshPlan:
+              *, block_costs: list[float] | None = None, memory: Optional[MemoryConfig] = None) -> MeshPlan:
     """Derive the mesh, stage split and microbatch arithmetic for ``world_size`` ranks.
 
     Tensor parallelism needs a model that says how its blocks split: ConfigError unless
-    ``spec`` has a TP plan that divides evenly over ``parallel.tp`` ranks.
+    ``spec`` has a TP plan that divides evenly over ``parallel.tp`` ranks. ``memory``: the
+    capacity planner's resolved MemoryConfig (``ResolvedParallel.memory``), recorded as the
+    mesh's activation-checkpointing choice (None: the spec's MemoryConfig applies as is).
 
     The global batch stays fixed whatever the world size; what changes is how many samples
     each dp rank takes and how they are cut into microbatches (``rayflex.mesh.rules``,
@@ -145,4 +160,6 @@ def plan_mesh(spec: ModelSpec, parallel: ParallelConfig, data: DataConfig, world
                     stages_per_rank=parallel.stages_per_rank,
                     stage_blocks=tuple(tuple(b) for b in stages), per_rank_batch=split.per_rank_batch,
                     microbatches=split.microbatches, micro_batch=split.micro_batch, accum_steps=split.accum_steps,
-                    balance=parallel.balance, stage_costs=stage_costs)
+                    balance=parallel.balance, stage_costs=stage_costs,
+                    activation_checkpointing=memory.activation_checkpointing if memory is not None else None,
+                    ac_every=memory.ac_every if memory is not None else 2)

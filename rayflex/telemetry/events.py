@@ -91,6 +91,7 @@ class PlanChosen(Event):
     dp: int = 1
     tp: int = 1
     dp_replicate: int = 1  # HSDP replicas (dp = dp_replicate x dp_shard)
+    activation_checkpointing: str = ""  # what the workers apply (the planner's pick with "auto")
     schedule: str = ""
     stage_blocks: list = field(default_factory=list)
     stage_costs: list = field(default_factory=list)

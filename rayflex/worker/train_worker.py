@@ -214,7 +214,8 @@ class TrainWorker:
 
         def shard(s: int, module):
             return shard_stage(module, self.dp_mesh, pipelined=pipelined, precision=self.spec.precision,
-                               memory=self.spec.memory, last=s == self.plan.num_stages - 1, tp_mesh=self.tp_mesh,
+                               memory=self.plan.memory_config(self.spec.memory), last=s == self.plan.num_stages - 1,
+                               tp_mesh=self.tp_mesh,
                                spec=self.spec.model)
 
         # Built on the meta device, sharded, then filled block by block: a rank never holds
