@@ -182,6 +182,53 @@ def test_70b_that_fits_nowhere_fails_before_ray(tmp_path):
     assert not ray.is_initialized()
 
 
+# ------------------------------------------------------------------------------ activation checkpointing
+def test_auto_ac_recomputes_where_nothing_fits_without_it():
+    # rayflex's GPT at the 70B widths in fp32, seq 2048: no mesh of 64 H100s fits without
+    # recomputation (test_70b_that_fits_nowhere_fails_before_ray); with "auto" one does
+    from rayflex.models import GPTConfig, gpt
+
+    model = gpt(GPTConfig(vocab_size=32000, seq_len=2048, d_model=8192, n_layers=80, n_heads=64))
+    spec = _spec(model, global_batch=512, seq_len=2048, scaling=rf.ScalingConfig(num_workers=64, use_gpu=True),
+                 parallel=rf.ParallelConfig(layout="auto", cluster=H100_8X8),
+                 memory=rf.MemoryConfig(activation_checkpointing="auto", compile=True))
+    r = resolve_parallel(spec, 64)
+    assert r.memory.activation_checkpointing in ("every_k", "full") and r.memory.compile  # the rest is the spec's
+    assert (r.memory.activation_checkpointing, r.memory.ac_every) == (r.choice.activation_checkpointing,
+                                                                      r.choice.ac_every)
+    assert spec.memory.activation_checkpointing == "auto"  # the spec itself is not touched
+    mesh = plan_mesh(spec.model, r.parallel, r.data, 64, memory=r.memory)
+    assert mesh.memory_config(spec.memory) == r.memory
+    # what the workers will run fits, by the memory model with the rule they follow
+    cluster = ClusterDescription.from_file(H100_8X8)
+    described = describe_model(spec.model, 2048).for_run(memory_config=r.memory)
+    peak = estimate_memory(described, Layout.from_plan(mesh), cluster.runtime).peak_bytes
+    assert peak <= cluster.usable_bytes
+    assert "Activation checkpointing (auto): " in r.explanation and "'none' does not fit this mesh" in r.explanation
+
+
+def test_auto_ac_is_none_when_everything_fits_and_other_modes_pass_through():
+    auto = _spec(memory=rf.MemoryConfig(activation_checkpointing="auto"))
+    r = resolve_parallel(auto, 4)
+    assert r.memory == rf.MemoryConfig() and r.choice.activation_checkpointing == "none"
+    assert "Activation checkpointing (auto): none: this mesh fits without recomputation" in r.explanation
+    plain = resolve_parallel(_spec(), 4)  # the same mesh as without any recomputation
+    assert (r.parallel, r.data) == (plain.parallel, plain.data)
+    for memory in (rf.MemoryConfig(activation_checkpointing="full"),
+                   rf.MemoryConfig(activation_checkpointing="every_k", ac_every=3)):
+        spec = _spec(memory=memory)
+        r = resolve_parallel(spec, 4)
+        assert r.memory is spec.memory and "Activation checkpointing (auto)" not in r.explanation
+        assert (r.choice.activation_checkpointing, r.choice.ac_every) == (memory.activation_checkpointing,
+                                                                          memory.ac_every)
+    fixed = _spec(parallel=rf.ParallelConfig(pp=2, microbatches=2),
+                  memory=rf.MemoryConfig(activation_checkpointing="full"))
+    assert resolve_parallel(fixed, 4).memory is fixed.memory
+    with pytest.raises(rf.ConfigError) as info:  # "auto" needs the planner
+        _spec(parallel=rf.ParallelConfig(pp=2), memory=rf.MemoryConfig(activation_checkpointing="auto"))
+    assert info.value.field == "MemoryConfig.activation_checkpointing"
+
+
 # ------------------------------------------------------------------------------ elastic
 def test_valid_world_sizes_for_auto():
     spec = _spec(global_batch=8, scaling=rf.ScalingConfig(num_workers=8, min_workers=1))

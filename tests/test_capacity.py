@@ -8,7 +8,6 @@ import json
 import os
 import random
 import sys
-import time
 
 import pytest
 
@@ -16,7 +15,8 @@ from rayflex.errors import PlacementError, RayflexError
 from rayflex.mesh.stage_split import stage_split
 from rayflex.planning.capacity.memory import (CapacityError, Layout, ModelDescription, estimate_memory, in_flight_peak,
                                        measure_activation_bytes, preset, transformer_activation_bytes_per_token)
-from rayflex.planning.capacity.search import ClusterDescription, DeviceSpec, best_parallel_config, explain, search
+from rayflex.planning.capacity.search import (ClusterDescription, DeviceSpec, ac_name, ac_options, best_parallel_config,
+                                             evaluate_layout, explain, search)
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
@@ -191,13 +191,12 @@ def test_nothing_fits_names_the_smallest_peak(h100x64):
         search(preset("70b").with_seq_len(8192), cluster, global_batch=512)
 
 
-def test_search_of_a_1024_node_cluster_is_fast():
+def test_search_of_a_1024_node_cluster_finds_a_layout_that_fits():
+    # How fast (goal < 2 s) is benchmarks/capacity.py's to measure; a timed assertion here
+    # would measure how busy the machine is.
     cluster = ClusterDescription.uniform(nodes=1024, devices_per_node=8, device=DeviceSpec.h100_80gb(),
                                          nodes_per_rack=32, racks_per_zone=16)
-    search(preset("7b"), cluster, global_batch=16384)  # warm caches and imports
-    t0 = time.perf_counter()
     result = search(preset("70b"), cluster, global_batch=16384)
-    assert time.perf_counter() - t0 < 2.0
     assert result.world_size == 8192 and result.best.fits
 
 
@@ -217,6 +216,109 @@ def test_best_parallel_config_for_the_launcher():
     for world in (128, 96):
         c = best_parallel_config(preset("70b"), big, world_size=world, global_batch=384, seq_len=1024)
         assert c.candidate.fits and c.candidate.layout.world_size == world
+
+
+# ------------------------------------------------------------------------------ activation checkpointing
+def _auto_ac(**kw):
+    from rayflex.config import MemoryConfig
+
+    return ac_options(MemoryConfig(activation_checkpointing="auto", **kw))
+
+
+def test_ac_options_and_recomputation_price():
+    from rayflex.config import MemoryConfig
+
+    assert [(m.activation_checkpointing, m.ac_every) for m in _auto_ac()] == [("none", 2), ("every_k", 2),
+                                                                             ("full", 2)]
+    assert [m.activation_checkpointing for m in _auto_ac(ac_every=1)] == ["none", "full"]  # every 1st = full
+    assert [ac_name(m.activation_checkpointing, m.ac_every) for m in _auto_ac(ac_every=3)] == [
+        "none", "every 3rd block", "full"]
+    # the same layout: every recomputation costs memory less and time more, by its formula
+    cluster = ClusterDescription.uniform(nodes=8, devices_per_node=8, device=DeviceSpec.h100_80gb())
+    model = preset("70b")
+    lay = search(model, cluster, global_batch=512).best.layout
+    runs = [evaluate_layout(model.with_checkpointing(m), cluster, lay, 512, None) for m in _auto_ac()]
+    peaks, steps = [c.peak_bytes for c in runs], [c.step_s for c in runs]
+    assert peaks == sorted(peaks, reverse=True) and steps == sorted(steps) and len(set(steps)) == 3
+    full = model.with_checkpointing(MemoryConfig(activation_checkpointing="full"))
+    # 6 FLOPs per parameter and token, 2 more for each recomputed one (not the embedding's lookup),
+    # on the pp rank that runs the most
+    params = full.split_over_tp(lay.tp).block_params
+    ranks = [[b for s in lay.local_stages(i) for b in lay.stage_blocks[s]] for i in range(lay.pp)]
+    flops = [sum(params[b] * (6 + 2 * (full.blocks[b].kind != "embedding")) for b in blocks) for blocks in ranks]
+    plain = [sum(params[b] * 6 for b in blocks) for blocks in ranks]
+    assert runs[2].compute_s == pytest.approx(runs[0].compute_s * max(flops) / max(plain), rel=1e-9)
+
+
+def test_auto_ac_turns_recomputation_on_only_when_needed(h100x64):
+    cluster = ClusterDescription.from_file(h100x64)
+    long = preset("70b").with_seq_len(4096)
+    with pytest.raises(CapacityError):  # nothing fits without recomputation (docs/capacity.md)
+        search(long, cluster, global_batch=512)
+    result = search(long, cluster, global_batch=512, activation_checkpointing=_auto_ac())
+    best = result.best
+    assert best.fits and best.activation_checkpointing == "every_k" and best.ac_every == 2
+    none, every, full = result.ac_at_best
+    assert not none.fits and full.fits and full.step_s > best.step_s == every.step_s
+    # it fits by the model, recomputed independently with the rule the workers follow
+    from rayflex.config import MemoryConfig
+
+    chosen = long.with_checkpointing(MemoryConfig(activation_checkpointing="every_k", ac_every=2))
+    assert estimate_memory(chosen, best.layout, cluster.runtime).peak_bytes <= cluster.usable_bytes
+    text = explain(result)
+    assert "Activation checkpointing (auto): every 2nd block" in text
+    assert "'none' does not fit this mesh" in text and "'full' fits" in text and "step time" in text
+    assert "AC every 2nd" in best.label() and best.to_dict()["activation_checkpointing"] == "every_k"
+    # where everything fits it recomputes nothing: the plain search's choice at its step time
+    plain = search(preset("70b"), cluster, global_batch=512)
+    auto = search(preset("70b"), cluster, global_batch=512, activation_checkpointing=_auto_ac())
+    assert auto.best.activation_checkpointing == "none" and auto.best.layout == plain.best.layout
+    assert auto.best.step_s == pytest.approx(plain.best.step_s, rel=1e-12)
+    assert "Activation checkpointing (auto): none: this mesh fits without recomputation" in explain(auto)
+    assert "Activation checkpointing" not in explain(plain)
+
+
+def test_auto_ac_search_is_the_exhaustive_one():
+    """Stopping at a layout's first option that fits (and skipping what cannot fit) keeps,
+    for every layout, the fastest option that fits, exactly as trying all three would."""
+    cluster = ClusterDescription.uniform(nodes=2, devices_per_node=8, device=DeviceSpec.h100_80gb())
+    model = preset("7b").with_seq_len(16384)
+    options = _auto_ac()
+    result = search(model, cluster, global_batch=32, activation_checkpointing=options, require_fit=False)
+    modes = {(c.activation_checkpointing, c.fits) for c in result.candidates}
+    assert {("none", True), ("every_k", True), ("full", True), ("full", False)} <= modes  # a mixed case
+    for c in result.candidates:
+        each = [evaluate_layout(model.with_checkpointing(m), cluster, c.layout, 32, c.comm, m) for m in options]
+        fit = [e for e in each if e.fits]
+        assert c.fits == bool(fit)
+        if fit:
+            want = min(fit, key=lambda e: e.step_s)
+            assert (c.activation_checkpointing, c.step_s) == (want.activation_checkpointing, want.step_s)
+
+
+def test_best_parallel_config_passes_the_ac_through():
+    from rayflex.config import MemoryConfig
+
+    big = ClusterDescription.uniform(nodes=8, devices_per_node=8, device=DeviceSpec.h100_80gb())
+    full = MemoryConfig(activation_checkpointing="full")
+    c = best_parallel_config(preset("70b"), big, world_size=64, global_batch=512, seq_len=1024, memory_config=full)
+    assert (c.activation_checkpointing, c.candidate.activation_checkpointing) == ("full", None)
+    assert "Activation checkpointing (auto)" not in c.explanation
+    assert best_parallel_config(preset("70b"), big, world_size=64, global_batch=512,
+                                seq_len=1024).activation_checkpointing == "none"
+    auto = best_parallel_config(preset("70b"), big, world_size=64, global_batch=512, seq_len=4096,
+                                memory_config=MemoryConfig(activation_checkpointing="auto"))
+    assert (auto.activation_checkpointing, auto.ac_every) == ("every_k", 2) and auto.candidate.fits
+    assert "Activation checkpointing (auto): every 2nd block" in auto.explanation
+
+
+def test_nothing_fits_with_auto_ac_says_what_was_tried(h100x64):
+    cluster = ClusterDescription.from_file(h100x64)
+    with pytest.raises(CapacityError) as info:
+        search(preset("70b").with_seq_len(16384), cluster, global_batch=512, activation_checkpointing=_auto_ac())
+    msg = str(info.value)
+    assert "with activation checkpointing 'none', 'every 2nd block', 'full'" in msg
+    assert "AC full" in msg and "activation_checkpointing='full'" not in msg
 
 
 # ------------------------------------------------------------------------------ the CLI

@@ -17,7 +17,7 @@ from rayflex.mesh.plan import MeshPlan, plan_mesh
 from rayflex.planning.capacity.auto import resolve_parallel
 from rayflex.planning.capacity.memory import (Layout, estimate_memory, preset, schedule_peak, schedule_peak_linear)
 from rayflex.planning.capacity.search import ClusterDescription, DeviceSpec, group_tiers, search
-from rayflex.planning.comm_profile import plan_for
+from rayflex.planning.comm_profile import comm_profile, plan_for
 from rayflex.planning.placement.planner import CommProfile, MeshShape, Planner, brute_force_plan, naive_plan
 from rayflex.planning.topology import LinkTier, NodeInfo, Topology
 
@@ -272,6 +272,18 @@ def test_live_placement_uses_the_3d_shape():
     _assert_tp_groups_whole(plan)
 
 
+def test_comm_profile_prices_the_mesh_activation_checkpointing():
+    spec = _tiny_spec()
+    if not spec.model.metadata.get("tp"):
+        pytest.skip("the tiny GPT has no metadata['tp'] (no TP plan): no TP all-reduces to price")
+    parallel = rf.ParallelConfig(pp=2, tp=2)
+    none = plan_mesh(spec.model, parallel, spec.data, 8)
+    full = plan_mesh(spec.model, parallel, spec.data, 8, memory=rf.MemoryConfig(activation_checkpointing="full"))
+    assert full.memory_config(spec.memory).activation_checkpointing == "full"
+    a, b = comm_profile(spec, none).tp_allreduce_bytes, comm_profile(spec, full).tp_allreduce_bytes
+    assert all(y > x for x, y in zip(a, b))  # a recomputed block replays its forward all-reduces
+
+
 # ------------------------------------------------------------------------------ the CLI
 def test_cli_plan_names_the_layout_and_why(capsys):
     from rayflex.cli.main import main
@@ -286,3 +298,19 @@ def test_cli_plan_names_the_layout_and_why(capsys):
     assert "Placement priced" in out and "SAME_NODE" in out
     assert main(["plan", "--model", "70b", "--cluster", H100_8X8, "--tp", "1"]) == 0
     assert "tp=1" in capsys.readouterr().out
+
+
+def test_cli_plan_ac_auto_says_what_it_chose_and_why(capsys):
+    from rayflex.cli.main import main
+
+    assert main(["plan", "--model", "70b", "--cluster", H100_8X8, "--seq-len", "4096", "--ac", "auto"]) == 0
+    out = capsys.readouterr().out
+    choice = next(line for line in out.splitlines() if line.startswith("choice:"))
+    assert "activation checkpointing every 2nd block" in choice, choice
+    why = next(line for line in out.splitlines() if line.startswith("Activation checkpointing (auto):"))
+    assert "'none' does not fit this mesh" in why and "'full' fits" in why and "step time" in why
+    assert "activation checkpointing auto (none, every 2nd block, full)" in out
+    # a mode given is priced as is: --ac full fits at seq 4096 too, and says nothing of auto
+    assert main(["plan", "--model", "70b", "--cluster", H100_8X8, "--seq-len", "4096", "--ac", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "activation checkpointing full;" in out and "Activation checkpointing (auto)" not in out

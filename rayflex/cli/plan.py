@@ -2,6 +2,7 @@
 
     rayflex plan examples/gpt_small.py                      # the trainer's model, this host
     rayflex plan --model 70b --cluster examples/clusters/h100_8x8.yaml --explain
+    rayflex plan --model 70b --cluster examples/clusters/h100_8x8.yaml --seq-len 4096 --ac auto
     rayflex plan SPEC --cluster cluster.yaml --json
 
 Every run prints the table, the choice (pp, tp, dp and, with HSDP, the shard groups) and a
@@ -16,6 +17,11 @@ batch and worker count are planned for. ``--model`` plans a described model inst
 this host's CPUs, one slot per worker, or a ``pp="auto"`` SPEC's own
 ``ParallelConfig(cluster=...)``: the choice printed is then the mesh the launcher runs at
 that world size.
+
+``--ac`` sets the activation checkpointing planned for (``none``, ``full``, ``every_k`` with
+``--ac-every``, or ``auto``: the planner tries each on every mesh and keeps the fastest that
+fits, and the why says what it chose and what the others cost). Default: a SPEC's own
+``MemoryConfig``, ``none`` for ``--model`` (or what a YAML description's blocks say).
 """
 
 from __future__ import annotations
@@ -37,6 +43,11 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: SPEC's or the description's)")
     p.add_argument("--precision", choices=("fp32", "bf16", "bf16-master"),
                    help="default: fp32 for SPEC (what workers run today), bf16-master for --model presets")
+    p.add_argument("--ac", choices=("none", "full", "every_k", "auto"),
+                   help="activation checkpointing to plan for; auto: the planner picks the fastest that fits "
+                   "(default: SPEC's MemoryConfig, none for --model)")
+    p.add_argument("--ac-every", type=int, help="every_k (and auto's every_k option): recompute every k-th block "
+                   "(default: SPEC's ac_every, else 2)")
     p.add_argument("--all", action="store_true", help="list every candidate, not the best per mesh shape")
     p.add_argument("--tp", type=int, action="append", help="only this tensor-parallel degree (repeatable); "
                    "default: every divisor of the node size the model can take")
@@ -65,6 +76,39 @@ def cmd_placement(args) -> int:
     return 0
 
 
+def _memory(args, memory=None):
+    """The MemoryConfig to plan for: ``memory`` (a SPEC's) with ``--ac`` / ``--ac-every``
+    applied; None when neither is given and there is no SPEC."""
+    import dataclasses
+
+    from rayflex.config import MemoryConfig
+
+    if args.ac is None and args.ac_every is None:
+        return memory
+    memory = memory or MemoryConfig()
+    over = {}
+    if args.ac is not None:
+        over["activation_checkpointing"] = args.ac
+    if args.ac_every is not None:
+        over["ac_every"] = args.ac_every
+    try:
+        return dataclasses.replace(memory, **over)
+    except ConfigError as e:  # e.g. --ac-every 0
+        raise ConfigError("--ac-every", e.problem, "give an integer >= 1") from None
+
+
+def _checkpointing(model, memory):
+    """``model`` with ``memory``'s recomputed blocks, and the AC options to search (None
+    unless ``memory`` says "auto")."""
+    from rayflex.planning.capacity.search import ac_options
+
+    if memory is None:
+        return model, None
+    if memory.activation_checkpointing == "auto":
+        return model, ac_options(memory)
+    return model.with_checkpointing(memory), None
+
+
 def _inputs(args):
     from rayflex.planning.capacity.memory import ModelDescription, Precision, preset
     from rayflex.planning.capacity.search import ClusterDescription, describe_model
@@ -79,13 +123,14 @@ def _inputs(args):
         spec = load_trainer(args.spec).spec
         seq_len = args.seq_len or spec.data.seq_len
         model = (describe_model(spec.model, seq_len, precision) if precision else
-                 describe_model(spec.model, seq_len).for_run(spec.precision, spec.memory))
+                 describe_model(spec.model, seq_len).for_run(spec.precision))
+        model, ac = _checkpointing(model, _memory(args, spec.memory))
         global_batch = args.global_batch or spec.data.global_batch
         world = args.world_size or spec.scaling.num_workers
         # an auto spec's own description: the table then shows what pp="auto" will pick
         path = args.cluster or (spec.parallel.cluster if spec.parallel.is_auto else None)
         cluster = ClusterDescription.from_file(path) if path else ClusterDescription.local_cpu(world)
-        return model, cluster, global_batch, world
+        return model, cluster, global_batch, world, ac
     if args.model.lower().endswith((".yaml", ".yml", ".json")):
         import yaml
 
@@ -97,11 +142,12 @@ def _inputs(args):
         model = preset(args.model, precision)
     if args.seq_len:
         model = model.with_seq_len(args.seq_len)
+    model, ac = _checkpointing(model, _memory(args))
     if not args.cluster:
         raise ConfigError("--cluster", "a described model needs a described cluster",
                           "pass --cluster cluster.yaml (see docs/capacity.md)")
     cluster = ClusterDescription.from_file(args.cluster)
-    return model, cluster, args.global_batch or 512, args.world_size or None
+    return model, cluster, args.global_batch or 512, args.world_size or None, ac
 
 
 def cmd_plan(args) -> int:
@@ -110,8 +156,9 @@ def cmd_plan(args) -> int:
 
     if args.topology or args.live:
         return cmd_placement(args)
-    model, cluster, global_batch, world = _inputs(args)
-    result = search(model, cluster, global_batch=global_batch, world_size=world, tp=args.tp)
+    model, cluster, global_batch, world, ac = _inputs(args)
+    result = search(model, cluster, global_batch=global_batch, world_size=world, tp=args.tp,
+                    activation_checkpointing=ac)
     placement = _placement(result) if (args.explain and args.cluster) else None
     if args.json:
         out = result.to_dict()
@@ -121,7 +168,7 @@ def cmd_plan(args) -> int:
         print()
         return 0
     print(f"model: {model.name}, {model.total_params / 1e9:.3g}B params, {model.num_blocks} blocks, seq_len "
-          f"{model.seq_len}, precision {_precision_name(model)}; global batch {global_batch}")
+          f"{model.seq_len}, precision {_precision_name(model)}, {_ac_words(result)}; global batch {global_batch}")
     print(f"cluster: {cluster.describe()}; world size {result.world_size}")
     print(f"searched {len(result.candidates)} candidates in {result.search_s:.2f} s")
     print()
@@ -130,8 +177,13 @@ def cmd_plan(args) -> int:
     best = result.best
     lay = best.layout
     hsdp = f" (HSDP: dp_shard={lay.shard} x dp_replicate={lay.dp_replicate})" if lay.dp_replicate > 1 else ""
-    print(f"choice: {best.label()}: pp={lay.pp} tp={lay.tp} dp={lay.dp}{hsdp}, {best.peak_bytes / 1e9:.2f} GB per "
-          f"rank, modeled step {best.step_s:.3f} s")
+    ac = ""
+    if result.ac_searched:
+        from rayflex.planning.capacity.search import ac_name
+
+        ac = f", activation checkpointing {ac_name(best.activation_checkpointing, best.ac_every)}"
+    print(f"choice: {best.label()}: pp={lay.pp} tp={lay.tp} dp={lay.dp}{hsdp}{ac}, {best.peak_bytes / 1e9:.2f} GB "
+          f"per rank, modeled step {best.step_s:.3f} s")
     print()
     print(summary(result))
     if args.explain:
@@ -151,6 +203,21 @@ def _table_rows(result, not_fitting: int = 8):
     return fit + [c for c in rows if not c.fits][:not_fitting]
 
 
+def _ac_words(result) -> str:
+    """``activation checkpointing auto (none, every 2nd block, full)`` / ``... none``."""
+    from rayflex.planning.capacity.search import ac_name
+
+    if result.ac_searched:
+        return "activation checkpointing auto (" + ", ".join(
+            ac_name(m.activation_checkpointing, m.ac_every) for m in result.ac_options) + ")"
+    mask = result.model.recompute_mask
+    if not any(mask):
+        return "no activation checkpointing"
+    if all(mask):
+        return "activation checkpointing full"
+    return f"activation checkpointing on {sum(mask)} of {len(mask)} blocks"
+
+
 def _precision_name(model) -> str:
     p = model.precision
     return f"{8 * p.param_bytes}-bit compute" + (", fp32 master weights" if p.master_weights else "")
@@ -162,5 +229,5 @@ def _placement(result):
     from rayflex.planning.placement.planner import Planner
 
     lay = result.best.layout
-    return Planner(result.cluster.topology).plan(layout_mesh(lay), layout_profile(result.model, lay,
-                                                                                   result.global_batch))
+    model = result.model_of(result.best)
+    return Planner(result.cluster.topology).plan(layout_mesh(lay), layout_profile(model, lay, result.global_batch))

@@ -93,7 +93,11 @@ def layout_comm_profile(rank_params: Sequence[float], bytes_per_value: float, pe
 
 def comm_profile(spec: TrainSpec, mesh: MeshPlan) -> CommProfile:
     """The run's profile of ``mesh``: per microbatch, as the workers will run it (a rank
-    holds 1/tp of every block: the Megatron-style split shards embedding, blocks and head)."""
+    holds 1/tp of every block: the Megatron-style split shards embedding, blocks and head).
+    The blocks recomputed are the mesh's (``MeshPlan.memory_config``: the planner's pick under
+    ``MemoryConfig(activation_checkpointing="auto")``), else the spec's."""
+    memory_of = getattr(mesh, "memory_config", None)
+    memory = memory_of(spec.memory) if memory_of is not None else spec.memory
     counts = spec.model.param_counts()
     kinds = spec_block_kinds(len(counts))
     hidden = spec.model.hidden_size or 1
@@ -103,7 +107,7 @@ def comm_profile(spec: TrainSpec, mesh: MeshPlan) -> CommProfile:
     allreduces = [0.0] * mesh.pp
     for stage, blocks in enumerate(mesh.stage_blocks):
         stage_bytes[stage % mesh.pp] += sum(counts[i] for i in blocks) * BYTES_PER_VALUE / mesh.tp
-        allreduces[stage % mesh.pp] += sum(block_tp_allreduces(kinds[i], spec.memory.checkpointed(i),
+        allreduces[stage % mesh.pp] += sum(block_tp_allreduces(kinds[i], memory.checkpointed(i),
                                                                vocab_per_hidden) for i in blocks)
     activation = mesh.micro_batch * spec.data.seq_len * hidden * BYTES_PER_VALUE
     passes = mesh.microbatches * mesh.accum_steps

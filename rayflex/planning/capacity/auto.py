@@ -15,6 +15,11 @@ says so. The launch tp is found by planning the launch size on the same cluster;
 whose cluster can no longer hold the launch size (a live topology after losing nodes)
 passes ``launch_tp`` (the controller: its launch mesh's tp), without which that size is
 planned freely.
+
+Activation checkpointing: ``MemoryConfig(activation_checkpointing="auto")`` lets the planner
+pick the mode per world size with the rest of the layout (the fastest that fits);
+``ResolvedParallel.memory`` is the spec's MemoryConfig with the pick, what ``plan_mesh(...,
+memory=)`` records and the workers apply. Any other mode is the spec's, used as is.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from rayflex.config import DataConfig, ParallelConfig, TrainSpec
+from rayflex.config import DataConfig, MemoryConfig, ParallelConfig, TrainSpec
 from rayflex.errors import ConfigError, PlacementError
 
 if TYPE_CHECKING:
@@ -37,12 +42,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ResolvedParallel:
     """Concrete configs for one world size; ``explanation`` is the planner's reasoning
-    ("" and ``choice`` None when the spec's pp was an integer)."""
+    ("" and ``choice`` None when the spec's pp was an integer). ``memory``: the spec's
+    MemoryConfig, with the planner's activation checkpointing when it said "auto" (never
+    "auto" here); the spec's own object otherwise."""
 
     parallel: ParallelConfig
     data: DataConfig
     explanation: str
     choice: Optional["ParallelChoice"]
+    memory: MemoryConfig
 
 
 # (model id, global batch, seq_len, world size, cluster key) -> (model, choice). The model
@@ -62,7 +70,7 @@ def resolve_parallel(spec: TrainSpec, world_size: int, topology: Optional["Topol
     (with the numbers) when no mesh fits.
     """
     if not spec.parallel.is_auto:
-        return ResolvedParallel(spec.parallel, spec.data, "", None)
+        return ResolvedParallel(spec.parallel, spec.data, "", None, spec.memory)
     cluster, key = _cluster(spec.parallel.cluster, topology, world_size)
     keep = launch_tp if launch_tp is not None else _launch_tp(spec, world_size, topology)
     choice = _best(spec, world_size, cluster, key, keep)
@@ -72,7 +80,11 @@ def resolve_parallel(spec: TrainSpec, world_size: int, topology: Optional["Topol
     data = spec.data
     if choice.pp == 1 and choice.micro_batch is not None:
         data = dataclasses.replace(spec.data, micro_batch=choice.micro_batch)
-    return ResolvedParallel(parallel, data, choice.explanation, choice)
+    memory = spec.memory
+    if memory.activation_checkpointing == "auto":
+        memory = dataclasses.replace(memory, activation_checkpointing=choice.activation_checkpointing,
+                                     ac_every=choice.ac_every)
+    return ResolvedParallel(parallel, data, choice.explanation, choice, memory)
 
 
 def _launch_tp(spec: TrainSpec, world_size: int, topology: Optional["Topology"]) -> Optional[int]:

@@ -1,15 +1,17 @@
 """The capacity search's choice in words, with the numbers a reader can check by hand: the
 mesh, its memory per rank against what does not fit, its modeled step time against the
-fastest mesh of every other tensor-parallel degree and shard-group size, and the link tier
-each kind of group was priced at.
+fastest mesh of every other tensor-parallel degree and shard-group size, the link tier
+each kind of group was priced at and, when the planner chose it
+(``MemoryConfig(activation_checkpointing="auto")``), the activation checkpointing against the
+other modes.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from rayflex.planning.capacity.memory import fmt_bytes
-from rayflex.planning.capacity.step_time import layout_mesh, layout_profile, rank_params, rank_tp_allreduces
+from rayflex.planning.capacity.step_time import layout_mesh, layout_profile, rank_compute_params, rank_tp_allreduces
 from rayflex.planning.topology import LinkTier
 
 if TYPE_CHECKING:
@@ -18,7 +20,7 @@ if TYPE_CHECKING:
 
 def explain(result: "SearchResult") -> str:
     best = result.best
-    lines = [_choice(result), _memory(result), _step(result)]
+    lines = [_choice(result)] + _ac(result) + [_memory(result), _step(result)]
     if best.comm is not None:
         lines.append(_tiers(best))
     lines += _by_tp(result)
@@ -41,7 +43,7 @@ def summary(result: "SearchResult") -> str:
     """The short why ``rayflex plan`` prints under its choice: the fastest mesh of every tp
     degree and shard-group size, and where the chosen mesh's groups were priced."""
     best = result.best
-    lines = ["why:"] + _by_tp(result) + _by_shard(result)
+    lines = ["why:"] + _ac(result) + _by_tp(result) + _by_shard(result)
     if best.comm is not None:
         lines.append(_tiers(best))
     others = [c for c in result.best_per_shape() if not c.fits]
@@ -94,12 +96,53 @@ def _memory(result: "SearchResult") -> str:
                if r.phase == "forward_backward" else "") + ".")
 
 
+def _ac(result: "SearchResult") -> list[str]:
+    """Which activation checkpointing the search chose and why: the chosen layout with each
+    other mode (does it fit, what it costs), and the fastest mesh that fits with less
+    recomputation. Nothing when the mode was the run's own."""
+
+    best = result.best
+    if not result.ac_searched or not best.fits:
+        return []
+    names = [(m.activation_checkpointing, m.ac_every) for m in result.ac_options]
+    chosen = names.index((best.activation_checkpointing, best.ac_every))
+    cap = fmt_bytes(best.usable_bytes)
+    why = []
+    for i, (c, (mode, every)) in enumerate(zip(result.ac_at_best, names)):
+        if i == chosen:
+            continue
+        word = f"'{ac_name(mode, every)}'"
+        if not c.fits:
+            why.append(f"{word} does not fit this mesh ({fmt_bytes(c.peak_bytes)} > {cap})")
+        elif i < chosen:  # cannot happen when memory falls with recomputation; said if it does
+            why.append(f"{word} fits ({fmt_bytes(c.peak_bytes)}) at {c.step_s / best.step_s - 1:+.1%} step time")
+        else:
+            why.append(f"{word} fits ({fmt_bytes(c.peak_bytes)}) but costs {c.step_s / best.step_s - 1:+.1%} "
+                       f"step time (recompute)")
+    if chosen > 0:  # the fastest mesh with less recomputation, if any fits
+        less = set(names[:chosen])
+        lighter = [c for c in result.fitting if (c.activation_checkpointing, c.ac_every) in less]
+        if lighter:
+            c = lighter[0]
+            why.append(f"the fastest mesh that fits with less recomputation, {c.label()}, is "
+                       f"{c.step_s / best.step_s - 1:+.1%}")
+        else:
+            why.append("no mesh fits with less recomputation")
+    head = f"Activation checkpointing (auto): {ac_name(*names[chosen])}"
+    if chosen == 0:
+        head += f": this mesh fits without recomputation ({fmt_bytes(best.peak_bytes)} of {cap})"
+    return [head + (" — " + "; ".join(why) if why else "") + "."]
+
+
 def _step(result: "SearchResult") -> str:
-    best, model, dev = result.best, result.model, result.cluster.device
+    best, dev = result.best, result.cluster.device
+    model = result.model_of(best)
     lay = best.layout
     tokens_rank = result.global_batch // lay.dp * model.seq_len
-    rank_p = max(rank_params(model, lay))
-    parts = [f"compute {best.compute_s:.3f} s (6 x {rank_p / 1e9:.3g}B params on the busiest rank x "
+    rank_p, rank_r = rank_compute_params(model, lay)
+    flops = (f"(6 x {rank_p / 1e9:.3g}B + 2 x {rank_r / 1e9:.3g}B recomputed) params" if rank_r else
+             f"6 x {rank_p / 1e9:.3g}B params")
+    parts = [f"compute {best.compute_s:.3f} s ({flops} on the busiest rank x "
              f"{tokens_rank} tokens per rank / ({dev.flops / 1e12:.0f} TFLOP/s x {dev.mfu:.0%}))"]
     if lay.tp > 1:
         parts.append(f"TP all-reduce {best.tp_s:.3f} s ({_tp_words(result, best)})")
@@ -111,7 +154,7 @@ def _step(result: "SearchResult") -> str:
 
 
 def _tp_words(result: "SearchResult", c: "Candidate") -> str:
-    lay, model = c.layout, result.model
+    lay, model = c.layout, result.model_of(c)
     count = max(rank_tp_allreduces(model, lay))
     per = layout_profile(model, lay, result.global_batch).activation_bytes
     tier = LinkTier(max(c.comm.tp_levels)).name if c.comm is not None else "SAME_NODE"
@@ -195,7 +238,7 @@ def _by_shard(result: "SearchResult") -> list[str]:
     for c in [best] + sorted(alts, key=lambda c: -c.layout.shard):
         o = c.layout
         name = (f"plain FSDP over dp={o.dp}" if o.dp_replicate == 1 else
-                f"HSDP {o.dp_replicate} x {o.shard}")
+                f"HSDP {o.dp_replicate} x {o.shard}") + c.ac_label()
         tiers = ""
         if c.comm is not None:
             tiers = f" (shard groups {LinkTier(max(c.comm.row_levels)).name}" + (
@@ -240,3 +283,19 @@ def _why_slower(best: "Candidate", other: "Candidate") -> str:
              ("bubble", other.bubble_s - best.bubble_s), ("comm", other.comm_s - best.comm_s)]
     name, delta = max(diffs, key=lambda d: d[1])
     return f"{delta:.3f} s more {name}"
+
+
+def ac_name(mode: Optional[str], every: int = 2) -> str:
+    """``none`` / ``every 2nd block`` / ``full``: a mode in words."""
+    if mode in (None, "none"):
+        return "none"
+    if mode == "full":
+        return "full"
+    if mode == "every_k":
+        return f"every {ordinal(every)} block"
+    return mode
+
+
+def ordinal(k: int) -> str:
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k}{suffix}"

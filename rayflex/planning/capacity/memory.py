@@ -241,6 +241,11 @@ class ModelDescription:
     def total_params(self) -> int:
         return sum(self.block_params)
 
+    @cached_property
+    def recompute_mask(self) -> tuple:
+        """Which blocks recompute in backward (activation checkpointing), block by block."""
+        return tuple(b.recompute for b in self.blocks)
+
     @property
     def num_layers(self) -> int:
         return sum(1 for b in self.blocks if b.kind == "transformer")
@@ -718,6 +723,11 @@ class RankMemory:
     activation_microbatches: float  # microbatch-equivalents of activations at the peak
     unsharded_at_setup: float = 0.0  # setup phase: the stage built unsharded before fully_shard
     inference_graph: float = 0.0  # activations kept by the never-freed shape-inference graph
+    # What no activation checkpointing removes: the largest of setup, the optimizer step
+    # without the shape-inference graph, and forward/backward's state, gathered parameters,
+    # pipeline receive buffers (unsharded accumulated gradients for pp == 1) and overhead. A
+    # lower bound of the peak whichever blocks recompute (the capacity search's pruning).
+    fixed_bytes: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -744,6 +754,11 @@ class MemoryEstimate:
     def peak_rank(self) -> RankMemory:
         return max(self.ranks, key=lambda r: r.peak_bytes)
 
+    @property
+    def fixed_bytes(self) -> float:
+        """The most bytes a rank holds whatever blocks recompute (``RankMemory.fixed_bytes``)."""
+        return max(r.fixed_bytes for r in self.ranks)
+
 
 def fmt_bytes(b: float) -> str:
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
@@ -766,6 +781,19 @@ def estimate_memory(model: ModelDescription, layout: Layout, runtime: Runtime | 
         return MemoryEstimate(layout, (_rank_memory_fsdp(model, layout, runtime),))
     ranks = tuple(_rank_memory_pipeline(model, layout, stage_blocks, i, runtime) for i in range(layout.pp))
     return MemoryEstimate(layout, ranks)
+
+
+def rank_exceeds(model: ModelDescription, layout: Layout, pp_index: int, limit: float,
+                 runtime: Runtime | None = None) -> bool:
+    """Whether pp rank ``pp_index`` of ``layout`` peaks above ``limit``: one rank of
+    :func:`estimate_memory` (the capacity search asks it of the rank most likely to break
+    before estimating them all)."""
+    runtime = runtime or Runtime()
+    stage_blocks = layout.stage_blocks or stage_split(model.block_params, layout.num_stages)
+    model = model.split_over_tp(layout.tp)
+    if layout.pp == 1:
+        return _rank_memory_fsdp(model, layout, runtime).peak_bytes > limit
+    return _rank_memory_pipeline(model, layout, stage_blocks, pp_index, runtime).peak_bytes > limit
 
 
 def _state_bytes(model: ModelDescription, params: float, dp: int) -> tuple[float, float, float]:
@@ -801,7 +829,7 @@ def _rank_memory_fsdp(model: ModelDescription, layout: Layout, runtime: Runtime)
     setup = _setup_bytes(model, [total], largest, dp, runtime)
     return _pick(0, runtime, setup=setup, fb=fb, opt_phase=opt_phase, params_sharded=params_sh, optimizer=opt,
                  grads=grads, gathered=gathered, acts=acts, buffers=0.0, workspace=workspace, grads_sh=grads_sh,
-                 mbs=1.0)
+                 mbs=1.0, fixed=max(setup, opt_phase, fb - acts - workspace))
 
 
 def _setup_bytes(model: ModelDescription, stage_params: Iterable[float], largest: float, dp: int,
@@ -843,7 +871,7 @@ def _pipeline_walk(model: ModelDescription, layout: Layout, stage_blocks, pp_ind
     hit = _WALKS.get(key)
     if hit is not None and hit[0] is model:
         return hit[1]
-    walk = _walk(model, layout, stage_blocks, pp_index, runtime)
+    walk = _walk(model, layout, blocks, pp_index, runtime)
     if len(_WALKS) >= _WALKS_SIZE:
         _WALKS.clear()
     _WALKS[key] = (model, walk)
@@ -864,20 +892,20 @@ def _walk(model: ModelDescription, layout: Layout, stage_blocks, pp_index: int, 
     persistent_buffers = 0.0
     largest = 0.0
     for s in stages:
-        blocks = [model.blocks[i] for i in stage_blocks[s]]
-        chunk_params.append(sum(b.params for b in blocks))
-        largest = max(largest, max(b.params for b in blocks))
-        saved = sum(block_activation_bytes(model, b, tokens, layout.micro_batch) for b in blocks)
+        params, big, saved, ws, first_grads, first_kind = _chunk_terms(model, stage_blocks[s], tokens,
+                                                                       layout.micro_batch)
+        chunk_params.append(params)
+        largest = max(largest, big)
         if s > 0:
             # the first block's saved input is the receive buffer, counted below
-            saved -= boundary if blocks[0].kind in ("transformer", "head", "other") else 0.0
+            saved -= boundary if first_kind in ("transformer", "head", "other") else 0.0
             persistent_buffers += m * boundary  # one receive buffer per microbatch
         if s < last_stage:
             saved += boundary  # the output waits in the forward cache until its backward
             persistent_buffers += m * boundary  # one gradient-receive buffer per microbatch
         chunk_acts.append(saved)
-        chunk_ws.append(max(block_backward_workspace(model, b, tokens, layout.micro_batch) for b in blocks))
-        chunk_first_grads.append(_first_backward_growth(model, blocks, tokens, layout.micro_batch))
+        chunk_ws.append(ws)
+        chunk_first_grads.append(first_grads)
         chunk_in_grad.append(boundary if s > 0 else 0.0)
         chunk_keep.append(logits if (s == last_stage and runtime.keeps_outputs) else 0.0)
     leak = chunk_acts[0] if (runtime.leaks_inference_graph and stages[0] == 0) else 0.0
@@ -894,6 +922,27 @@ def _walk(model: ModelDescription, layout: Layout, stage_blocks, pp_index: int, 
                  live_pk, end_kept, sum(chunk_acts) / len(chunk_acts))
 
 
+_CHUNKS: dict = {}  # (id(model), block indices, tokens, micro_batch) -> (model, terms)
+
+
+def _chunk_terms(model: ModelDescription, indices: tuple, tokens: int, micro_batch: int) -> tuple:
+    """``(params, largest block, saved activations, backward workspace, first backward's
+    growth, first block's kind)`` of one stage's blocks; many layouts share a stage."""
+    key = (id(model), indices, tokens, micro_batch)
+    hit = _CHUNKS.get(key)
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    blocks = [model.blocks[i] for i in indices]
+    terms = (sum(b.params for b in blocks), max(b.params for b in blocks),
+             sum(block_activation_bytes(model, b, tokens, micro_batch) for b in blocks),
+             max(block_backward_workspace(model, b, tokens, micro_batch) for b in blocks),
+             _first_backward_growth(model, blocks, tokens, micro_batch), blocks[0].kind)
+    if len(_CHUNKS) >= _WALKS_SIZE:
+        _CHUNKS.clear()
+    _CHUNKS[key] = (model, terms)
+    return terms
+
+
 def _rank_memory_pipeline(model: ModelDescription, layout: Layout, stage_blocks, pp_index: int,
                           runtime: Runtime) -> RankMemory:
     w = _pipeline_walk(model, layout, stage_blocks, pp_index, runtime)
@@ -906,11 +955,12 @@ def _rank_memory_pipeline(model: ModelDescription, layout: Layout, stage_blocks,
     opt_phase = (params_sh + opt + grads_sh + w.persistent_buffers + w.leak + w.end_kept + runtime.overhead_bytes
                  + _optimizer_temp(model, stage_params, w.largest, dp, runtime))
     setup = _setup_bytes(model, w.chunk_params, w.largest, dp, runtime)
+    fixed = max(setup, opt_phase - w.leak, params_sh + opt + w.persistent_buffers + runtime.overhead_bytes + gathered)
     return _pick(pp_index, runtime, setup=setup, fb=fb, opt_phase=opt_phase, params_sharded=params_sh,
                  optimizer=opt, grads=w.grads, gathered=gathered, acts=w.acts + w.leak,
                  buffers=w.persistent_buffers + w.kept, workspace=w.workspace, grads_sh=grads_sh,
                  mbs=(w.acts / w.mean_chunk if w.mean_chunk else float(w.live)),
-                 opt_buffers=w.persistent_buffers + w.end_kept, leak=w.leak)
+                 opt_buffers=w.persistent_buffers + w.end_kept, leak=w.leak, fixed=fixed)
 
 
 def _first_backward_growth(model: ModelDescription, blocks, tokens: int, micro_batch: int) -> float:
@@ -930,12 +980,13 @@ def _first_backward_growth(model: ModelDescription, blocks, tokens: int, micro_b
 
 def _pick(pp_index: int, runtime: Runtime, *, setup: float, fb: float, opt_phase: float, params_sharded: float,
           optimizer: float, grads: float, gathered: float, acts: float, buffers: float, workspace: float,
-          grads_sh: float, mbs: float, opt_buffers: float = 0.0, leak: float = 0.0) -> RankMemory:
+          grads_sh: float, mbs: float, opt_buffers: float = 0.0, leak: float = 0.0,
+          fixed: float = 0.0) -> RankMemory:
     phases = {"forward_backward": fb, "optimizer": opt_phase, "setup": setup}
     phase = max(phases, key=phases.get)
     common = dict(pp_index=pp_index, peak_bytes=phases[phase], phase=phase, overhead=runtime.overhead_bytes,
                   setup_bytes=setup, optimizer_phase_bytes=opt_phase, forward_backward_bytes=fb,
-                  activation_microbatches=mbs, inference_graph=leak)
+                  activation_microbatches=mbs, inference_graph=leak, fixed_bytes=min(fixed, phases[phase]))
     if phase == "forward_backward":
         return RankMemory(params_sharded=params_sharded, optimizer_states=optimizer, grads=grads,
                           params_gathered=gathered, activations=acts, pipeline_buffers=buffers,

@@ -7,11 +7,22 @@ the same for one chunk per rank without walking every op). The memory model
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from rayflex.errors import ConfigError
 
 
 def schedule_ops(schedule: str, pp_index: int, pp: int, m: int, v: int = 1):
     """This rank's compute ops in torch's order: ``("F"|"B", local_chunk)`` tuples."""
+    return list(_ops(schedule, pp_index, pp, m, v))
+
+
+@lru_cache(maxsize=4096)  # the capacity search walks the same schedules for many layouts
+def _ops(schedule: str, pp_index: int, pp: int, m: int, v: int) -> tuple:
+    return tuple(_schedule_ops(schedule, pp_index, pp, m, v))
+
+
+def _schedule_ops(schedule: str, pp_index: int, pp: int, m: int, v: int):
     if schedule == "gpipe":
         return [("F", 0)] * m + [("B", 0)] * m
     if schedule == "1f1b":
@@ -53,28 +64,29 @@ def schedule_peak(schedule: str, pp_index: int, pp: int, m: int, v: int, acts_of
     every ``*_of`` is per local chunk."""
     acts = grads = step_kept = 0.0
     has_grads = [False] * v
-    best = (-1.0, 0.0, 0.0, 0.0, 0.0, 0)
+    best_total, best = -1.0, (-1.0, 0.0, 0.0, 0.0, 0.0, 0)
     live = 0
-    for kind, c in schedule_ops(schedule, pp_index, pp, m, v):
+    for kind, c in _ops(schedule, pp_index, pp, m, v):
         if kind == "F":
             acts += acts_of[c]
             step_kept += keep_of[c]
             live += 1
-            ws = 0.0
-        else:
-            ws = workspace_of[c]
-            if not has_grads[c]:
-                # the chunk's gradients appear block by block while its activations go
-                has_grads[c] = True
-                grads += grads_of[c]
-                ws += first_grads_of[c] - grads_of[c]
+            total = acts + grads + step_kept
+            if total > best_total:
+                best_total, best = total, (total, acts, grads, step_kept, 0.0, live)
+            continue
+        ws = workspace_of[c]
+        if not has_grads[c]:
+            # the chunk's gradients appear block by block while its activations go
+            has_grads[c] = True
+            grads += grads_of[c]
+            ws += first_grads_of[c] - grads_of[c]
         total = acts + grads + step_kept + ws
-        if total > best[0]:
-            best = (total, acts, grads, step_kept, ws, live)
-        if kind == "B":
-            acts -= acts_of[c]
-            step_kept += in_grad_of[c]
-            live -= 1
+        if total > best_total:
+            best_total, best = total, (total, acts, grads, step_kept, ws, live)
+        acts -= acts_of[c]
+        step_kept += in_grad_of[c]
+        live -= 1
     return best
 
 

@@ -5,7 +5,11 @@ bound).
 * compute: ``6 * P_rank * tokens_rank / (flops * mfu)``, where ``P_rank`` is the largest
   parameter count any pp rank holds of one tp shard (the slowest stage sets the pace) and
   ``tokens_rank = global_batch * seq_len / dp`` (the tp ranks of a dp rank see the same
-  tokens); for balanced stages this is ``6 * P * T / (world * flops * mfu)``.
+  tokens); for balanced stages this is ``6 * P * T / (world * flops * mfu)``. A block that
+  recomputes in backward (activation checkpointing) replays its forward, ``2 * P_block``
+  more per token: ``(6 * P_rank + 2 * R_rank) * tokens_rank / (flops * mfu)`` on the busiest
+  pp rank, ``R_rank`` the parameters it recomputes (the embedding's lookup has no matmul to
+  replay, so it costs nothing).
 * tensor parallelism: 4 all-reduces of a microbatch's hidden states (``b * s * h`` values)
   per transformer block, 1 for the embedding and 1 for the head plus its all-gather of the
   logits (``comm_profile.block_tp_allreduces``; 2 more per recomputed block), each a ring
@@ -43,6 +47,25 @@ def rank_params(model: ModelDescription, layout: Layout) -> list[float]:
     params = model.split_over_tp(layout.tp).block_params
     per_stage = [sum(params[i] for i in blocks) for blocks in layout.stage_blocks]
     return [sum(per_stage[s] for s in layout.local_stages(i)) for i in range(layout.pp)]
+
+
+def rank_recomputed_params(model: ModelDescription, layout: Layout) -> list[float]:
+    """Parameters of the blocks each pp rank recomputes in backward (its tp shard), the
+    embedding left out (a lookup: no matmul to replay); zeros without checkpointing."""
+    if not any(model.recompute_mask):
+        return [0.0] * layout.pp
+    params = model.split_over_tp(layout.tp).block_params
+    blocks = model.blocks
+    per_stage = [sum(params[i] for i in stage if blocks[i].recompute and blocks[i].kind != "embedding")
+                 for stage in layout.stage_blocks]
+    return [sum(per_stage[s] for s in layout.local_stages(i)) for i in range(layout.pp)]
+
+
+def rank_compute_params(model: ModelDescription, layout: Layout) -> tuple[float, float]:
+    """``(P, R)`` of the busiest pp rank: the parameters it runs and those it recomputes,
+    the rank with the most ``6 * P + 2 * R`` (the FLOPs per token it pays)."""
+    pairs = zip(rank_params(model, layout), rank_recomputed_params(model, layout))
+    return max(pairs, key=lambda pr: 6 * pr[0] + 2 * pr[1])
 
 
 def rank_tp_allreduces(model: ModelDescription, layout: Layout) -> list[float]:
@@ -84,14 +107,36 @@ class CommModel:
         self.trees: dict = {}
         self.levels: dict = {}
         self.cache: dict = {}
+        self.shared: Optional[dict] = None  # tp == 1 breakdowns, shared by for_model's copies
+
+    def for_model(self, model: ModelDescription) -> "CommModel":
+        """The same cluster, world and batch for ``model`` (the same sizes, other blocks
+        recomputed): shares the group levels and, without tp (where recomputation moves no
+        bytes), the priced breakdowns."""
+        other = object.__new__(CommModel)
+        other.__dict__.update(self.__dict__)
+        other.model = model
+        other.cache = {}
+        if self.shared is None:
+            self.shared = {}
+        other.shared = self.shared
+        return other
 
     def breakdown(self, layout: Layout) -> CostBreakdown:
         key = (layout.pp, layout.stages_per_rank, layout.accum_steps, layout.tp, layout.shard)
+        shared = self.shared
+        if layout.tp == 1 and shared is not None:  # no TP all-reduces: recomputation moves no bytes
+            if key not in shared:
+                shared[key] = self._price(layout)
+            return shared[key]
         if key not in self.cache:
-            mesh = layout_mesh(layout)
-            costs = TierCosts(mesh, layout_profile(self.model, layout, self.global_batch), self.bandwidths)
-            self.cache[key] = min((price(costs, lv) for lv in self._levels(mesh)), key=lambda ev: ev.total)
+            self.cache[key] = self._price(layout)
         return self.cache[key]
+
+    def _price(self, layout: Layout) -> CostBreakdown:
+        mesh = layout_mesh(layout)
+        costs = TierCosts(mesh, layout_profile(self.model, layout, self.global_batch), self.bandwidths)
+        return min((price(costs, lv) for lv in self._levels(mesh)), key=lambda ev: ev.total)
 
     def _levels(self, mesh: MeshShape) -> list[GroupLevels]:
         key = (mesh.pp, mesh.tp, mesh.dp_shard)
@@ -125,7 +170,8 @@ def step_time(model: ModelDescription, layout: Layout, flops: float, mfu: float,
               comm: Optional[CostBreakdown]) -> StepTime:
     """The step's modeled seconds, term by term (module docstring)."""
     tokens_rank = global_batch // layout.dp * model.seq_len
-    compute = 6 * max(rank_params(model, layout)) * tokens_rank / (flops * mfu)
+    params, recomputed = rank_compute_params(model, layout)
+    compute = (6 * params + 2 * recomputed) * tokens_rank / (flops * mfu)
     tp_s = comm.tp_total if comm is not None else 0.0
     comm_s = (comm.total - tp_s) if comm is not None else 0.0
     bubble = ((compute + tp_s) * (layout.pp - 1) / (layout.stages_per_rank * layout.microbatches)
