@@ -76,7 +76,7 @@ class RunContext:
 
         resolved = resolve_parallel(self.spec, size, topology, launch_tp=self.launch_tp)
         mesh = plan_mesh(self.spec.model, resolved.parallel, resolved.data, size,
-                         memory=getattr(resolved, "memory", None))
+                         memory=resolved.memory)
         return mesh, resolved, plan_for(self.spec, mesh, topology)  # PlacementError names what is missing
 
     @staticmethod

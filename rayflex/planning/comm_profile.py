@@ -96,8 +96,7 @@ def comm_profile(spec: TrainSpec, mesh: MeshPlan) -> CommProfile:
     holds 1/tp of every block: the Megatron-style split shards embedding, blocks and head).
     The blocks recomputed are the mesh's (``MeshPlan.memory_config``: the planner's pick under
     ``MemoryConfig(activation_checkpointing="auto")``), else the spec's."""
-    memory_of = getattr(mesh, "memory_config", None)
-    memory = memory_of(spec.memory) if memory_of is not None else spec.memory
+    memory = mesh.memory_config(spec.memory)
     counts = spec.model.param_counts()
     kinds = spec_block_kinds(len(counts))
     hidden = spec.model.hidden_size or 1
