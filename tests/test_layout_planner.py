@@ -21,9 +21,10 @@ from rayflex.planning.comm_profile import comm_profile, plan_for
 from rayflex.planning.placement.planner import CommProfile, MeshShape, Planner, brute_force_plan, naive_plan
 from rayflex.planning.topology import LinkTier, NodeInfo, Topology
 
+from test_placement_planner import random_nodes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100_8X8 = os.path.join(ROOT, "examples", "clusters", "h100_8x8.yaml")
-ZONE = "ray.io/availability-zone"
 
 
 def _mesh_plan(pp, dp, tp, dp_replicate):
@@ -40,21 +41,9 @@ def _racks(nodes, slots, per_rack):
 def _small_case(rng, tp, hsdp):
     """A small random cluster whose nodes hold whole tp groups, and a mesh that fits it."""
     while True:
-        nodes, total, zones, racks = [], 0, rng.choice([1, 1, 2]), rng.randint(1, 3)
-        limit = 8 if hsdp else 12
-        while True:
-            slots = tp * rng.choice([1, 1, 2, 2, 3, 4])
-            if total + slots > limit:
-                break
-            labels = {}
-            if zones > 1 or rng.random() < 0.5:
-                labels[ZONE] = f"z{rng.randrange(zones)}"
-            if rng.random() < 0.85:
-                labels["rack"] = f"r{rng.randrange(racks)}"
-            nodes.append(NodeInfo(f"n{len(nodes)}", slots=slots, labels=labels))
-            total += slots
-            if rng.random() < 0.15:
-                break
+        zones, racks = rng.choice([1, 1, 2]), rng.randint(1, 3)
+        nodes, total = random_nodes(rng, slot_choices=[tp * k for k in (1, 1, 2, 2, 3, 4)],
+                                    max_slots=8 if hsdp else 12, zones=zones, racks=racks)
         units = total // tp
         shapes = [(p, d, r) for p in range(1, units + 1) for d in range(1, units // p + 1)
                   for r in ([x for x in range(2, d + 1) if d % x == 0] if hsdp else [1])]

@@ -38,23 +38,32 @@ def uniform_topology(nodes, slots, racks, zones, seed=None):
     return Topology(tuple(out))
 
 
+def random_nodes(rng, *, slot_choices, max_slots: int, zones: int, racks: int) -> tuple[list, int]:
+    """Random nodes (uneven slots drawn from ``slot_choices``, racks and zones, some labels
+    missing) holding at most ``max_slots`` slots; and their slot count."""
+    nodes, total = [], 0
+    while True:
+        slots = rng.choice(slot_choices)
+        if total + slots > max_slots:
+            break
+        labels = {}
+        if zones > 1 or rng.random() < 0.5:
+            labels[ZONE] = f"z{rng.randrange(zones)}"
+        if rng.random() < 0.85:
+            labels["rack"] = f"r{rng.randrange(racks)}"
+        nodes.append(NodeInfo(f"n{len(nodes)}", slots=slots, labels=labels))
+        total += slots
+        if rng.random() < 0.15:
+            break
+    return nodes, total
+
+
 def random_case(rng, max_slots=12):
     """A small random cluster (uneven nodes, racks, zones, missing labels) and a mesh that fits."""
     while True:
-        nodes, total, zones, racks = [], 0, rng.choice([1, 1, 2, 3]), rng.randint(1, 4)
-        while True:
-            slots = rng.choice([1, 1, 2, 2, 2, 3, 4, 4, 6, 8])
-            if total + slots > max_slots:
-                break
-            labels = {}
-            if zones > 1 or rng.random() < 0.5:
-                labels[ZONE] = f"z{rng.randrange(zones)}"
-            if rng.random() < 0.85:
-                labels["rack"] = f"r{rng.randrange(racks)}"
-            nodes.append(NodeInfo(f"n{len(nodes)}", slots=slots, labels=labels))
-            total += slots
-            if rng.random() < 0.15:
-                break
+        zones, racks = rng.choice([1, 1, 2, 3]), rng.randint(1, 4)
+        nodes, total = random_nodes(rng, slot_choices=[1, 1, 2, 2, 2, 3, 4, 4, 6, 8], max_slots=max_slots,
+                                    zones=zones, racks=racks)
         if total:
             break
     pp, dp = rng.choice([(p, d) for p in range(1, total + 1) for d in range(1, total // p + 1)])

@@ -152,7 +152,7 @@ def _inputs(args):
 
 def cmd_plan(args) -> int:
     from rayflex.planning.capacity.explain import summary
-    from rayflex.planning.capacity.search import explain, search
+    from rayflex.planning.capacity.search import search
 
     if args.topology or args.live:
         return cmd_placement(args)
@@ -188,7 +188,7 @@ def cmd_plan(args) -> int:
     print(summary(result))
     if args.explain:
         print()
-        print(explain(result))
+        print(result.explanation)
         if placement is not None:
             print()
             print("placement of the chosen mesh:")

@@ -32,6 +32,23 @@ if TYPE_CHECKING:
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
+def mesh_position(shape: tuple[int, int, int, int], rank: int) -> tuple[int, int, int, int]:
+    """(pp index, replica, shard, tp index) of ``rank`` in a mesh of ``shape`` (sizes of
+    :data:`MESH_DIMS`): the one statement of the rank order, for the workers and the planners."""
+    _, _, dp_shard, tp = shape
+    rest, t = divmod(rank, tp)
+    rest, s = divmod(rest, dp_shard)
+    p, r = divmod(rest, shape[1])
+    return p, r, s, t
+
+
+def mesh_rank(shape: tuple[int, int, int, int], pp_index: int, dp_index: int, tp_index: int = 0) -> int:
+    """The rank at (pp index, dp index = replica * dp_shard + shard, tp index): the inverse of
+    :func:`mesh_position`."""
+    _, dp_replicate, dp_shard, tp = shape
+    return (pp_index * dp_replicate * dp_shard + dp_index) * tp + tp_index
+
+
 @dataclass(frozen=True)
 class MeshCoords:
     """Where a rank sits in the mesh."""
@@ -89,14 +106,12 @@ class MeshPlan:
         return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
 
     def mesh_coords(self, rank: int) -> MeshCoords:
-        rest, t = divmod(rank, self.tp)
-        rest, s = divmod(rest, self.dp_shard)
-        p, r = divmod(rest, self.dp_replicate)
+        p, r, s, t = mesh_position(self.shape, rank)
         return MeshCoords(pp=p, dp_replicate=r, dp_shard=s, tp=t, dp=r * self.dp_shard + s)
 
     def rank_of(self, pp: int, dp: int, tp: int = 0) -> int:
         """The global rank at (pp index, dp index, tp index)."""
-        return (pp * self.dp + dp) * self.tp + tp
+        return mesh_rank(self.shape, pp, dp, tp)
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(pp_index, dp_index) of a global rank."""

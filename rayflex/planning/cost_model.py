@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from rayflex.errors import ConfigError
+from rayflex.mesh.plan import mesh_position, mesh_rank
 from rayflex.planning.topology import Bandwidths, LinkTier, NodeInfo, Topology
 
 REL_TOL = 1e-9  # relative tolerance when comparing modeled costs
@@ -117,19 +118,22 @@ class MeshShape:
         """The pp x dp mesh of tp groups the planner places (one unit = ``tp`` slots of a node)."""
         return MeshShape(self.pp, self.dp)
 
+    @property
+    def shape(self) -> Tuple[int, int, int, int]:
+        """Sizes of ``MESH_DIMS`` (``rayflex.mesh.plan``), whose rank order this mesh shares."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
     def rank(self, stage: int, dp_index: int, tp_index: int = 0) -> int:
-        return (stage * self.dp + dp_index) * self.tp + tp_index
+        return mesh_rank(self.shape, stage, dp_index, tp_index)
 
     def coords(self, rank: int) -> Tuple[int, int]:
         """(stage, dp_index) of a rank."""
-        return divmod(rank // self.tp, self.dp)
+        p, r, s, _ = mesh_position(self.shape, rank)
+        return p, r * self.dp_shard + s
 
     def mesh_coords(self, rank: int) -> Tuple[int, int, int, int]:
         """(stage, replica, shard, tp_index): the rank's place along ``MESH_DIMS``."""
-        rest, t = divmod(rank, self.tp)
-        rest, s = divmod(rest, self.dp_shard)
-        p, r = divmod(rest, self.dp_replicate)
-        return p, r, s, t
+        return mesh_position(self.shape, rank)
 
     def describe(self) -> str:
         """``pp=2 x dp=4`` / ``pp=2 x dp=4 (2x2 hsdp) x tp=8``."""

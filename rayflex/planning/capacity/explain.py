@@ -8,14 +8,13 @@ other modes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Sequence
 
 from rayflex.planning.capacity.memory import fmt_bytes
 from rayflex.planning.capacity.step_time import layout_mesh, layout_profile, rank_compute_params, rank_tp_allreduces
 from rayflex.planning.topology import LinkTier
 
-if TYPE_CHECKING:
-    from rayflex.planning.capacity.search import Candidate, SearchResult
+from rayflex.planning.capacity.candidates import Candidate, SearchResult, ac_name
 
 
 def explain(result: "SearchResult") -> str:
@@ -283,19 +282,3 @@ def _why_slower(best: "Candidate", other: "Candidate") -> str:
              ("bubble", other.bubble_s - best.bubble_s), ("comm", other.comm_s - best.comm_s)]
     name, delta = max(diffs, key=lambda d: d[1])
     return f"{delta:.3f} s more {name}"
-
-
-def ac_name(mode: Optional[str], every: int = 2) -> str:
-    """``none`` / ``every 2nd block`` / ``full``: a mode in words."""
-    if mode in (None, "none"):
-        return "none"
-    if mode == "full":
-        return "full"
-    if mode == "every_k":
-        return f"every {ordinal(every)} block"
-    return mode
-
-
-def ordinal(k: int) -> str:
-    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
-    return f"{k}{suffix}"
