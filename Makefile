@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
-.PHONY: venv demo test test-slow test-fast bench chaos compare clean
+.PHONY: venv emulators demo test test-slow test-fast bench chaos compare clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,21 +19,30 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# Azurite, the Azure Blob emulator the az:// tests run against (npm; git-ignored cache).
+# tests/cloud_fixtures.py installs the same version itself when pytest runs without make.
+AZURITE_VERSION ?= 3.35.0
+AZURITE := .cache/azurite/node_modules/.bin/azurite-blob
+$(AZURITE):
+	npm install --prefix .cache/azurite --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION)
+
+emulators: $(AZURITE)
+
 # Train the example GPT with 4 FSDP2 workers on an embedded local Ray cluster.
 demo: venv
 	$(VENV)/bin/rayflex run examples/gpt_small.py --name gpt-demo-$$(date +%Y%m%d-%H%M%S)
 
 # The test suite (starts its own Ray clusters and S3 endpoint on loopback), on two workers
 # run side by side (see tests/conftest.py): cluster tests mostly wait.
-test: venv
+test: venv emulators
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -m "not slow" tests
 
 # Long or load-sensitive checks (real-worker memory measurements, long chaos seeds).
-test-slow: venv
+test-slow: venv emulators
 	$(PY) -m pytest -q --durations=15 -m slow tests
 
 # The inner loop (under a minute): no Ray cluster, no spawned worker processes.
-test-fast: venv
+test-fast: venv emulators
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=5 -m "not cluster and not slow and not multiproc" tests
 
 bench: venv

@@ -80,7 +80,7 @@ def main() -> None:
     note({"event": "start", "rank": rank, "pid": os.getpid(), "restart": restart, "time": T_ENTER,
           "ready": time.time(), "resumed_from": start})
     ds = TokenDataset(cfg["data"])
-    sampler = GlobalSampler(len(ds), cfg["global_batch"], 0)
+    sampler = GlobalSampler(len(ds), cfg["global_batch"], 0, block_rows=ds.block_rows)  # rayflex's order
     seq, steps, every = cfg["gpt"]["seq_len"], cfg["steps"], cfg["every"]
     for step in range(start, steps):
         t0 = time.perf_counter()

@@ -2,9 +2,12 @@
 steps and world size, measured in the same run (alternating, median of rounds).
 
     python benchmarks/overhead.py [--steps 40] [--rounds 2]
+    python benchmarks/overhead.py --recorder [--steps 40] [--rounds 4]
 
 Prints JSON: tokens/s of each, their ratio (goal >= 0.95) and rayflex's time from
-``fit()`` to the first finished step.
+``fit()`` to the first finished step. ``--recorder``: rayflex with the collective flight
+recorder on (the default, ``ElasticConfig.flight_recorder=2000``) vs off, alternating
+in rounds; the ratio's median and spread over the rounds (goal >= 0.98).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def _plain_rank(rank: int, world: int, port: int, data_uri: str, steps: int, out
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ds = TokenDataset(data_uri)
-    sampler = GlobalSampler(len(ds), BATCH, 0)
+    sampler = GlobalSampler(len(ds), BATCH, 0, block_rows=ds.block_rows)  # rayflex's order (DataConfig defaults)
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
@@ -88,14 +91,15 @@ def run_plain(data_uri: str, steps: int) -> dict:
     return {"tokens_per_s": BATCH * SEQ / statistics.median(steady), "median_step_s": statistics.median(steady)}
 
 
-def run_rayflex(data_uri: str, storage: str, steps: int, name: str) -> dict:
+def run_rayflex(data_uri: str, storage: str, steps: int, name: str, flight_recorder: int = 2000) -> dict:
     import rayflex as rf
 
     trainer = rf.Trainer(model=model_spec(), data=rf.DataConfig(uri=data_uri, seq_len=SEQ, global_batch=BATCH),
                          run=rf.RunConfig(name=name, storage=storage, steps=steps,
                                           optimizer=rf.OptimizerConfig(lr=3e-3, grad_clip=1.0)),
                          scaling=rf.ScalingConfig(num_workers=WORKERS),
-                         checkpoint=rf.CheckpointConfig(resume=False))
+                         checkpoint=rf.CheckpointConfig(resume=False),
+                         elastic=rf.ElasticConfig(flight_recorder=flight_recorder))
     t0 = time.time()
     result = trainer.fit(progress=False)
     times = [m["step_time_s"] for m in result.metrics][2:]
@@ -103,10 +107,31 @@ def run_rayflex(data_uri: str, storage: str, steps: int, name: str) -> dict:
             "time_to_first_step_s": result.metrics[0]["time"] - t0, "final_loss": result.final_loss}
 
 
+def recorder_overhead(data: str, storage: str, steps: int, rounds: int) -> None:
+    """Flight recorder on vs off, alternating (on, off, on, off, ...)."""
+    on_runs, off_runs = [], []
+    for i in range(rounds):
+        first, second = ((on_runs, 2000), (off_runs, 0)) if i % 2 == 0 else ((off_runs, 0), (on_runs, 2000))
+        for runs, entries in (first, second):
+            runs.append(run_rayflex(data, storage, steps, f"recorder-{entries}-{i}", flight_recorder=entries))
+            print(f"round {i}: flight_recorder={entries} {runs[-1]}", file=sys.stderr)
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(on_runs, off_runs)]
+    emit({"benchmark": "flight_recorder_overhead", "machine": machine(),
+          "workload": {"model": "gpt-4x128", "seq_len": SEQ, "global_batch": BATCH, "workers": WORKERS,
+                       "steps": steps, "rounds": rounds, "order": "alternating, the first system swapped each round"},
+          "results": {"recorder_on": {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in on_runs),
+                                      "rounds": [r["tokens_per_s"] for r in on_runs]},
+                      "recorder_off": {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in off_runs),
+                                       "rounds": [r["tokens_per_s"] for r in off_runs]}},
+          "ratios": {"on_over_off_tokens_per_s": statistics.median(ratios), "per_round": ratios,
+                     "spread": [min(ratios), max(ratios)]}})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--recorder", action="store_true", help="flight recorder on vs off instead of vs plain torch")
     args = ap.parse_args()
     setup_logging()
     from rayflex.data.dataset import write_synthetic_dataset
@@ -115,6 +140,9 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="rayflex-bench-")
     data = write_synthetic_dataset(f"file://{tmp}/data", num_samples=4096, seq_len=SEQ)
     ensure_ray(WORKERS)
+    if args.recorder:
+        recorder_overhead(data, f"file://{tmp}/runs", args.steps, args.rounds)
+        return
     rf_runs, plain_runs = [], []
     for i in range(args.rounds):  # alternate so drift on a shared machine hits both
         rf_runs.append(run_rayflex(data, f"file://{tmp}/runs", args.steps, f"overhead-{i}"))

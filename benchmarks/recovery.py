@@ -388,7 +388,7 @@ def _rt_train_loop(cfg: dict) -> None:
     note({"event": "start", "rank": rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
           "time": t_enter, "ready": time.time(), "resumed_from": start})
     ds = TokenDataset(cfg["data"])
-    sampler = GlobalSampler(len(ds), cfg["global_batch"], 0)
+    sampler = GlobalSampler(len(ds), cfg["global_batch"], 0, block_rows=ds.block_rows)  # rayflex's order
     seq, steps, every = cfg["gpt"]["seq_len"], cfg["steps"], cfg["every"]
     for step in range(start, steps):
         progress = step / max(1, steps)

@@ -13,10 +13,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from rayflex.constants import DEFAULT_SHUFFLE_WINDOW
 from rayflex.errors import ConfigError
 from rayflex.mesh import rules
+from rayflex.schemes import SUPPORTED_SCHEMES, check_backend
 
-SUPPORTED_SCHEMES = ("file", "s3", "memory")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -32,7 +33,11 @@ def _non_negative_int(cls: str, name: str, value: Any, fix: str = "use an intege
 
 
 def check_uri(where: str, uri: str) -> None:
-    """Reject URIs whose scheme rayflex cannot write to (a bare path means file://)."""
+    """Reject URIs whose scheme rayflex cannot write to (a bare path means file://), and
+    object-store URIs whose fsspec package (an extra) is not installed.
+
+    The scheme table is ``rayflex.schemes`` (shared with ``storage``); a store's package is
+    imported only when a URI of its scheme is checked."""
     if not isinstance(uri, str) or not uri:
         raise ConfigError(where, f"must be a non-empty URI string, got {uri!r}",
                           "use e.g. 'file:///tmp/rayflex' or 's3://bucket/prefix'")
@@ -41,6 +46,7 @@ def check_uri(where: str, uri: str) -> None:
         if scheme not in SUPPORTED_SCHEMES:
             raise ConfigError(where, f"unknown storage scheme {scheme!r} in {uri!r}",
                               f"use one of {', '.join(s + '://' for s in SUPPORTED_SCHEMES)}")
+        check_backend(uri, field=where)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -220,6 +226,31 @@ def auto_pp_options(world_size: int, global_batch: int, num_blocks: int) -> list
     return rules.pp_options(world_size, global_batch, num_blocks)
 
 
+def _mixture_sources(sources: Any, uri: str) -> tuple:
+    """``DataConfig.sources`` as a tuple of (uri, float weight), checked."""
+    field_ = "DataConfig.sources"
+    if uri:
+        raise ConfigError(field_, f"both uri={uri!r} and sources are set", "give one: uri, or sources=[(uri, weight), ...]")
+    try:
+        pairs = [(u, w) for u, w in sources]
+    except (TypeError, ValueError):
+        raise ConfigError(field_, f"must be a list of (uri, weight) pairs, got {sources!r}",
+                          "use sources=[('s3://bucket/web', 0.7), ('s3://bucket/code', 0.3)]") from None
+    if len(pairs) < 2:
+        raise ConfigError(field_, f"a mixture needs at least two sources, got {len(pairs)}",
+                          "use DataConfig(uri=...) for one dataset")
+    out = []
+    for i, (u, w) in enumerate(pairs):
+        check_uri(f"{field_}[{i}]", u)
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (w > 0 and w < float("inf")):
+            raise ConfigError(f"{field_}[{i}]", f"weight must be a positive number, got {w!r}",
+                              "give every source a finite weight > 0 (they are normalised)")
+        out.append((u, float(w)))
+    if len({u for u, _ in out}) < len(out):
+        raise ConfigError(field_, "a source is listed twice", "list each dataset once and add up its weights")
+    return tuple(out)
+
+
 @dataclass(kw_only=True, frozen=True)
 class DataConfig:
     """Token dataset and the fixed global batch.
@@ -232,7 +263,7 @@ class DataConfig:
     divisibility rules are ``rayflex.mesh.rules``.
     """
 
-    uri: str
+    uri: str = ""
     seq_len: int = 64
     global_batch: int = 16
     micro_batch: Optional[int] = None
@@ -240,15 +271,34 @@ class DataConfig:
     # Write which dataset rows each step consumed to ``samples.jsonl`` (an audit log that
     # proves exact data continuation across restarts; costs one line per step).
     log_samples: bool = False
+    # Row groups shuffled together (rayflex.data.sampler): a step's rows come from about
+    # twice this many row groups, which each rank caches. Larger mixes more, costs memory.
+    shuffle_window: int = DEFAULT_SHUFFLE_WINDOW
+    # Steps whose row groups a background thread loads ahead of training (0: off).
+    prefetch_steps: int = 2
+    # The tokenizer the data must have been prepared with (a directory with tokenizer.json,
+    # or a Hugging Face name): checked against the dataset's rayflex_dataset.json before
+    # any actor starts (rayflex.data.prepare.check_manifest). None: only the vocabulary
+    # size is checked, when the dataset has a manifest.
+    tokenizer: Optional[str] = None
+    # A weighted mixture instead of one ``uri``: ``[(uri, weight), ...]``. Each step's rows
+    # come from the sources in proportion to the weights (exactly, every period of
+    # MIXTURE_PERIOD samples), each source in its own seeded order; resume stays exact.
+    sources: Optional[tuple] = None
 
     def __post_init__(self) -> None:
         c = "DataConfig"
-        check_uri(f"{c}.uri", self.uri)
+        if self.sources is not None:
+            object.__setattr__(self, "sources", _mixture_sources(self.sources, self.uri))
+        else:
+            check_uri(f"{c}.uri", self.uri)
         _positive_int(c, "seq_len", self.seq_len)
         _positive_int(c, "global_batch", self.global_batch)
         if self.micro_batch is not None:
             _positive_int(c, "micro_batch", self.micro_batch)
         _non_negative_int(c, "seed", self.seed)
+        _positive_int(c, "shuffle_window", self.shuffle_window)
+        _non_negative_int(c, "prefetch_steps", self.prefetch_steps)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -294,9 +344,14 @@ class ElasticConfig:
     # then grows at a step boundary once they are warm — training never waits for process
     # start, at the cost of one more (checkpointed) restart. False waits for them.
     restart_while_warming: bool = True
+    # Entries of torch's collective flight recorder per worker process (0 = off): on a
+    # hang the controller reads every rank's and names the deadlock (a hang_diagnosed
+    # event; README "When a run hangs").
+    flight_recorder: int = 2000
 
     def __post_init__(self) -> None:
         c = "ElasticConfig"
+        _non_negative_int(c, "flight_recorder", self.flight_recorder)
         if not isinstance(self.restart_while_warming, bool):
             raise ConfigError(f"{c}.restart_while_warming", f"must be True or False, got {self.restart_while_warming!r}",
                               "use True (restart now, grow when warm) or False (wait for the new workers)")
@@ -439,6 +494,39 @@ class MemoryConfig:
         return False
 
 
+@dataclass(frozen=True)
+class TrackerInfo:
+    """An experiment tracker ``RunConfig.loggers`` may name (backends:
+    ``rayflex/telemetry/trackers/``)."""
+
+    name: str
+    module: str    # the package the backend imports
+    requires: str  # what to pip install for it
+
+
+# TensorBoard is written with the ``tensorboard`` package's own event writer: tensorboardX
+# imports torch at import time, and the Controller must never import torch.
+TRACKERS: dict[str, TrackerInfo] = {t.name: t for t in (
+    TrackerInfo("tensorboard", "tensorboard", "tensorboard"),
+    TrackerInfo("mlflow", "mlflow", "mlflow-skinny"),
+    TrackerInfo("wandb", "wandb", "wandb"),
+)}
+
+EXTRA_HINT = "pip install 'rayflex[tracking]'"
+
+
+def missing_package(name: str) -> Optional[str]:
+    """The pip package tracker ``name`` needs when it is not importable here, else None."""
+    import importlib.util
+
+    info = TRACKERS[name]
+    try:
+        found = importlib.util.find_spec(info.module) is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else info.requires
+
+
 @dataclass(kw_only=True, frozen=True)
 class RunConfig:
     """Run identity and length. The run directory is ``{storage}/{name}/``.
@@ -453,6 +541,14 @@ class RunConfig:
     steps: int = 100
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     log_every: int = 1
+    # Experiment trackers fed by the controller: any of "tensorboard", "mlflow", "wandb"
+    # (README "Experiment trackers"; rayflex/telemetry/trackers/).
+    loggers: tuple = ()
+    mlflow_tracking_uri: Optional[str] = None  # None: MLflow's default (MLFLOW_TRACKING_URI)
+    mlflow_experiment: str = "rayflex"
+    wandb_project: str = "rayflex"
+    wandb_mode: Optional[str] = None  # "online" | "offline" | "disabled"; None: WANDB_MODE
+    wandb_dir: Optional[str] = None   # None: a local run directory, else W&B's default
 
     def __post_init__(self) -> None:
         c = "RunConfig"
@@ -462,6 +558,41 @@ class RunConfig:
         check_uri(f"{c}.storage", self.storage)
         _non_negative_int(c, "steps", self.steps, "use an integer >= 1, or 0 to only save the initial weights")
         _positive_int(c, "log_every", self.log_every)
+        self._check_loggers()
+
+    def _check_loggers(self) -> None:
+        c, known = "RunConfig", ", ".join(repr(n) for n in TRACKERS)
+        loggers = self.loggers
+        if isinstance(loggers, str):  # "tensorboard,mlflow" (a command-line override)
+            loggers = tuple(n.strip() for n in loggers.split(",") if n.strip())
+        if not isinstance(loggers, (tuple, list)):
+            raise ConfigError(f"{c}.loggers", f"must be a tuple of tracker names, got {self.loggers!r}",
+                              f"use e.g. loggers=('tensorboard',); known: {known}")
+        object.__setattr__(self, "loggers", tuple(loggers))
+        for name in self.loggers:
+            if name not in TRACKERS:
+                raise ConfigError(f"{c}.loggers", f"unknown tracker {name!r}", f"use any of {known}")
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError(f"{c}.loggers", f"a tracker is named twice in {self.loggers!r}",
+                              "name each tracker once")
+        for name, value in (("mlflow_tracking_uri", self.mlflow_tracking_uri), ("wandb_dir", self.wandb_dir)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{c}.{name}", f"must be a non-empty string or None, got {value!r}",
+                                  "use e.g. 'file:///tmp/mlruns' / 'http://127.0.0.1:5000' (mlflow), "
+                                  "a local folder (wandb_dir), or None for the tracker's default")
+        for name, value in (("mlflow_experiment", self.mlflow_experiment), ("wandb_project", self.wandb_project)):
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{c}.{name}", f"must be a non-empty string, got {value!r}",
+                                  "use e.g. the team's project name; the default is 'rayflex'")
+        if self.wandb_mode not in (None, "online", "offline", "disabled"):
+            raise ConfigError(f"{c}.wandb_mode", f"unknown W&B mode {self.wandb_mode!r}",
+                              "use 'online', 'offline', 'disabled', or None for W&B's default (WANDB_MODE)")
+        missing = [(name, package) for name in self.loggers if (package := missing_package(name))]
+        if missing:
+            what = ", ".join(f"{name!r} needs the {package!r} package" for name, package in missing)
+            raise ConfigError(f"{c}.loggers", f"{what}, which is not installed",
+                              f"{EXTRA_HINT} (or pip install {' '.join(p for _, p in missing)}), "
+                              f"or drop {', '.join(repr(n) for n, _ in missing)} from loggers")
 
     @property
     def run_dir(self) -> str:

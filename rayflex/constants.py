@@ -19,6 +19,9 @@ _DEFAULTS: dict[str, float] = {
     # Floor of the hang timeout; the effective one is max(floor, k x median step time).
     "HANG_TIMEOUT_FLOOR_S": 60.0,
     "HANG_TIMEOUT_STEP_MULTIPLE": 10.0,
+    # How long a hang investigation waits for the ranks' flight records (a frozen rank
+    # never answers; the others answer in milliseconds).
+    "DIAGNOSIS_TIMEOUT_S": 3.0,
     # Timeout of every torch.distributed collective (gloo/nccl process group).
     "COLLECTIVE_TIMEOUT_S": 300.0,
     # Waiting for placement groups to be scheduled.
@@ -186,6 +189,9 @@ def set_node_ip(ip: str) -> None:
     """Make this process's workers advertise ``ip`` (local processes without Ray)."""
     os.environ["RAYFLEX_NODE_IP"] = ip
 
+
+# Row groups the sampler shuffles together (DataConfig.shuffle_window, rayflex.data.sampler).
+DEFAULT_SHUFFLE_WINDOW = 16
 
 # The run's Controller actor: named after the run so other processes (``rayflex status``,
 # a signal handler) can find it.

@@ -12,7 +12,7 @@ from rayflex.faults.preemption import Notice
 from rayflex.group.standby import Readiness
 from rayflex.group.worker_group import PollResult
 from rayflex.planning.topology import NodeInfo, Topology
-from rayflex.worker.status import StepRecord, WorkerStatus
+from rayflex.worker.status import FlightRecord, StepRecord, WorkerStatus
 
 _ids = itertools.count()
 
@@ -196,7 +196,8 @@ class FakeGroup:
     def poll(self) -> PollResult:
         out = PollResult({}, {}, [])
         world = range(len(self.actors))
-        healthy = all(self._live(r) and not self.actors[r].frozen for r in world) and not self.failed
+        healthy = all(self._live(r) and not self.actors[r].frozen for r in world) and not self.failed \
+            and self.cluster.hang_at_step != self.step + 1
         finished_now = None
         if healthy and not self.stopping and self.step < self.end:
             self.step += 1
@@ -248,6 +249,14 @@ class FakeGroup:
     def call(self, rank, method, *args):
         return None
 
+    def flight_records(self, timeout_s: float, skip=frozenset()):
+        if self.cluster.flight is not None:
+            return self.cluster.flight(self)
+        answering = [r for r in range(len(self.actors)) if self._live(r) and not self.actors[r].frozen]
+        records = {r: FlightRecord(rank=r, step=self.step, phase="collective", available=False,
+                                   error="no recorder in the fake cluster") for r in answering}
+        return records, set(range(len(self.actors))) - set(answering)
+
     def kill(self, ranks) -> None:
         for r in ranks:
             self.cluster.kill(self.actors[r])
@@ -277,6 +286,10 @@ class FakeCluster:
         self.releases: list[tuple] = []
         self.capacity_requests = 0
         self.standbys_started = 0
+        # A collective hang: the ranks answer but never finish this step (every attempt),
+        # and what their flight records say (FakeGroup -> (records, silent ranks)).
+        self.hang_at_step: Optional[int] = None
+        self.flight: Optional[Callable] = None
 
     # the controller's view
     def topology(self) -> Topology:

@@ -67,13 +67,13 @@ def hf_reference_losses(model, spec, steps: int) -> list[float]:
     """``model`` trained in this process with HF's forward and loss, on the batches a rayflex
     run of ``spec`` (a TrainSpec) sees, with its optimizer: AdamW, the same clipping and
     learning-rate schedule (rayflex.testing.reference, with HF in place of the blocks)."""
-    from rayflex.data.dataset import GlobalSampler, TokenDataset
+    from rayflex.data.dataset import TokenDataset
 
     opt_cfg = spec.run.optimizer
     opt = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
                             weight_decay=opt_cfg.weight_decay)
     ds = TokenDataset(spec.data.uri)
-    sampler = GlobalSampler(len(ds), spec.data.global_batch, spec.data.seed)
+    sampler = ds.sampler(spec.data)
     seq = spec.data.seq_len
     model.train()
     losses = []

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import rayflex as rf
-from rayflex.data.dataset import GlobalSampler, TokenDataset
+from rayflex.data.dataset import TokenDataset
 from rayflex.testing.reference import single_process_losses
 from rayflex.storage import manifest as mf
 
@@ -52,7 +52,7 @@ def _assert_resumed_like_uninterrupted(trainer, run_dir, resumed_from):
     reference = single_process_losses(trainer.spec, STEPS)
     for step in range(resumed_from + 1, STEPS + 1):
         assert metrics[step]["loss"] == pytest.approx(reference[step - 1], rel=1e-5), step
-    sampler = GlobalSampler(len(TokenDataset(trainer.spec.data.uri)), GB, trainer.spec.data.seed)
+    sampler = TokenDataset(trainer.spec.data.uri).sampler(trainer.spec.data)
     samples = {s["step"]: s["indices"] for s in _lines(run_dir / "samples.jsonl")}
     for step in range(1, STEPS + 1):
         np.testing.assert_array_equal(samples[step], sampler.indices(step - 1, 0, 1))

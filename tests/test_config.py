@@ -20,7 +20,7 @@ def _trainer(dataset_uri, **over):
     (lambda: rf.RunConfig(name="r", steps=-1), "RunConfig.steps", "integer >= 1"),
     (lambda: rf.RunConfig(name="bad name!"), "RunConfig.name", "letters"),
     (lambda: rf.RunConfig(name="r", storage="ftp://host/x"), "RunConfig.storage", "s3://"),
-    (lambda: rf.DataConfig(uri="gs://b/x"), "DataConfig.uri", "file://"),
+    (lambda: rf.DataConfig(uri="hdfs://nn/x"), "DataConfig.uri", "file://"),
     (lambda: rf.ScalingConfig(num_workers=4, min_workers=5, max_workers=3), "ScalingConfig.min_workers",
      "min_workers <= max_workers"),
     (lambda: rf.ScalingConfig(num_workers=0), "ScalingConfig.num_workers", "integer >= 1"),

@@ -102,6 +102,8 @@ def test_a_frozen_rank_is_found_by_its_silence_and_replaced(tmp_path, monkeypatc
     assert c.transitions == START + RESTART + [(S.RUNNING, S.FINISHED)]
     hang = _timeline(c).of(ev.HangDetected)[0]
     assert hang.ranks == [1] and hang.phases["1"] == "unresponsive" and hang.stalled_s > 5
+    diagnosed = _timeline(c).of(ev.HangDiagnosed)[0]
+    assert diagnosed.diagnosis == "not_responding" and diagnosed.ranks == [1] and diagnosed.answered == [0, 2, 3]
     assert cluster.groups[0].actors[1] in cluster.killed, "the frozen process is killed, not waited for"
     restart = _timeline(c).of(ev.Restarted)[0]
     assert restart.world_size == 4 and restart.from_step == 4
@@ -233,3 +235,29 @@ def test_an_error_inside_the_controller_fails_the_run_with_its_reason(tmp_path):
     result = c.run()
     assert c.transitions == [(S.INITIALIZING, S.PLACING), (S.PLACING, S.FAILED)]
     assert result["status"] == "failed" and result["error_type"] == "PlacementError"
+
+
+def test_a_collective_mismatch_that_hangs_the_same_step_again_fails_the_run_with_the_diagnosis(tmp_path):
+    from rayflex.worker.status import CollectiveEntry, FlightRecord
+
+    def mismatch(group):
+        """Rank 2 broadcasts where the others all-reduce, at the step the run hangs in."""
+        def at(rank, op):
+            e = CollectiveEntry(group="dp", members=(0, 1, 2, 3), seq=7, op=op, sizes=((1,),), dtypes=("float",),
+                                completed=op == "broadcast", started=1.0, step=group.step + 1)
+            return FlightRecord(rank=rank, step=group.step, phase="collective", entries=(e,))
+        return {r: at(r, "broadcast" if r == 2 else "all_reduce") for r in range(4)}, set()
+
+    spec = _spec(tmp_path, every=2, max_failures=5)
+    clock = FakeClock()
+    cluster = FakeCluster({"a": 2, "b": 2}, clock, every_steps=2)
+    cluster.hang_at_step, cluster.flight = 5, mismatch
+    controller = Controller(spec, cluster=cluster, clock=clock)
+    result = controller.run()
+    diagnosed = _timeline(controller).of(ev.HangDiagnosed)
+    assert len(diagnosed) == 2, "diagnosed at the first hang and again after the restart"
+    assert diagnosed[0].diagnosis == "op_mismatch" and diagnosed[0].ranks == [2] and diagnosed[0].program_level
+    assert diagnosed[0].verdict == "rank 2 called broadcast #7 of the dp group (ranks 0-3) where ranks 0, 1, 3 called all_reduce"
+    assert len(_timeline(controller).of(ev.Restarted)) == 1, "one restart, then the policy stops looping"
+    assert result["status"] == "failed"
+    assert "a bug in the training program" in result["reason"] and diagnosed[0].verdict in result["reason"]

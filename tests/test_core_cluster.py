@@ -47,6 +47,7 @@ def test_tp2_dp2_over_ray_matches_single_process(two_node_cluster, dataset_uri, 
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert all(m["ranks_reported"] == 4 and m["world_size"] == 4 for m in metrics)
+    assert all(0 <= m["data_wait_s"] < m["step_time_s"] for m in metrics), "each step's wait for its rows"
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     kinds = [e["kind"] for e in events]
     assert kinds[0] == "run_started" and kinds[-1] == "run_finished" and "plan_chosen" in kinds

@@ -32,7 +32,7 @@ def test_batches_straddling_an_epoch_boundary():
 def test_dataset_roundtrip(tmp_path, scheme):
     uri = f"file://{tmp_path}/ds" if scheme == "file" else f"memory://rayflex-test-{tmp_path.name}/ds"
     write_synthetic_dataset(uri, num_samples=50, seq_len=8, vocab_size=16, num_shards=3, seed=2)
-    ds = TokenDataset(uri, cache_shards=1)
+    ds = TokenDataset(uri, cache_groups=1)
     assert len(ds) == 50 and ds.row_len == 9
     rows = ds.rows(np.array([0, 49, 17, 33, 0]))
     assert rows.shape == (5, 9) and int(rows.max()) < 16

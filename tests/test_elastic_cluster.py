@@ -96,8 +96,11 @@ def test_killed_worker_actor_is_replaced(two_node_cluster, dataset_uri, tmp_path
     # the failed attempt (one still blocked on the dead peer's collective is killed).
     first = restarted[0]
     assert 2 <= first["world_size"] == first["reused_workers"] <= 3, first
-    assert first["time"] - killed_at < 10.0, first
     started = [e for e in events if e["kind"] == "workers_started"]
+    # Quicker than starting processes is on this machine now (the run's own first spawn,
+    # measured under the same load): a fixed number of seconds is a timed test on a
+    # shared 2-core machine (11.6 s once, 2.8 s when idle).
+    assert first["time"] - died["time"] < max(5.0, started[0]["spawn_s"]), (first, started[0])
     assert all(e["spawn_s"] < 3.0 for e in started[1:]), "no restart waited for a process to start"
     assert "capacity returned" in restarted[-1]["reason"] and restarted[-1]["world_size"] == 4
     _assert_recovered(result, trainer, events, world_size=4, stopped=True)
@@ -125,5 +128,11 @@ def test_frozen_worker_is_detected_as_hang(two_node_cluster, dataset_uri, tmp_pa
     # The heartbeat timeout (3 s) counts from the last answered poll, which is up to a poll
     # interval before the SIGSTOP.
     assert 2.0 <= hang["time"] - frozen_at < 12.0, "named within seconds of the heartbeat timeout"
+    # The diagnosis, from the other ranks' flight records: who waits for the frozen rank, where.
+    diagnosed = next(e for e in events if e["kind"] == "hang_diagnosed")
+    assert (diagnosed["diagnosis"], diagnosed["ranks"], diagnosed["group"]) == ("not_responding", [2], "dp"), diagnosed
+    assert diagnosed["verdict"].startswith("rank 2 is not responding; ranks 0, 1, 3 wait in "), diagnosed["verdict"]
+    assert diagnosed["verdict"].endswith(" of the dp group (ranks 0-3)"), diagnosed["verdict"]
+    assert diagnosed["time"] - frozen_at <= hang["timeout_s"] + 5.0 + 0.5, "within the timeout + 5 s (+ a poll)"
     assert [e["world_size"] for e in events if e["kind"] == "restarted"] == [4], "one restart, at full size"
     _assert_recovered(result, trainer, events, world_size=4)

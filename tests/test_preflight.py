@@ -158,7 +158,7 @@ def test_data_on_a_missing_bucket_names_the_bucket(tmp_path, s3_endpoint):
     message = rejected(trainer(tmp_path, uri).fit, error=rf.StorageError)
     assert message == (f"bucket {bucket!r} does not exist at {s3_endpoint} (DataConfig.uri {uri}). Fix: create it "
                        f"with `aws s3 mb s3://{bucket} --endpoint-url {s3_endpoint}` or point the "
-                       "DataConfig.uri at an existing bucket")
+                       "DataConfig.uri at an existing bucket; rayflex never creates buckets")
 
 
 # ------------------------------------------------------------------------ model contract

@@ -175,3 +175,20 @@ def test_a_newer_event_kind_is_listed_but_changes_nothing_drawn(run_dir, tmp_pat
 
     row = row_from_run_dir(f"file://{run_dir}")
     assert row["state"] == "FINISHED" and row["goodput"] == pytest.approx(50 / 77)
+
+
+def test_a_diagnosed_hang_is_marked_and_its_verdict_and_table_are_in_the_report(run_dir, tmp_path):
+    verdict = "rank 2 is not responding; ranks 0, 1, 3 wait in all_gather #85 of the dp group (ranks 0-3)"
+    table = [{"rank": r, "step": 6, "phase": "forward_backward", "last_completed": 84,
+              "at": "waits in all_gather(float[1280])"} for r in (0, 1, 3)]
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write(json.dumps(_ev("hang_detected", 34, 29, ranks=[2], phases={"2": "unresponsive"})) + "\n")
+        f.write(json.dumps(_ev("hang_diagnosed", 34.5, 29, verdict=verdict, diagnosis="not_responding", ranks=[2],
+                               group="dp", members=[0, 1, 2, 3], op="all_gather", seq=85, table=table)) + "\n")
+    out = tmp_path / "out"
+    assert main(["report", "synth", "--storage", f"file://{run_dir.parent}", "--out", str(out)]) == 0
+    summary = json.loads((out / "report.json").read_text())
+    assert summary["marker_kinds"]["hang_diagnosed"] == 1
+    assert summary["hang_diagnosis"] == f"step 29: {verdict}"
+    page = (out / "report.html").read_text()
+    assert "Hang diagnosed at step 29" in page and verdict in page and "waits in all_gather(float[1280])" in page

@@ -74,7 +74,7 @@ def test_explicit_endpoint_wins_over_environment(s3_endpoint):
     assert sfs.fsspec_kwargs("s3://b/p")["endpoint_url"] == s3_endpoint
 
 
-@pytest.mark.parametrize("uri", ["gs://bucket/x", "hdfs://nn/x", "simplecache::s3://b/x", "S3A://b/x"])
+@pytest.mark.parametrize("uri", ["hdfs://nn/x", "webhdfs://nn/x", "simplecache::s3://b/x", "S3A://b/x"])
 def test_unknown_scheme_is_a_config_error(uri):
     with pytest.raises(ConfigError) as info:
         resolve(uri)

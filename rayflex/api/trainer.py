@@ -287,5 +287,8 @@ class Trainer:
         from rayflex.models.contract import DEFAULT_BATCH, check_model_contract
 
         check_dataset(self.spec.data)
+        from rayflex.data.prepare import check_manifest
+
+        check_manifest(self.spec.data, self.spec.model.vocab_size)
         check_model_contract(self.spec.model, batch=self.spec.data.micro_batch or DEFAULT_BATCH,
                              seq_len=self.spec.data.seq_len)

@@ -1,4 +1,4 @@
-"""``rayflex run | plan | placement | status | report | ckpt``: one module per command.
+"""``rayflex run | plan | placement | status | report | diagnose | ckpt | data``: one module per command.
 
 SPEC is a Python file (``examples/gpt_small.py``) or ``module:attr`` defining ``trainer``
 (a :class:`rayflex.Trainer`, or a function returning one).
@@ -11,10 +11,10 @@ import logging
 import sys
 from typing import Optional
 
-from rayflex.cli import ckpt, plan, report, run, status
+from rayflex.cli import ckpt, data, diagnose, plan, report, run, status
 from rayflex.errors import RayflexError
 
-COMMANDS = (run, plan, status, report, ckpt)
+COMMANDS = (run, plan, status, report, diagnose, ckpt, data)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -68,6 +68,8 @@ class Controller:
                 "tokens_per_s": last.get("tokens_per_s"), "world_size": plan.world_size if plan else None,
                 "last_checkpoint": self.ctx.ledger.last_checkpoint, "run_dir": self.spec.run.run_dir,
                 "reason": self._reason(), "restarts": len(self.ctx.recorder.timeline.of(ev.Restarted)),
+                # A spot notice shorter than this restores the last commit instead of saving.
+                "emergency_notice_s": self.ctx.ledger.emergency_notice_s(self.spec.elastic.emergency_margin_s),
                 "workers": self._workers()}
 
     def metrics(self, since_step: int = 0) -> list[dict]:

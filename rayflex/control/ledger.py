@@ -27,6 +27,7 @@ class StepLedger:
         self.checkpoint_seconds: list[float] = []
         self.first_step_at: Optional[float] = None
         self._pending: dict[int, dict[int, Any]] = {}
+        self._plan = None  # the mesh of the attempt whose records are pending
         self._metrics: list[dict] = []
         self._lock = threading.Lock()
 
@@ -45,6 +46,17 @@ class StepLedger:
             return statistics.median(self.checkpoint_seconds[-5:])
         return knob("EMERGENCY_CHECKPOINT_DEFAULT_S")
 
+    def step_time_estimate_s(self) -> float:
+        """A step's time in this attempt (median of its recent lines; 1 s before any)."""
+        with self._lock:
+            times = [m["step_time_s"] for m in self._metrics[-20:] if m["step"] > self.start_step]
+        return statistics.median(times) if times else 1.0
+
+    def emergency_notice_s(self, margin_s: float) -> float:
+        """The notice a spot preemption must give for an emergency checkpoint: finish the
+        step under way, save, and keep ``margin_s`` spare."""
+        return self.step_time_estimate_s() + self.checkpoint_estimate_s() + margin_s
+
     # ----------------------------------------------------------------- writing
     def resume(self, lines: list[str]) -> int:
         """The metric lines of an earlier run of this name; returns the last step they reached."""
@@ -53,7 +65,15 @@ class StepLedger:
 
     def restored(self, step: int) -> int:
         """An attempt starts at ``step``; lines past it belong to a rolled-back timeline
-        and are rewritten. Returns how many steps were lost."""
+        and are rewritten. Returns how many steps were lost.
+
+        Steps up to ``step`` that not every rank of the last attempt had reported when it
+        ended (a fault between a checkpoint's commit and the next poll) are in the restored
+        state, so they are never trained again: their lines are written from the ranks that
+        did report (the loss, grad norm and LR are agreed over every rank; ``ranks_reported``
+        says how many did)."""
+        while self.step < step and (self.step + 1) in self._pending and self._plan is not None:
+            self._finish_step(self._pending.pop(self.step + 1), self._plan, None)
         self.step = self.start_step = step
         self.committed_step = max(self.committed_step, step)
         with self._lock:
@@ -67,6 +87,7 @@ class StepLedger:
 
     def absorb(self, rank: int, status, plan, detector) -> None:
         """Fold one rank's poll answer in; every step all ranks reported becomes a line."""
+        self._plan = plan
         for rec in status.records:
             self._pending.setdefault(rec.step, {})[rank] = rec
         if rank == 0:
@@ -88,13 +109,14 @@ class StepLedger:
             self.recorder.record(ev.CheckpointFailed(step=ck.get("step"), reason=ck["error"]))
 
     def _finish_step(self, recs: dict, plan, detector) -> None:
-        r0 = recs[0]
+        r0 = recs[min(recs)]
         step_time = max(r.step_time_s for r in recs.values())
         tokens = r0.samples * self.spec.data.seq_len
         line = {"step": r0.step, "loss": r0.loss, "step_time_s": step_time,
                 "tokens_per_s": tokens / step_time if step_time > 0 else None, "lr": r0.lr,
                 "grad_norm": r0.grad_norm, "world_size": plan.world_size, "ranks_reported": len(recs),
-                "time": max(r.time for r in recs.values())}
+                "time": max(r.time for r in recs.values()),
+                "data_wait_s": max(r.data_wait_s for r in recs.values())}
         stages = range(plan.pp)
         line["activation_peak_bytes"] = [max(r.activation_peak_bytes for r in recs.values() if r.pp_index == s)
                                          for s in stages]
@@ -109,8 +131,9 @@ class StepLedger:
             self.recorder.rundir.add_line("samples.jsonl", {
                 "step": r0.step, "world_size": plan.world_size,
                 "indices": [i for _, idx in first_stage for i in idx or []]})
-        for event in detector.note_step(r0.step, step_time, {r: rec.sync_wait_s for r, rec in recs.items()}):
-            self.recorder.record(event)
+        if detector is not None:
+            for event in detector.note_step(r0.step, step_time, {r: rec.sync_wait_s for r, rec in recs.items()}):
+                self.recorder.record(event)
         if self.first_step_at is None:
             self.first_step_at = line["time"]
         with self._lock:

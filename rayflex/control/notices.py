@@ -8,7 +8,6 @@ for a node without workers only excludes it from placement.
 
 from __future__ import annotations
 
-import statistics
 from typing import Optional
 
 from rayflex.control.warming import warm_standbys
@@ -18,15 +17,14 @@ from rayflex.telemetry import events as ev
 
 def handle_notices(ctx, loop) -> Optional[Fault]:
     """Act on new notices; returns a fault when a node goes before a checkpoint could."""
-    group, detector = loop.attempt.group, loop.attempt.detector
+    group = loop.attempt.group
     for notice in ctx.watcher.poll():
         ranks = sorted(r for r, n in group.node_of.items() if n == notice.node_id)
         ctx.excluded.add(notice.node_id)
         left = notice.seconds_left(ctx.clock.time())
-        step_s = statistics.median(detector.step_times) if detector.step_times else 1.0
-        estimate = ctx.ledger.checkpoint_estimate_s()
+        step_s, estimate = ctx.ledger.step_time_estimate_s(), ctx.ledger.checkpoint_estimate_s()
         margin = ctx.spec.elastic.emergency_margin_s
-        needed = step_s + estimate + margin
+        needed = ctx.ledger.emergency_notice_s(margin)
         base = dict(step=ctx.ledger.step, node_id=notice.node_id, deadline=notice.deadline, source=notice.source,
                     ranks=ranks, seconds_left=left, needed_s=needed)
         if not ranks:

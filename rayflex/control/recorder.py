@@ -1,9 +1,10 @@
-"""Recorder: every event of a run goes to its timeline, the metrics exporter and the run
-directory; the run directory is stored in the background so a slow store never stalls
+"""Recorder: every event of a run goes to its timeline, the metrics exporter, the experiment
+trackers (``telemetry/trackers/``) and the run directory; the run directory is stored in the background so a slow store never stalls
 fault detection, and an outage is an event, not a failure."""
 
 from __future__ import annotations
 
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -18,11 +19,14 @@ log = logging.getLogger(__name__)
 class Recorder:
     def __init__(self, spec, clock):
         from rayflex.telemetry.metrics_export import MetricsExporter
+        from rayflex.telemetry.trackers.tracker_set import TrackerSet
 
         self.spec, self.clock = spec, clock
         self.timeline = ev.Timeline()
         self.rundir = RunDirectory(spec.run.run_dir)
         self.exporter = MetricsExporter(spec.run.name)
+        # Trackers deliver on a thread of their own; a failure comes back as an event here.
+        self.trackers = TrackerSet.for_run(spec.run, self.rundir, on_failure=self.record)
         self.step = 0  # stamped on storage events; the ledger keeps it current
         self._flusher = ThreadPoolExecutor(1, thread_name_prefix="rundir")
         self._flush_future = None
@@ -32,6 +36,7 @@ class Recorder:
     def record(self, event: ev.Event) -> ev.Event:
         self.timeline.add(event)
         self.exporter.on_event(event)
+        self.trackers.on_event(event)
         self.rundir.add_line("events.jsonl", event.to_dict())
         log.info("event: %s", event.describe())
         return event
@@ -39,6 +44,7 @@ class Recorder:
     def add_metrics(self, line: dict) -> None:
         self.rundir.add_line("metrics.jsonl", line)
         self.exporter.on_metrics(line)
+        self.trackers.on_metrics(line)
 
     def resume(self) -> list[str]:
         """Continue a run directory with history (resume by name); returns its metric lines."""
@@ -46,7 +52,9 @@ class Recorder:
         for name in ("metrics.jsonl", "events.jsonl", "samples.jsonl"):
             self.rundir.load_lines(name)
         self.timeline = ev.Timeline.from_jsonl("\n".join(self.rundir.lines("events.jsonl")))
-        return self.rundir.lines("metrics.jsonl")
+        lines = self.rundir.lines("metrics.jsonl")
+        self.trackers.resumed(self.timeline, [json.loads(line) for line in lines])
+        return lines
 
     def flush(self) -> None:
         """Store the new lines in the background; report a write that failed or stalls."""
@@ -67,12 +75,23 @@ class Recorder:
         self._flush_future = self._flusher.submit(self.rundir.flush)
 
     def finish(self) -> None:
-        """Wait for the background flush, then store everything (retrying through an outage)."""
+        """Close the trackers, wait for the background flush, then store everything
+        (retrying through an outage)."""
+        self.trackers.finish(self._goodput())
         if self._flush_future is not None:
             self._flush_future.result()
             self._flush_future = None
         self.rundir.flush_until_stored(knob("STORAGE_FINAL_WAIT_S"))
         self._flusher.shutdown(wait=False)
+
+    def _goodput(self) -> Optional[float]:
+        from rayflex.telemetry.goodput import goodput
+
+        try:
+            return goodput([json.loads(line) for line in self.rundir.lines("metrics.jsonl")], self.timeline.events)
+        except Exception as e:  # noqa: BLE001 - a tracker number must not fail the run
+            log.warning("goodput unavailable for the trackers: %s", e)
+            return None
 
     def _trouble(self, error: str) -> None:
         if self._down_since is None:

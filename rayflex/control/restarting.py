@@ -27,11 +27,12 @@ def restart(ctx, state: Restarting):
     # Replacements are warmed only for the ranks killed now: a rank that raised still
     # holds its slot until it has left, so a bundle reserved there would only time out.
     gone = set(fault.bad_ranks) - raised
+    _drain(ctx, attempt)
     survivors = collect_survivors(ctx, attempt, set(fault.bad_ranks), raised,
                                   warm=(lambda: warm_replacements(ctx, node_of, gone)) if gone else None)
     _name_lost_nodes(ctx, fault, node_of)
     decision = ctx.policy.decide(kind=fault.kind, step=ctx.ledger.step + 1, committed_step=ctx.ledger.committed_step,
-                                 usable_slots=ctx.usable_slots(), error=fault.error)
+                                 usable_slots=ctx.usable_slots(), error=fault.error, diagnosis=fault.diagnosis)
     deadline = None
     while isinstance(decision, WaitForResources):
         if deadline is None:
@@ -50,6 +51,19 @@ def restart(ctx, state: Restarting):
     placing = Placing(world_size=decision.world_size, restart_reason=decision.reason, fault_time=state.fault_time,
                       survivors=survivors)
     return with_what_is_up(ctx, placing) or placing
+
+
+def _drain(ctx, attempt: Attempt) -> None:
+    """Fold in what the ranks reported since the last poll (finished steps, committed
+    checkpoints) before they leave: a rank forgets unpolled records when it is given its
+    next attempt, and a step whose checkpoint committed is never trained again."""
+    try:
+        result = attempt.group.poll()
+    except Exception as e:  # noqa: BLE001 - a broken attempt may not answer; recovery goes on
+        log.info("last poll of the failed attempt: %s", e)
+        return
+    for rank, st in sorted(result.statuses.items()):
+        ctx.ledger.absorb(rank, st, attempt.plan, attempt.detector)
 
 
 def _name_lost_nodes(ctx, fault, node_of: dict[int, str]) -> None:

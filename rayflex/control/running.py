@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from rayflex.constants import knob
+from rayflex.control.diagnosing import investigate
 from rayflex.control.notices import handle_notices, preemption_fault
 from rayflex.control.restarting import collect_survivors
 from rayflex.control.states import Attempt, Finished, Placing, Restarting, Running, Stopped
@@ -73,6 +74,7 @@ def _cycle(ctx, loop: AttemptLoop):
             fault.kind = "preemption"  # the node went before the emergency save finished
         for event in fault.events:
             ctx.record(event)
+        investigate(ctx, attempt, fault)
         return Restarting(attempt=attempt, fault=fault, fault_time=now)
     states = {st.state for st in result.statuses.values()}
     if len(result.statuses) == attempt.plan.world_size and states <= {WorkerState.DONE, WorkerState.STOPPED}:

@@ -1,22 +1,26 @@
-"""Token data: Parquet shards on any fsspec URI and a world-size-independent sampler.
+"""Token data: Parquet shards on any fsspec URI, read by row group, with prefetch.
 
-The sampler addresses *global sample positions*: step ``s`` consumes positions
-``[s*G, (s+1)*G)`` of an endless stream made of seeded per-epoch permutations; dp rank
-``r`` of ``dp`` takes the contiguous slice ``[r*G/dp, (r+1)*G/dp)`` of that window. Its
-whole state is one integer (the next step), so a resume at another world size sees the
-very samples an uninterrupted run would have seen.
+The sample order is ``rayflex.data.sampler`` (world-size independent, one integer of
+state, O(1) memory): :meth:`TokenDataset.sampler` builds it with blocks the size of the
+dataset's row groups, so a step touches a bounded set of row groups. The dataset reads
+only those row groups' ``tokens`` column (byte ranges of the shard, through fsspec), keeps
+a bounded LRU of them, and a :class:`Prefetcher` thread loads the next steps' row groups
+while the current step trains.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+import queue
+import threading
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
 
+from rayflex.data.sampler import GlobalSampler
 from rayflex.storage.fs import check_bucket, ensure_dir, redact_uri, resolve, with_retries
 
 if TYPE_CHECKING:
@@ -26,15 +30,43 @@ log = logging.getLogger(__name__)
 
 TOKENS_COLUMN = "tokens"
 
+__all__ = ["GlobalSampler", "Prefetcher", "ReadStats", "TokenDataset", "check_dataset", "data_label", "open_dataset",
+           "write_synthetic_dataset"]
+
+
+@dataclass
+class ReadStats:
+    """What a dataset read: row groups and their rows and (compressed) bytes, and the rows
+    it handed out. ``rows_loaded / rows_served`` is the read amplification."""
+
+    groups_loaded: int = 0
+    rows_loaded: int = 0
+    bytes_loaded: int = 0
+    rows_served: int = 0
+
+    @property
+    def amplification(self) -> float:
+        return self.rows_loaded / self.rows_served if self.rows_served else 0.0
+
+
+@dataclass(frozen=True)
+class _Group:
+    shard: int  # index into the shard list
+    index: int  # row group within the shard
+    rows: int
+    bytes: int  # the tokens column chunk, compressed (what a read fetches)
+
 
 class TokenDataset:
     """Random access to rows of ``seq_len + 1`` token ids stored in Parquet shards.
 
-    Only shard footers are read at open time; a shard's column is loaded on first use and
-    kept in a small LRU, so a worker touching a few shards never holds the whole dataset.
+    Only footers are read at open time; a row group's ``tokens`` column is read on first
+    use (its byte range only) and kept in an LRU of ``cache_groups`` row groups. Safe to
+    call from the training thread and a :class:`Prefetcher` at once: a row group being
+    read by one is waited for, never read twice.
     """
 
-    def __init__(self, uri: str, *, cache_shards: int = 4):
+    def __init__(self, uri: str, *, cache_groups: int = 8):
         from rayflex.errors import ConfigError
 
         self.uri = uri
@@ -49,108 +81,209 @@ class TokenDataset:
             raise ConfigError("DataConfig.uri", f"no Parquet shards (*.parquet) under {uri!r}",
                               "write a dataset first, e.g. rayflex.data.dataset.write_synthetic_dataset(uri)")
         self._shards = names
-        counts = [with_retries(lambda: self._num_rows(name), what=f"read the footer of {name}") for name in names]
-        self._starts = np.concatenate([[0], np.cumsum(counts)])
+        self._footers = [with_retries(lambda: self._footer(name), what=f"read the footer of {name}") for name in names]
+        self._groups = [g for s, md in enumerate(self._footers) for g in self._groups_of(s, md)]
+        if not self._groups:
+            raise ConfigError("DataConfig.uri", f"the Parquet shards under {redact_uri(uri)} hold no rows",
+                              "write or prepare a dataset with at least one row")
+        self._starts = np.concatenate([[0], np.cumsum([g.rows for g in self._groups])]).astype(np.int64)
+        self.cache_groups = max(1, cache_groups)
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._cache_shards = cache_shards
-        first = self._load(0)
-        self.row_len = int(first.shape[1])
+        self._lock = threading.Lock()
+        self._loading: dict[int, threading.Event] = {}
+        self.stats = ReadStats()
+        self.row_len = int(self._load(0).shape[1])
 
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    def _num_rows(self, path: str) -> int:
+    @property
+    def num_row_groups(self) -> int:
+        return len(self._groups)
+
+    @property
+    def block_rows(self) -> int:
+        """The dataset's row-group size (the most common one): the sampler's block."""
+        return Counter(g.rows for g in self._groups).most_common(1)[0][0]
+
+    def sampler(self, data: "DataConfig") -> GlobalSampler:
+        """This dataset's sample order for ``data`` (its batch, seed and shuffle window)."""
+        return GlobalSampler(len(self), data.global_batch, data.seed, block_rows=self.block_rows,
+                             window_blocks=data.shuffle_window)
+
+    def _footer(self, path: str):
         import pyarrow.parquet as pq
 
         with self._fs.open(path, "rb") as f:
-            return pq.ParquetFile(f).metadata.num_rows
+            return pq.ParquetFile(f).metadata
 
-    def _read_column(self, path: str):
+    @staticmethod
+    def _groups_of(shard: int, md) -> list[_Group]:
+        # The schema's leaf names are "element"/"item" for a list column: find the tokens
+        # column chunk by its path ("tokens.list.element").
+        first = md.row_group(0) if md.num_row_groups else None
+        col = next((j for j in range(first.num_columns) if first.column(j).path_in_schema.split(".")[0]
+                    == TOKENS_COLUMN), 0) if first is not None else 0
+        out = []
+        for i in range(md.num_row_groups):
+            rg = md.row_group(i)
+            if rg.num_rows:
+                out.append(_Group(shard, i, rg.num_rows, rg.column(col).total_compressed_size))
+        return out
+
+    def _read_group(self, g: _Group):
         import pyarrow.parquet as pq
 
-        with self._fs.open(path, "rb") as f:
-            return pq.read_table(f, columns=[TOKENS_COLUMN])
+        # ParquetFile with the footer already read: one ranged read of the column chunk
+        # (read_table would import pyarrow.dataset and read the footer again).
+        with self._fs.open(self._shards[g.shard], "rb") as f:
+            return pq.ParquetFile(f, metadata=self._footers[g.shard]).read_row_group(g.index, columns=[TOKENS_COLUMN])
 
-    def _load(self, shard: int) -> np.ndarray:
-        if shard in self._cache:
-            self._cache.move_to_end(shard)
-            return self._cache[shard]
-        path = self._shards[shard]
-        table = with_retries(lambda: self._read_column(path), what=f"read {path}")
-        col = table.column(TOKENS_COLUMN).combine_chunks()
-        rows = np.asarray(col.flatten().to_numpy(zero_copy_only=False), dtype=np.int64)
-        arr = rows.reshape(len(col), -1)
-        self._cache[shard] = arr
-        if len(self._cache) > self._cache_shards:
-            self._cache.popitem(last=False)
-        return arr
+    def _load(self, gi: int) -> np.ndarray:
+        while True:
+            with self._lock:
+                if gi in self._cache:
+                    self._cache.move_to_end(gi)
+                    return self._cache[gi]
+                pending = self._loading.get(gi)
+                if pending is None:
+                    self._loading[gi] = threading.Event()
+                    break
+            pending.wait()  # the other thread's read; then take it from the cache
+        try:
+            g = self._groups[gi]
+            table = with_retries(lambda: self._read_group(g), what=f"read row group {g.index} of {self._shards[g.shard]}")
+            col = table.column(TOKENS_COLUMN).combine_chunks()
+            # Kept as stored (int32 ids: zero-copy from Arrow, half the cache of int64); only
+            # the rows a step takes are widened, in :meth:`rows`. A prefetch thread that
+            # converted whole row groups would hold the GIL the training thread waits for.
+            arr = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), -1)
+            with self._lock:
+                self._cache[gi] = arr
+                while len(self._cache) > self.cache_groups:
+                    self._cache.popitem(last=False)
+                self.stats.groups_loaded += 1
+                self.stats.rows_loaded += g.rows
+                self.stats.bytes_loaded += g.bytes
+            return arr
+        finally:
+            with self._lock:
+                self._loading.pop(gi).set()
+
+    def groups_of(self, indices: np.ndarray) -> np.ndarray:
+        """The row groups holding the given global row indices (sorted, unique)."""
+        return np.unique(np.searchsorted(self._starts, np.asarray(indices), side="right") - 1)
+
+    def warm(self, indices: np.ndarray) -> None:
+        """Load the row groups of ``indices`` into the cache (the prefetcher's call)."""
+        for gi in self.groups_of(indices):
+            self._load(int(gi))
 
     def rows(self, indices: np.ndarray) -> torch.Tensor:
         """Rows at the given global indices, as a (len(indices), row_len) int64 tensor."""
-        shard_of = np.searchsorted(self._starts, indices, side="right") - 1
+        indices = np.asarray(indices, dtype=np.int64)
+        group_of = np.searchsorted(self._starts, indices, side="right") - 1
         out = np.empty((len(indices), self.row_len), dtype=np.int64)
-        for shard in np.unique(shard_of):
-            mask = shard_of == shard
-            out[mask] = self._load(int(shard))[indices[mask] - self._starts[shard]]
+        for gi in np.unique(group_of):
+            mask = group_of == gi
+            out[mask] = self._load(int(gi))[indices[mask] - self._starts[gi]]
+        with self._lock:
+            self.stats.rows_served += len(indices)
         return torch.from_numpy(out)
 
 
-def check_dataset(data: "DataConfig") -> TokenDataset:
+class Prefetcher:
+    """Loads the row groups of the next ``depth`` steps of one dp rank in a background
+    thread, so the training thread finds them cached. :meth:`ahead_of` is called once a
+    step has its rows; errors are logged, and the training thread reads what is missing
+    itself."""
+
+    def __init__(self, dataset: TokenDataset, sampler: GlobalSampler, dp_rank: int, dp: int, depth: int = 2):
+        self.dataset, self.sampler = dataset, sampler
+        self.dp_rank, self.dp, self.depth = dp_rank, dp, depth
+        self._next: "queue.Queue[Optional[int]]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="rayflex-prefetch", daemon=True)
+        self._thread.start()
+
+    def ahead_of(self, step: int) -> None:
+        """Step ``step`` (0-based) has its rows: prefetch the ``depth`` steps after it."""
+        self._next.put(step)
+
+    def _run(self) -> None:
+        while True:
+            step = self._next.get()
+            while step is not None and not self._next.empty():  # only the newest request matters
+                nxt = self._next.get()
+                step = nxt if nxt is None else max(step, nxt)
+            if step is None:
+                return
+            try:
+                for ahead in range(step + 1, step + 1 + self.depth):
+                    self.dataset.warm(self.sampler.indices(ahead, self.dp_rank, self.dp))
+            except Exception as e:  # noqa: BLE001 - a failed prefetch is read again on demand
+                log.warning("prefetch of step %d failed (the step reads it itself): %s", step + 1, e)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._next.put(None)
+        self._thread.join(timeout_s)
+
+
+def open_dataset(data: "DataConfig", *, cache_groups: int = 8):
+    """``data``'s dataset: a :class:`TokenDataset`, or a mixture of them (``data.sources``)."""
+    if data.sources:
+        from rayflex.data.mixture import MixtureDataset
+
+        return MixtureDataset([TokenDataset(uri, cache_groups=cache_groups) for uri, _ in data.sources],
+                              [w for _, w in data.sources])
+    return TokenDataset(data.uri, cache_groups=cache_groups)
+
+
+def data_label(data: "DataConfig") -> str:
+    """How errors name ``data``'s dataset (credentials redacted)."""
+    if data.sources:
+        return "the mixture " + " + ".join(redact_uri(u) for u, _ in data.sources)
+    return redact_uri(data.uri)
+
+
+def check_dataset(data: "DataConfig"):
     """Open ``data``'s dataset on the driver and check that it can feed the run.
 
-    Reads the shards' footers (row counts) and the first shard, never the whole dataset.
+    Reads the shards' footers (row counts) and the first row group, never the whole dataset.
     A global batch larger than the dataset is refused: the sampler would wrap within one
     step and train on duplicated rows of that very batch, silently.
     """
     from rayflex.errors import ConfigError
 
-    ds = TokenDataset(data.uri)
+    ds = open_dataset(data)
     if ds.row_len < data.seq_len + 1:
         raise ConfigError("DataConfig.seq_len", f"seq_len={data.seq_len} needs rows of {data.seq_len + 1} "
-                          f"tokens but {redact_uri(data.uri)} has {ds.row_len}", f"use seq_len <= {ds.row_len - 1}")
+                          f"tokens but {data_label(data)} has {ds.row_len}", f"use seq_len <= {ds.row_len - 1}")
+    if data.sources:
+        from rayflex.data.mixture import integer_shares
+
+        for (uri, _), share, source in zip(data.sources, integer_shares([w for _, w in data.sources]), ds.datasets):
+            per_step = -(-data.global_batch * share // 1000) + 1  # at most, in any one step
+            if per_step > len(source):
+                raise ConfigError("DataConfig.sources",
+                                  f"{redact_uri(uri)} has {len(source)} rows but its weight gives it up to "
+                                  f"{per_step} samples of a step (global_batch={data.global_batch}), so a step "
+                                  "would repeat its rows", "lower its weight or the global batch, or add rows")
     if data.global_batch > len(ds):
         raise ConfigError("DataConfig.global_batch",
-                          f"global_batch={data.global_batch} is larger than the dataset: {redact_uri(data.uri)} "
+                          f"global_batch={data.global_batch} is larger than the dataset: {data_label(data)} "
                           f"has {len(ds)} rows, so every step would repeat rows of its own batch",
                           f"lower global_batch to at most {len(ds)}, or write at least {data.global_batch} rows")
     return ds
 
 
-@dataclass(frozen=True)
-class GlobalSampler:
-    """Maps (step, dp rank) to dataset indices; see the module docstring."""
-
-    num_samples: int
-    global_batch: int
-    seed: int
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-
-    def positions(self, step: int, dp_rank: int, dp: int) -> range:
-        """Global stream positions consumed by ``dp_rank`` at ``step`` (0-based step)."""
-        per_rank = self.global_batch // dp
-        start = step * self.global_batch + dp_rank * per_rank
-        return range(start, start + per_rank)
-
-    def indices(self, step: int, dp_rank: int = 0, dp: int = 1) -> np.ndarray:
-        """Dataset row indices for ``dp_rank`` at ``step``; epochs wrap with a new permutation."""
-        pos = np.asarray(self.positions(step, dp_rank, dp), dtype=np.int64)
-        epochs = pos // self.num_samples
-        out = np.empty_like(pos)
-        for e in np.unique(epochs):
-            mask = epochs == e
-            out[mask] = self._perm(int(e))[pos[mask] % self.num_samples]
-        return out
-
-
 def write_synthetic_dataset(uri: str, *, num_samples: int = 4096, seq_len: int = 64,
                             vocab_size: int = 256, num_shards: int = 4, seed: int = 0,
-                            branching: int = 4) -> str:
+                            branching: int = 4, row_group_rows: Optional[int] = None) -> str:
     """Write token sequences from a fixed sparse Markov chain as Parquet shards.
 
     Each token has ``branching`` likely successors, so a model can learn the chain: the
-    loss falls from ln(vocab) towards about ln(branching). Returns ``uri``.
+    loss falls from ln(vocab) towards about ln(branching). ``row_group_rows``: rows per
+    Parquet row group (None: one per shard). Returns ``uri``.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -170,6 +303,6 @@ def write_synthetic_dataset(uri: str, *, num_samples: int = 4096, seq_len: int =
     for shard, part in enumerate(np.array_split(seqs, num_shards)):
         col = pa.array(list(part), type=pa.list_(pa.int32()))
         with fs.open(f"{root}/shard-{shard:05d}.parquet", "wb") as f:
-            pq.write_table(pa.table({TOKENS_COLUMN: col}), f)
+            pq.write_table(pa.table({TOKENS_COLUMN: col}), f, row_group_size=row_group_rows)
     log.info("wrote %d samples in %d shards to %s", num_samples, num_shards, uri)
     return uri

@@ -20,7 +20,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from rayflex.constants import knob
 from rayflex.telemetry import events as ev
@@ -36,6 +36,10 @@ class Fault:
     # failures count against the failure budget; preemptions against their own
     kind: str = "failure"
     error: str = ""
+    # A hang's flavour ("frozen": ranks stopped answering; "collective": everyone answers,
+    # nobody progresses), and what the flight records said about it (faults/diagnosis).
+    hang: str = ""
+    diagnosis: Optional[Any] = None
 
     def __bool__(self) -> bool:
         return bool(self.bad_ranks)
@@ -79,7 +83,10 @@ class FaultDetector:
         step = max((st.step for st in poll.statuses.values()), default=None)
         if step is not None and step > self.last_step and all(
                 st.step >= step for st in poll.statuses.values()):
+            # Also the step an attempt restored: without it, every poll of an attempt that
+            # hangs before finishing its first step looked like progress.
             self.last_progress = now
+            self.last_step = step
         # Dead actors and dead nodes.
         lost_nodes = set()
         if alive_nodes is not None:
@@ -113,6 +120,7 @@ class FaultDetector:
                                                 stalled_s=max(silent[r] for r in frozen),
                                                 timeout_s=knob("HEARTBEAT_TIMEOUT_S")))
             fault.bad_ranks.update(frozen)
+            fault.hang = "frozen"
             fault.error = f"ranks {frozen} stopped answering (frozen process)"
         # Collective hangs: everyone answers, nobody progresses.
         stalled = now - self.last_progress
@@ -123,6 +131,7 @@ class FaultDetector:
             fault.events.append(ev.HangDetected(step=self.last_step + 1, ranks=culprits, phases=_keys(phases),
                                                 stalled_s=stalled, timeout_s=self.hang_timeout_s()))
             fault.bad_ranks.update(culprits)
+            fault.hang = "collective"
             fault.error = f"no step finished for {stalled:.1f}s; ranks {culprits} not in a collective"
         return fault
 

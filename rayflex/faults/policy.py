@@ -64,7 +64,10 @@ class FailurePolicy:
         self._last_failure: Optional[tuple] = None  # (step, committed step then, error)
         self._repeats = 0
 
-    def decide(self, *, kind: str, step: int, committed_step: int, usable_slots: int, error: str = "") -> Decision:
+    def decide(self, *, kind: str, step: int, committed_step: int, usable_slots: int, error: str = "",
+               diagnosis=None) -> Decision:
+        """``diagnosis``: a hang's verdict (``faults.diagnosis.Diagnosis``); a program-level
+        one (a collective mismatch) that hangs the same step again is a bug, not bad luck."""
         cfg = self.spec.elastic
         if kind == "preemption":
             self.preemptions += 1
@@ -73,9 +76,15 @@ class FailurePolicy:
                             f"{cfg.max_preemptions})")
         else:
             self.failures += 1
-            key = (step, committed_step, _first_line(error))
+            program_level = diagnosis is not None and diagnosis.program_level
+            # A mismatch is judged by the step it hangs and what it is: the commit of the
+            # checkpoint before it may still be in flight when the first one is decided.
+            key = (step, diagnosis.signature()) if program_level else (step, committed_step, _first_line(error))
             self._repeats = self._repeats + 1 if self._last_failure == key else 0
             self._last_failure = key
+            if self._repeats >= 1 and program_level:
+                return Fail(f"the same collective mismatch hung step {step} again after a restart: a bug in "
+                            f"the training program, not a fault of the cluster: {diagnosis.sentence}")
             if self._repeats >= 1:
                 return Fail(f"the same failure repeated at step {step} with no progress since the checkpoint "
                             f"of step {committed_step} (a poison batch or a bug?): {_first_line(error)}")

@@ -9,7 +9,13 @@ Sources (each a small class with ``poll() -> list[Notice]``):
   cloud's instance metadata: AWS ``spot/instance-action`` (JSON with the termination time;
   404 while there is none; IMDSv2 token when available) or GCP ``instance/preempted``
   (``TRUE`` about 30 s before). The URL is configurable (``{node_id}`` / ``{node_ip}`` are
-  substituted), so tests point it at a local HTTP server on 127.0.0.1.
+  substituted), so tests point it at a local HTTP server on 127.0.0.1. GCP's server answers
+  403 to a request without ``Metadata-Flavor: Google``; a response that can carry no notice
+  (403, 404, a body that is neither ``TRUE`` nor ``FALSE``) is logged as a warning that says
+  what to change, since otherwise the source would sit silent until the VM is gone. The
+  agent polls plain GETs rather than ``?wait_for_change=true``: a hanging GET without the
+  last ``ETag`` misses a change made between two requests, and a poll every few hundred
+  ms is well inside GCP's 30 s.
 * :class:`NoticeFileSource` — a JSON file ``{"node_id": ..., "deadline": <epoch s>}`` (or a
   list of them) written by an operator or a test.
 
@@ -32,6 +38,8 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 GCP_NOTICE_S = 30.0  # GCP gives ~30 s between the preempted flag and the stop
+# What to set on a GCE VM: ElasticConfig(metadata_kind="gcp", metadata_url=GCP_PREEMPTED_URL).
+GCP_PREEMPTED_URL = "http://metadata.google.internal/computeMetadata/v1/instance/preempted"
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,34 @@ def parse_metadata_response(kind: str, status: int, body: str, now: float) -> Op
         return now + 120.0
 
 
+def metadata_problem(kind: str, url: str, status: int, body: str, flavor: str = "") -> Optional[str]:
+    """Why a metadata response can never carry a notice, or None for an ordinary answer.
+
+    ``flavor`` is the response's ``Metadata-Flavor`` header: GCP's server sends ``Google``,
+    which tells a GCP endpoint polled with the AWS settings apart from a broken one.
+    """
+    where = f"metadata endpoint {url}"
+    snippet = " ".join(body.split())[:160]
+    if kind != "gcp" and flavor == "Google":
+        return (f"{where} is GCP's metadata server (HTTP {status}) but metadata_kind is {kind!r}; "
+                f"set ElasticConfig(metadata_kind='gcp', metadata_url='{GCP_PREEMPTED_URL}')")
+    if kind != "gcp":
+        return None
+    if status == 200:
+        if body.strip().upper() in ("TRUE", "FALSE"):
+            return None
+        return (f"{where} answered 200 with {snippet!r}, not TRUE or FALSE; "
+                f"point metadata_url at {GCP_PREEMPTED_URL}")
+    if status == 403:
+        return (f"{where} answered 403 Forbidden ({snippet!r}): GCP's metadata server refuses requests "
+                "without the header 'Metadata-Flavor: Google'. rayflex sends it with metadata_kind='gcp': "
+                "check that no HTTP proxy sits between the node and the server (put "
+                "metadata.google.internal in NO_PROXY) and that the endpoint is not disabled for this VM")
+    if status == 404:
+        return f"{where} answered 404: no such metadata key; use {GCP_PREEMPTED_URL}"
+    return f"{where} answered HTTP {status} ({snippet!r}); spot notices from it are lost until it answers 200"
+
+
 class NoticeAgent:
     """Runs on one node (a Ray actor pinned there); polls that node's metadata endpoint."""
 
@@ -93,6 +129,14 @@ class NoticeAgent:
         self.url = url.format(node_id=self.node_id, node_ip=ip)
         self.kind = kind
         self.timeout_s = timeout_s
+        # The last problem logged: polls come every few hundred ms, so each is said once.
+        self.problem: Optional[str] = None
+        if kind == "gcp" and "wait_for_change" in self.url:
+            # Each poll would hang past its timeout and report nothing (see the module docstring).
+            self.problem = (f"metadata endpoint {self.url}: wait_for_change holds each request open longer "
+                            f"than the {timeout_s} s poll timeout, so no answer arrives; "
+                            f"drop the query and use {GCP_PREEMPTED_URL}")
+            log.warning("node %s: %s", self.node_id, self.problem)
 
     def _token(self) -> Optional[str]:
         """IMDSv2 session token (AWS); None where the endpoint has no token API."""
@@ -117,11 +161,20 @@ class NoticeAgent:
         try:
             with urllib.request.urlopen(urllib.request.Request(self.url, headers=headers),
                                         timeout=self.timeout_s) as r:
-                status, body = r.status, r.read().decode()
+                status, flavor = r.status, r.headers.get("Metadata-Flavor", "")
+                body = r.read().decode(errors="replace")
         except urllib.error.HTTPError as e:
-            status, body = e.code, ""
+            status, flavor = e.code, (e.headers.get("Metadata-Flavor", "") if e.headers else "")
+            try:
+                body = e.read().decode(errors="replace")
+            except OSError:
+                body = ""
         except (urllib.error.URLError, OSError, ValueError):
             return None
+        problem = metadata_problem(self.kind, self.url, status, body, flavor)
+        if problem is not None and problem != self.problem:
+            log.warning("node %s: %s", self.node_id, problem)
+        self.problem = problem
         deadline = parse_metadata_response(self.kind, status, body, time.time())
         return None if deadline is None else {"node_id": self.node_id, "deadline": deadline}
 

@@ -121,6 +121,24 @@ class RayWorkerGroup:
             out.silent_s[rank] = now - self._last_answer.get(rank, now)
         return out
 
+    def flight_records(self, timeout_s: float, skip: frozenset = frozenset()) -> tuple[dict[int, Any], set[int]]:
+        """Every rank's flight record (``TrainWorker.flight_record``), asked of all at once
+        (but ``skip``: ranks known to be frozen); returns the records that came within
+        ``timeout_s`` and the ranks that did not answer (frozen, dead, or too slow)."""
+        import ray
+
+        refs = {a.flight_record.remote(): rank for rank, a in enumerate(self.actors) if rank not in skip}
+        if not refs:
+            return {}, set(range(len(self.actors)))
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        records: dict[int, Any] = {}
+        for ref in ready:
+            try:
+                records[refs[ref]] = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - a rank that cannot answer is silent
+                log.info("rank %d could not give its flight record: %s", refs[ref], _short_error(e))
+        return records, set(range(len(self.actors))) - set(records)
+
     def call(self, rank: int, method: str, *args) -> Any:
         return getattr(self.actors[rank], method).remote(*args)
 

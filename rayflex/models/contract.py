@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from rayflex.errors import ConfigError
+from rayflex.models.meta import SkipMetaInit, on_meta
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def check_model_contract(model, *, batch: int, seq_len: int) -> None:
     if isinstance(model, ModelSummary):
         model = model.load()
     _check_gpt_positions(model, seq_len)
-    with torch.device("meta"):
+    with on_meta():
         try:
             _check(model, batch=batch, seq_len=seq_len)
         except _MetaUnsupported as why:
@@ -154,31 +155,9 @@ def _check_gpt_positions(model, seq_len: int) -> None:
                           f"use DataConfig(seq_len<={cfg.seq_len}) or GPTConfig(seq_len>={seq_len})")
 
 
-class _SkipMetaInit(torch.overrides.TorchFunctionMode):
-    """Initialisers on meta tensors return at once: they would write values a meta tensor
-    does not have. (Not a shortcut only: meta ``normal_`` runs a Python reference that
-    imports ``torch._dynamo`` on first use, 1-2 s of a check meant to take milliseconds.)"""
-
-    INIT = {getattr(torch.nn.init, n) for n in (
-        "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
-        "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
-        "sparse_") if hasattr(torch.nn.init, n)}
-    INIT |= {getattr(torch.Tensor, n) for n in (
-        "normal_", "uniform_", "fill_", "zero_", "random_", "bernoulli_", "exponential_",
-        "log_normal_", "cauchy_", "geometric_") if hasattr(torch.Tensor, n)}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.INIT:  # torch.nn.init passes its tensor by keyword
-            target = args[0] if args else kwargs.get("tensor")
-            if isinstance(target, torch.Tensor) and target.is_meta:
-                return target
-        return func(*args, **kwargs)
-
-
 def _build(model, i: int) -> nn.Module:
     try:
-        with _SkipMetaInit():
+        with SkipMetaInit():
             block = model.build_block(i)
     except Exception as err:  # noqa: BLE001 - classified: meta limitation or a model bug
         if cannot_run_on_meta(err):

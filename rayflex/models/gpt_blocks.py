@@ -103,4 +103,4 @@ def gpt(cfg: GPTConfig | None = None, **sizes) -> ModelSpec:
                                          "vocabulary": cfg.vocab_size})
     return ModelSpec(name=f"gpt-{cfg.n_layers}x{cfg.d_model}", num_blocks=cfg.n_layers + 2,
                      build_block=functools.partial(build_gpt_block, cfg), loss_fn=lm_loss,
-                     hidden_size=cfg.d_model, metadata={"tp": tp})
+                     hidden_size=cfg.d_model, vocab_size=cfg.vocab_size, metadata={"tp": tp})

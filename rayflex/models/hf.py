@@ -62,6 +62,7 @@ from rayflex.models.hf_families import (FAMILIES, HFFamily, family_of, from_hf_k
                                         to_hf_key)
 from rayflex.models.hf_tp import hf_tp_metadata
 from rayflex.models.spec import ModelSpec
+from rayflex.models.meta import on_meta
 
 __all__ = ["causal_lm", "to_hf_key", "from_hf_key", "TIE_RULE"]
 
@@ -126,7 +127,8 @@ def causal_lm(config_or_dir, *, init_from: Optional[str] = None, name: Optional[
                                      size.to_dict())}
     spec = ModelSpec(name=name or f"hf-{config.model_type}-{size.num_layers}x{size.hidden_size}",
                      num_blocks=size.num_layers + 2, build_block=functools.partial(build_hf_block, build),
-                     loss_fn=lm_loss, hidden_size=size.hidden_size, init_seed=init_seed, metadata=metadata)
+                     loss_fn=lm_loss, hidden_size=size.hidden_size, init_seed=init_seed,
+                     vocab_size=int(getattr(config, "vocab_size", 0) or 0), metadata=metadata)
     if root is not None:
         check_checkpoint(build)
     return spec
@@ -456,7 +458,7 @@ def check_checkpoint(build: HFBuild) -> None:
     family = FAMILIES[build.family]
     available = _checkpoint_index(build.init_from, _snapshot(build.init_from))
     used, missing, wrong = set(), [], []
-    with torch.device("meta"):
+    with on_meta():
         for index in range(build.num_layers + 2):
             for name, tensor in build_hf_block(build, index).state_dict().items():
                 key = _source_key(build, index, name, available)

@@ -273,11 +273,12 @@ def _entries(model: dict, infos: Mapping[str, TensorInfo], where: str) -> list[_
 def _check_against_hf(hf: dict, entries: list[_Entry], where: str) -> None:
     """The exported keys and shapes are exactly those of HF's own model of the config
     (built on the meta device), so from_pretrained finds every weight and nothing else."""
-    import torch
     from transformers import AutoModelForCausalLM
 
+    from rayflex.models.meta import on_meta
+
     config = _config_object(hf)
-    with torch.device("meta"):
+    with on_meta():
         expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
     got = {e.hf_key: e.info.shape for e in entries}
     missing = sorted(set(expected) - set(got))

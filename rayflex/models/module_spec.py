@@ -56,7 +56,8 @@ import torch
 from torch import nn
 
 from rayflex.errors import ConfigError
-from rayflex.models.contract import _SkipMetaInit, describe
+from rayflex.models.contract import describe
+from rayflex.models.meta import SkipMetaInit, on_meta
 
 WHERE = "ModelSpec.from_module"
 INITS = ("module", "reset")
@@ -175,7 +176,7 @@ class ModuleBlocks:
             raise IndexError(f"block {index} of a {self.layout.num_blocks}-block spec")
         device = torch.get_default_device()
         if device.type == "meta":  # shapes only: init has nothing to write
-            with _SkipMetaInit():
+            with SkipMetaInit():
                 return self.cut(self.factory(), index)
         if self.init == "module":
             # The CPU generator only, reseeded and restored: what `torch.manual_seed(s); factory()`
@@ -194,7 +195,7 @@ class ModuleBlocks:
         return Chain((p, root.get_submodule(p)) for p in self.layout.chain_of(index))
 
     def _reset_build(self, index: int, device: torch.device) -> nn.Module:
-        with torch.device("meta"), _SkipMetaInit():
+        with on_meta():
             piece = self.cut(self.factory(), index)
         if not _resettable(piece):
             return self.cut(self.factory(), index)  # in full, on `device`, under the block's seed
@@ -313,7 +314,7 @@ def _names(value, role: str) -> tuple[str, ...]:
 
 def _meta_build(factory) -> nn.Module:
     try:
-        with torch.device("meta"), _SkipMetaInit():
+        with on_meta():
             root = factory()
     except Exception as err:  # noqa: BLE001 - the user's code: say where it failed
         text = str(err).strip().splitlines()

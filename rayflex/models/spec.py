@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from rayflex.models.meta import on_meta
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
@@ -43,6 +45,9 @@ class ModelSpec:
     hidden_size: int = 0
     # Seed of the per-block initialisation; independent of the data seed.
     init_seed: int = 1234
+    # Token ids the first block embeds (0: unknown); a prepared dataset whose tokenizer has
+    # a larger vocabulary is refused before any actor starts.
+    vocab_size: int = 0
     # What the model is besides its blocks, for tools that read it without building it:
     # ``{"hf": {...}}`` from :func:`rayflex.models.hf.causal_lm` (family, config to
     # export, sizes for the planners). Keep it JSON-able: it goes into the run's spec.json.
@@ -62,6 +67,9 @@ class ModelSpec:
         """Build block ``index`` deterministically (same weights in every process)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.init_seed * 1_000_003 + index)
+            if torch.device(device).type == "meta":
+                with on_meta():
+                    return self.build_block(index)
             with torch.device(device):
                 return self.build_block(index)
 
@@ -69,7 +77,7 @@ class ModelSpec:
         """Parameters per block, computed on the meta device (no memory, no init cost)."""
         counts = []
         for i in range(self.num_blocks):
-            with torch.device("meta"):
+            with on_meta():
                 b = self.build_block(i)
             counts.append(sum(p.numel() for p in b.parameters()))
         return counts

@@ -2,12 +2,19 @@
 
 Everything rayflex writes (checkpoints, run artefacts) goes through a ``str`` URI and
 fsspec, never a ``pathlib.Path``: a Path collapses ``s3://bucket`` into ``s3:/bucket``.
-Three schemes are supported: ``file://`` (and bare local paths, the embedded default),
-``s3://`` (s3fs; any S3-compatible endpoint) and ``memory://`` (tests, one process).
+Supported: ``file://`` (and bare local paths, the embedded default), ``memory://``
+(tests, one process) and three object stores, each through its fsspec package:
+``s3://`` (s3fs, a core dependency; any S3-compatible endpoint), ``gs://`` (gcsfs, the
+``gcp`` extra) and ``az://``/``abfs://`` (adlfs, the ``azure`` extra). A URI whose package
+is missing fails validation with a ConfigError naming the extra to install.
 
-Credentials come from the usual AWS environment (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``,
-instance roles, ...) unless set explicitly on :class:`StorageOptions`. They never appear
-in a repr, a log line or an error message.
+Credentials come from each cloud's usual chain unless set explicitly on
+:class:`StorageOptions`: the AWS environment (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``,
+instance roles); Google's (``GOOGLE_APPLICATION_CREDENTIALS``, gcloud, the metadata
+server; anonymous against an emulator named by ``STORAGE_EMULATOR_HOST``); Azure's
+(``AZURE_STORAGE_CONNECTION_STRING``, ``AZURE_STORAGE_ACCOUNT_NAME`` with
+``AZURE_STORAGE_ACCOUNT_KEY`` or ``AZURE_STORAGE_SAS_TOKEN``, a service principal,
+``DefaultAzureCredential``). They never appear in a repr, a log line or an error message.
 
 Retries are layered: botocore retries a few times inside one request, s3fs retries a few
 transport errors, and :func:`with_retries` wraps a whole logical operation (write a file,
@@ -39,12 +46,16 @@ import fsspec
 
 from rayflex.constants import count_knob, knob
 from rayflex.errors import ConfigError, StorageError
+from rayflex.schemes import AZURE, GCS, OBJECT_STORES, S3, SUPPORTED_SCHEMES, ObjectStore, check_backend, redact_uri  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-SUPPORTED_SCHEMES = ("file", "s3", "memory")
+
+
+# The scheme table is shared with config's URI checks (``rayflex/schemes.py``).
+_S3, _GCS, _AZURE = S3, GCS, AZURE
 
 
 def _s3_config() -> dict:
@@ -95,13 +106,27 @@ class StorageOptions:
 
     __str__ = __repr__
 
-    def resolved_endpoint(self) -> Optional[str]:
-        """The S3 endpoint in effect: the explicit one, else the environment's, else AWS."""
+    def resolved_endpoint(self, family: str = "s3") -> Optional[str]:
+        """The endpoint in effect for ``family`` ("s3", "gs", "az"): the explicit one, else
+        the environment's (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``;
+        ``STORAGE_EMULATOR_HOST``; the connection string's ``BlobEndpoint``), else None
+        (the cloud's public endpoint)."""
+        if family == "gs":
+            host = self.endpoint_url or os.environ.get("STORAGE_EMULATOR_HOST")
+            if not host or host == "default":
+                return None
+            return host if host.startswith(("http://", "https://")) else f"http://{host}"
+        if family == "az":
+            return _azure_blob_endpoint()
         return (self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
                 or os.environ.get("AWS_ENDPOINT_URL") or None)
 
-    def credential_source(self) -> str:
+    def credential_source(self, family: str = "s3") -> str:
         """Where the credentials come from, in words, without revealing them."""
+        if family == "gs":
+            return _gcs_credential_source(self)
+        if family == "az":
+            return _azure_credential_source(self)
         if self.anon:
             return "anonymous access (StorageOptions.anon=True)"
         if self.key:
@@ -114,31 +139,126 @@ class StorageOptions:
         return "the default AWS credential chain (config files, instance role)"
 
 
-def scheme_of(uri: str) -> str:
+def _azure_blob_endpoint() -> Optional[str]:
+    """The Blob endpoint of ``AZURE_STORAGE_CONNECTION_STRING`` (an emulator such as
+    Azurite names one), else the account's public endpoint, else None."""
+    conn = os.environ.get("AZURE_STORAGE_CONNECTION_STRING") or ""
+    parts = dict(p.split("=", 1) for p in conn.split(";") if "=" in p)
+    if parts.get("BlobEndpoint"):
+        return parts["BlobEndpoint"]
+    account = parts.get("AccountName") or os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")
+    return f"https://{account}.blob.core.windows.net" if account else None
+
+
+def _gcs_credential_source(options: "StorageOptions") -> str:
+    if options.anon:
+        return "anonymous access (StorageOptions.anon=True)"
+    if options.token:
+        return "StorageOptions.token"
+    if options.resolved_endpoint("gs") and not options.endpoint_url:
+        return "anonymous access (STORAGE_EMULATOR_HOST names an emulator)"
+    if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
+        return "the key file named by GOOGLE_APPLICATION_CREDENTIALS"
+    return "the default Google credential chain (gcloud, the metadata server)"
+
+
+def _azure_credential_source(options: "StorageOptions") -> str:
+    if options.anon:
+        return "anonymous access (StorageOptions.anon=True)"
+    extra = options.extra
+    if extra.get("connection_string") or extra.get("account_key") or extra.get("sas_token"):
+        return "StorageOptions.extra"
+    conn = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
+    if conn:
+        account = dict(p.split("=", 1) for p in conn.split(";") if "=" in p).get("AccountName")
+        return f"AZURE_STORAGE_CONNECTION_STRING (account {account!r})"
+    account = os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")
+    for env in ("AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN"):
+        if os.environ.get(env):
+            return f"{env} for AZURE_STORAGE_ACCOUNT_NAME={account!r}"
+    if os.environ.get("AZURE_STORAGE_CLIENT_ID"):
+        return "the service principal AZURE_STORAGE_CLIENT_ID/_SECRET/TENANT_ID"
+    return f"DefaultAzureCredential for account {account!r} (az login, managed identity)"
+
+
+def object_store(uri: str) -> Optional[ObjectStore]:
+    """The object store ``uri`` lives on; None for local paths and ``memory://``."""
+    return OBJECT_STORES.get(scheme_of(uri))
+
+
+_GCS_CLASSES: dict = {}
+
+
+def _gcs_class(*, emulator: bool) -> type:
+    """gcsfs's core filesystem; against an emulator (``STORAGE_EMULATOR_HOST``), one whose
+    rename is copy + delete: emulators lack GCS's ``moveTo`` call, and gcsfs retries its
+    501 answer six times (~35 s) before falling back to exactly that, on every rename
+    (DCP renames its ``.metadata`` into place)."""
+    if emulator not in _GCS_CLASSES:
+        from fsspec.asyn import AsyncFileSystem
+        from gcsfs.core import GCSFileSystem
+
+        if emulator:
+            class EmulatorGCSFileSystem(GCSFileSystem):
+                _mv_file = AsyncFileSystem._mv_file
+                mv_file = fsspec.asyn.sync_wrapper(AsyncFileSystem._mv_file)
+
+            _GCS_CLASSES[emulator] = EmulatorGCSFileSystem
+        else:
+            _GCS_CLASSES[emulator] = GCSFileSystem
+    return _GCS_CLASSES[emulator]
+
+
+def _gcs_probe_class() -> type:
+    """The probe's GCS filesystem: one attempt per request. gcsfs retries every request
+    six times with backoff (~35 s against a dead endpoint), fixed when its class is made."""
+    if "probe" not in _GCS_CLASSES:
+        from gcsfs.retry import retry_request
+
+        base = fsspec.get_filesystem_class("gs")
+        inner = getattr(base._request, "__wrapped__", None)
+        _GCS_CLASSES["probe"] = base if inner is None else type(
+            "ProbeGCSFileSystem", (base,), {"_request": retry_request(retries=1)(inner)})
+    return _GCS_CLASSES["probe"]
+
+
+def require_backend(uri: str, *, field: str = "storage uri") -> None:
+    """Import the fsspec package ``uri``'s scheme needs (a ConfigError naming the extra
+    that installs it if it is missing: ``schemes.check_backend``) and pick gcsfs's class."""
+    store = check_backend(uri, field=field)
+    if store is GCS and os.environ.get("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT") is None:
+        # gcsfs's default class looks up each bucket's layout over gRPC (the storage
+        # control API) before using it: rayflex's whole-object writes gain nothing,
+        # and an emulator, which has no such API, stalls every first call for 60 s.
+        cls = _gcs_class(emulator=bool(StorageOptions().resolved_endpoint("gs")))
+        if fsspec.get_filesystem_class("gs") is not cls:
+            fsspec.register_implementation("gs", cls, clobber=True)
+            fsspec.register_implementation("gcs", cls, clobber=True)
+
+
+def scheme_of(uri: str, *, field: str = "storage uri") -> str:
     """The URI's scheme, lower case; a bare path is ``file``.
 
-    Raises ConfigError for a scheme rayflex does not support (including fsspec chains
-    such as ``simplecache::s3://``), listing the ones it does.
+    Raises ConfigError (for setting ``field``) for a scheme rayflex does not support
+    (including fsspec chains such as ``simplecache::s3://``), listing the ones it does,
+    for an object-store URI without a bucket, and for one whose package is missing.
     """
     if not isinstance(uri, str) or not uri:
-        raise ConfigError("storage uri", f"{uri!r} is not a non-empty string URI",
+        raise ConfigError(field, f"{uri!r} is not a non-empty string URI",
                           "pass e.g. 's3://bucket/prefix' or '/abs/local/dir'")
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else "file"
     if "::" in uri or scheme not in SUPPORTED_SCHEMES:
         shown = uri.split("://", 1)[0] if "://" in uri else uri
         raise ConfigError(
-            "storage uri", f"{redact_uri(uri)!r} uses unsupported scheme {shown!r}",
+            field, f"{redact_uri(uri)!r} uses unsupported scheme {shown!r}",
             "use one of " + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
             + " or a plain local path")
-    if scheme == "s3" and not uri[len("s3://"):].strip("/"):
-        raise ConfigError("storage uri", f"{uri!r} names no bucket",
-                          "use s3://BUCKET/optional/prefix")
+    if scheme in OBJECT_STORES and not uri.split("://", 1)[1].strip("/"):
+        word = "container" if OBJECT_STORES[scheme].family == "az" else "bucket"
+        raise ConfigError(field, f"{redact_uri(uri)!r} names no {word}",
+                          f"use {scheme}://{word.upper()}/optional/prefix")
+    require_backend(uri, field=field)
     return scheme
-
-
-def redact_uri(uri: str) -> str:
-    """Hide ``user:password@`` in a URI before it goes into a message."""
-    return re.sub(r"^([a-zA-Z0-9+.-]+://)[^/@]*@", r"\1***@", uri)
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -158,8 +278,12 @@ def fsspec_kwargs(uri: str, options: Optional[StorageOptions] = None) -> dict:
     and rayflex share one cached filesystem instance (fsspec caches by kwargs).
     """
     options = options or StorageOptions()
-    scheme = scheme_of(uri)
-    if scheme != "s3":
+    store = object_store(uri)
+    if store is _GCS:
+        return _merge(_gcs_kwargs(options), options.extra)
+    if store is _AZURE:
+        return _merge(_azure_kwargs(options), options.extra)
+    if store is not _S3:
         return dict(options.extra)
     kwargs: dict[str, Any] = {"config_kwargs": _s3_config()}
     endpoint = options.resolved_endpoint()
@@ -174,6 +298,38 @@ def fsspec_kwargs(uri: str, options: Optional[StorageOptions] = None) -> dict:
         if getattr(options, name):
             kwargs[name] = getattr(options, name)
     return _merge(kwargs, options.extra)
+
+
+def _gcs_kwargs(options: StorageOptions, *, probe: bool = False) -> dict:
+    """gcsfs: the endpoint passed explicitly (so filesystems for two endpoints are two
+    cached instances), anonymous against an emulator, Google's chain otherwise."""
+    # gcsfs's request timeout bounds a whole request (a multi-MB shard chunk included), so
+    # only the probe, whose requests are tiny, sets one.
+    kwargs: dict[str, Any] = {"requests_timeout": knob("STORAGE_PROBE_READ_TIMEOUT_S")} if probe else {}
+    endpoint = options.resolved_endpoint("gs")
+    if endpoint:
+        kwargs["endpoint_url"] = endpoint
+    if options.token:
+        kwargs["token"] = options.token
+    elif options.anon or (endpoint and not options.endpoint_url):
+        kwargs["token"] = "anon"  # what Google's own clients do under STORAGE_EMULATOR_HOST
+    return kwargs
+
+
+def _azure_kwargs(options: StorageOptions, *, probe: bool = False) -> dict:
+    """adlfs reads the account, key, SAS and connection string from the environment
+    itself; only timeouts (and anonymity) are rayflex's. Never given the secrets, so they
+    are not part of any kwargs dict that could be printed."""
+    if options.endpoint_url:
+        raise ConfigError("StorageOptions.endpoint_url", "is not used for Azure Blob storage",
+                          "set BlobEndpoint in AZURE_STORAGE_CONNECTION_STRING (or "
+                          "StorageOptions.extra['account_host']) instead")
+    prefix = "STORAGE_PROBE_" if probe else "STORAGE_"
+    kwargs: dict[str, Any] = {"connection_timeout": knob(prefix + "CONNECT_TIMEOUT_S"),
+                              "read_timeout": knob(prefix + "READ_TIMEOUT_S")}
+    if options.anon:
+        kwargs["anon"] = True
+    return kwargs
 
 
 def resolve(uri: str, options: Optional[StorageOptions] = None
@@ -253,6 +409,29 @@ def _client_error_transient(err: BaseException) -> Optional[bool]:
     return int(status) >= 500 or int(status) == 429
 
 
+def _is_connection_error(err: BaseException) -> bool:
+    """The endpoint could not be reached or did not answer, in any backend's words
+    (builtin, botocore for s3fs, aiohttp for gcsfs, azure-core for adlfs)."""
+    if isinstance(err, (ConnectionError, TimeoutError)):
+        return True
+    try:
+        from botocore import exceptions as bex
+        if isinstance(err, (bex.ConnectionError, bex.HTTPClientError)):
+            return True
+    except ImportError:  # pragma: no cover - s3fs absent
+        pass
+    try:
+        import aiohttp  # gcsfs's transport
+        if isinstance(err, (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError)):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    if (type(err).__module__ or "").startswith("azure"):
+        from azure.core.exceptions import ServiceRequestError, ServiceResponseError
+        return isinstance(err, (ServiceRequestError, ServiceResponseError))
+    return False
+
+
 def is_transient(err: BaseException) -> bool:
     """True for errors worth retrying: connection trouble, timeouts, throttling, 5xx."""
     if isinstance(err, (FileNotFoundError, PermissionError, FileExistsError,
@@ -265,25 +444,48 @@ def is_transient(err: BaseException) -> bool:
         verdict = _client_error_transient(candidate)
         if verdict is not None:
             return verdict
-    if isinstance(err, (TimeoutError, ConnectionError)):
+    if _is_connection_error(err):
         return True
+    verdict = _cloud_error_transient(err)
+    if verdict is not None:
+        return verdict
     try:
         from botocore import exceptions as bex
-        if isinstance(err, (bex.ConnectionError, bex.HTTPClientError)):
-            return True
         if isinstance(err, bex.BotoCoreError):  # NoCredentials, ParamValidation, ...
             return False
     except ImportError:  # pragma: no cover - s3fs absent
         pass
     try:
         import aiohttp
-        if isinstance(err, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)):
+        if isinstance(err, aiohttp.ClientPayloadError):  # a response cut short
             return True
     except ImportError:  # pragma: no cover
         pass
     if isinstance(err, OSError):
         return err.errno not in _PERMANENT_ERRNOS
     return False
+
+
+def _cloud_error_transient(err: BaseException) -> Optional[bool]:
+    """Classify gcsfs's HttpError and azure-core's errors by HTTP status; None if neither."""
+    for candidate in (err, err.__cause__):
+        if candidate is None:
+            continue
+        module = type(candidate).__module__ or ""
+        if module.startswith("gcsfs") and type(candidate).__name__ == "HttpError":
+            code = getattr(candidate, "code", None) or 0
+            return int(code) >= 500 or int(code) in (408, 429)
+        if module.startswith("azure"):
+            from azure.core import exceptions as aex
+            if isinstance(candidate, (aex.ServiceRequestError, aex.ServiceResponseError)):
+                return True  # connection refused/reset, timeouts
+            if isinstance(candidate, (aex.ClientAuthenticationError, aex.ResourceNotFoundError,
+                                      aex.ResourceExistsError)):
+                return False
+            if isinstance(candidate, aex.HttpResponseError):
+                code = getattr(candidate, "status_code", None) or 0
+                return int(code) >= 500 or int(code) in (408, 429)
+    return None
 
 
 _sleep = time.sleep  # replaced by tests to observe backoff without waiting
@@ -336,8 +538,8 @@ def with_retries(fn: Callable[[], T], *, attempts: Optional[int] = None, base_de
 def write_text_atomic(uri: str, text: str, options: Optional[StorageOptions] = None) -> None:
     """Write ``text`` so that readers see the old content or the new, never half.
 
-    Local: temp file in the same directory, fsync, ``os.replace``. S3: one PUT, which S3
-    makes visible atomically. Memory: one assignment.
+    Local: temp file in the same directory, fsync, ``os.replace``. Object stores: one PUT
+    (upload), which S3, GCS and Azure Blob make visible atomically. Memory: one assignment.
     """
     fs, path = resolve(uri, options)
     data = text.encode("utf-8")
@@ -428,44 +630,108 @@ def remove_tree(uri: str, options: Optional[StorageOptions] = None) -> None:
 
 
 def _is_connection_failure(err: BaseException) -> bool:
-    try:
-        from botocore import exceptions as bex
-        if isinstance(err, (bex.ConnectionError, bex.HTTPClientError)):
-            return True
-    except ImportError:  # pragma: no cover
-        pass
-    return isinstance(err, (ConnectionError, TimeoutError))
+    return any(c is not None and _is_connection_error(c) for c in (err, err.__cause__))
+
+
+def _create_command(store: ObjectStore, bucket: str, endpoint: Optional[str]) -> str:
+    if store.family == "gs":
+        return (f"`gcloud storage buckets create gs://{bucket}`" if not endpoint else
+                f"`curl -X POST {endpoint}/storage/v1/b -H 'Content-Type: application/json' "
+                f"-d '{{\"name\": \"{bucket}\"}}'` (an emulator)")
+    if store.family == "az":
+        return (f"`az storage container create --name {bucket}` (with the account's "
+                "--connection-string or --account-name)")
+    return f"`aws s3 mb s3://{bucket}" + (f" --endpoint-url {endpoint}`" if endpoint else "`")
 
 
 def missing_bucket_error(uri: str, options: Optional[StorageOptions] = None, *,
                          field: str = "storage uri") -> StorageError:
-    """The error for an ``s3://`` URI whose bucket does not exist, naming the bucket, the
-    endpoint and the command that creates it (``field``: which setting holds the URI)."""
+    """The error for an object-store URI whose bucket (container) does not exist, naming
+    it, the endpoint and the command that creates it (``field``: which setting holds the
+    URI). rayflex itself never creates one."""
     options = options or StorageOptions()
+    store = object_store(uri) or _S3
     bucket = redact_uri(uri).split("://", 1)[-1].split("/", 1)[0]
-    endpoint = options.resolved_endpoint()
+    endpoint = options.resolved_endpoint(store.family)
+    word = "container" if store.family == "az" else "bucket"
     return StorageError(
-        f"bucket {bucket!r} does not exist at {endpoint or 'the default AWS endpoint'} "
-        f"({field} {redact_uri(uri)}). Fix: create it with `aws s3 mb s3://{bucket}"
-        + (f" --endpoint-url {endpoint}`" if endpoint else "`")
-        + f" or point the {field} at an existing bucket")
+        f"{word} {bucket!r} does not exist at {endpoint or f'the default {store.service} endpoint'} "
+        f"({field} {redact_uri(uri)}). Fix: create it with {_create_command(store, bucket, endpoint)}"
+        f" or point the {field} at an existing {word}; rayflex never creates {word}s")
 
 
 def check_bucket(uri: str, options: Optional[StorageOptions] = None, *, field: str = "storage uri") -> None:
-    """Raise :func:`missing_bucket_error` if ``uri`` is on S3 and its bucket does not exist.
+    """Raise :func:`missing_bucket_error` if ``uri`` is on an object store and its bucket
+    (container) does not exist.
 
-    Read-only (one HEAD of the bucket), for URIs rayflex reads but must not write, such as
-    the dataset; a bucket that exists but refuses the HEAD counts as existing."""
-    if scheme_of(uri) != "s3":
+    Read-only (one stat of the bucket), for URIs rayflex reads but must not write, such
+    as the dataset; a bucket that exists but refuses the stat counts as existing."""
+    if object_store(uri) is None:
         return
     fs, path = resolve(uri, options)
     bucket = path.split("/", 1)[0]
+
+    def _stat() -> None:
+        fs.invalidate_cache(bucket)
+        fs.info(bucket, refresh=True) if is_s3(fs) else fs.info(bucket)
+
     try:
-        with_retries(lambda: fs.info(bucket, refresh=True), what=f"stat bucket {bucket!r}")
+        with_retries(_stat, what=f"stat bucket {bucket!r}")
     except FileNotFoundError as err:
         raise missing_bucket_error(uri, options, field=field) from err
     except PermissionError:
         pass
+
+
+def _probe_filesystem(uri: str, options: StorageOptions) -> tuple[fsspec.AbstractFileSystem, str]:
+    """A filesystem of its own for the probe (not cached, not shared): short timeouts and,
+    where the package allows it, a single attempt."""
+    store = object_store(uri)
+    kwargs = fsspec_kwargs(uri, options)
+    if store is _S3:
+        kwargs = _merge(kwargs, {"config_kwargs": _probe_s3_config()})
+    elif store is _GCS:
+        kwargs = _merge(kwargs, _gcs_kwargs(options, probe=True))
+    elif store is _AZURE:
+        kwargs = _merge(kwargs, _azure_kwargs(options, probe=True))
+    if store is not None:
+        kwargs["skip_instance_cache"] = True
+    if store is _GCS:
+        cls = _gcs_probe_class()
+        return cls(**kwargs), cls._strip_protocol(uri).rstrip("/")
+    fs, root = fsspec.core.url_to_fs(uri, **kwargs)
+    if store is _S3:
+        fs.retries = 1  # s3fs's own retry loop (a class attribute, not a constructor kwarg)
+    if store is _AZURE:
+        # azure-storage's retry policy (3 retries, 15 s initial backoff: ~90 s against a
+        # dead endpoint) is built into the client adlfs made; the probe gets one attempt.
+        policy = getattr(getattr(getattr(fs, "service_client", None), "_config", None), "retry_policy", None)
+        if policy is not None and hasattr(policy, "total_retries"):
+            policy.total_retries = 0
+    return fs, root.rstrip("/")
+
+
+def _credentials_fix(store: ObjectStore) -> str:
+    if store.family == "gs":
+        return ("set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file (or run "
+                "`gcloud auth application-default login`), or STORAGE_EMULATOR_HOST for an emulator")
+    if store.family == "az":
+        return ("set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with "
+                "AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN (or `az login`)")
+    return "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
+
+
+def _is_missing_credentials(err: BaseException) -> bool:
+    for candidate in (err, err.__cause__):
+        if candidate is None:
+            continue
+        module, name = type(candidate).__module__ or "", type(candidate).__name__
+        if (module.startswith("botocore") and name == "NoCredentialsError") or \
+                (module.startswith("google.auth") and name == "DefaultCredentialsError") or \
+                (module.startswith("azure") and name in ("ClientAuthenticationError",
+                                                         "CredentialUnavailableError")):
+            return True
+    return False
 
 
 def check_storage(uri: str, options: Optional[StorageOptions] = None) -> None:
@@ -473,22 +739,20 @@ def check_storage(uri: str, options: Optional[StorageOptions] = None) -> None:
 
     Run before any actor starts, so a missing bucket, a dead endpoint or refused
     credentials fail the run in seconds with a message that says what to fix, instead of
-    at the first checkpoint an hour in. The S3 client used here has a short connect
-    timeout and no retries; it is not cached and not shared.
+    at the first checkpoint an hour in. The client used here has short timeouts and (on
+    S3) no retries; it is not cached and not shared. Nothing is created but the probe
+    object: never a bucket, a container or a directory marker.
     """
     options = options or StorageOptions()
     scheme = scheme_of(uri)
+    store = object_store(uri)
     shown = redact_uri(uri)
-    kwargs = fsspec_kwargs(uri, options)
-    if scheme == "s3":
-        kwargs = _merge(kwargs, {"config_kwargs": _probe_s3_config(), "skip_instance_cache": True})
-    fs, root = fsspec.core.url_to_fs(uri, **kwargs)
-    if scheme == "s3":
-        fs.retries = 1  # s3fs's own retry loop (a class attribute, not a constructor kwarg)
-    root = root.rstrip("/")
+    fs, root = _probe_filesystem(uri, options)
     probe = f"{root}/.rayflex-probe-{uuid.uuid4().hex[:12]}"
     payload = f"rayflex storage probe {uuid.uuid4().hex}".encode()
-    endpoint = options.resolved_endpoint() or "the default AWS endpoint"
+    family = store.family if store else "s3"
+    endpoint = (options.resolved_endpoint(family)
+                or f"the default {store.service if store else 'S3'} endpoint")
     t0 = time.monotonic()
     try:
         if scheme == "file":
@@ -501,38 +765,40 @@ def check_storage(uri: str, options: Optional[StorageOptions] = None) -> None:
                 f"{len(back)} different bytes. Fix: check the storage service's consistency "
                 "settings or caching proxies in front of it")
         fs.rm(probe)
-    except StorageError:
+    except (StorageError, ConfigError):
         raise
     except FileNotFoundError as err:
-        if scheme == "s3":
+        if store is not None:
             raise missing_bucket_error(uri, options) from err
         raise StorageError(f"storage probe at {shown} failed: {err}. Fix: use a directory "
                            "this process can create and write") from err
     except PermissionError as err:
-        if scheme == "s3":
+        if store is not None:
             raise StorageError(
                 f"{endpoint} refused the credentials for {shown} "
-                f"(credentials from {options.credential_source()}): {err}. Fix: set "
-                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to a key allowed to "
-                f"put, get and delete objects under {shown}") from err
+                f"(credentials from {options.credential_source(family)}): {err}. Fix: "
+                f"{_credentials_fix(store)} for an identity allowed to put, get and delete "
+                f"objects under {shown}") from err
         raise StorageError(f"permission denied writing under {shown}: {err}. Fix: choose a "
                            "directory this user can write, or fix its permissions") from err
     except Exception as err:  # noqa: BLE001 - every failure becomes a StorageError
-        if scheme == "s3" and _is_connection_failure(err):
+        if store is _AZURE and any(getattr(e, "error_code", None) == "ContainerNotFound"
+                                   for e in (err, err.__cause__)):
+            raise missing_bucket_error(uri, options) from err  # adlfs does not map this one
+        if store is not None and _is_connection_failure(err):
+            hint = {"s3": "StorageOptions.endpoint_url / AWS_ENDPOINT_URL_S3",
+                    "gs": "StorageOptions.endpoint_url / STORAGE_EMULATOR_HOST",
+                    "az": "the BlobEndpoint of AZURE_STORAGE_CONNECTION_STRING"}[family]
             raise StorageError(
-                f"cannot reach the S3 endpoint {endpoint} for {shown} after "
+                f"cannot reach the {store.service} endpoint {endpoint} for {shown} after "
                 f"{time.monotonic() - t0:.1f}s: {type(err).__name__}: {err}. Fix: check "
-                "StorageOptions.endpoint_url / AWS_ENDPOINT_URL_S3, that the service is up, "
-                "and that this node can reach it") from err
-        try:
-            from botocore.exceptions import NoCredentialsError
-            if isinstance(err, NoCredentialsError):
-                raise StorageError(
-                    f"no credentials found for {shown}. Fix: set AWS_ACCESS_KEY_ID and "
-                    "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or StorageOptions(anon=True) "
-                    "for a public bucket") from err
-        except ImportError:  # pragma: no cover
-            pass
+                f"{hint}, that the service is up, and that this node can reach it") from err
+        if store is not None and _is_missing_credentials(err):
+            raise StorageError(
+                f"no usable credentials for {shown} (tried {options.credential_source(family)}): "
+                f"{type(err).__name__}. Fix: {_credentials_fix(store)}"
+                + (", or StorageOptions(anon=True) for a public bucket" if family != "az" else ""))  \
+                from err
         raise StorageError(f"storage probe at {shown} failed: {type(err).__name__}: {err}. "
                            "Fix: check the storage uri and that the service is healthy") from err
     logger.info("storage probe at %s ok (%.2fs)", shown, time.monotonic() - t0)

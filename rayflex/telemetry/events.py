@@ -33,6 +33,7 @@ class EventKind(enum.StrEnum):
     WORKER_DIED = "worker_died"
     NODE_LOST = "node_lost"
     HANG_DETECTED = "hang_detected"
+    HANG_DIAGNOSED = "hang_diagnosed"
     STRAGGLER_DETECTED = "straggler_detected"
     PREEMPTION_NOTICE = "preemption_notice"
     RESTARTED = "restarted"
@@ -201,6 +202,28 @@ class HangDetected(Event):
     phases: dict = field(default_factory=dict)
     stalled_s: float = 0.0
     timeout_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangDiagnosed(Event):
+    """What the hang was, from every answering rank's flight record (``faults/diagnosis``):
+    ``verdict`` in one sentence, its ``diagnosis`` kind, the ranks at fault, the process
+    group (its role and members), the collective and its sequence number in that group,
+    and one ``table`` row per member of the group."""
+
+    kind: ClassVar[EventKind] = EventKind.HANG_DIAGNOSED
+    trigger: str = "hang"  # or "worker_died": a collective mismatch on gloo can kill a rank
+    verdict: str = ""
+    diagnosis: str = ""
+    ranks: list = field(default_factory=list)
+    group: str = ""
+    members: list = field(default_factory=list)
+    op: str = ""
+    seq: int = 0
+    program_level: bool = False
+    answered: list = field(default_factory=list)
+    table: list = field(default_factory=list)
+    diagnose_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,6 +39,7 @@ MARKER_KINDS: dict[EventKind, tuple[str, str, str]] = {
     EventKind.WORKER_DIED: ("worker died", "tab:red", "x"),
     EventKind.WORKER_FAILED: ("worker failed", "darkred", "P"),
     EventKind.HANG_DETECTED: ("hang detected", "tab:pink", "h"),
+    EventKind.HANG_DIAGNOSED: ("hang diagnosed", "magenta", "H"),
     EventKind.STRAGGLER_DETECTED: ("straggler", "tab:gray", "<"),
     EventKind.RESTARTED: ("restarted", "tab:purple", "o"),
     EventKind.RUN_STOPPED: ("run stopped", "black", "*"),
@@ -234,6 +235,9 @@ def render(data: ReportData, now: Optional[float] = None) -> tuple[bytes, dict]:
     summary = {"name": data.name, "status": status, "steps": steps, "target_steps": target,
                "markers": drawn, "marker_kinds": {k.value: sum(e.kind is k for e in markers) for k in kinds},
                "rolled_back_points": len(lost), "sessions": len(spans), **gp.to_dict()}
+    diagnosed = [e for e in data.events if isinstance(e, ev.HangDiagnosed)]
+    if diagnosed:
+        summary["hang_diagnosis"] = f"step {diagnosed[-1].step}: {diagnosed[-1].verdict}"
     return buf.getvalue(), summary
 
 
@@ -252,10 +256,26 @@ td,th{{border:1px solid #ccc;padding:2px 6px;text-align:left}}</style></head>
 <img alt="loss, throughput, world size and events of run {html.escape(summary['name'])}"
      src="data:image/png;base64,{b64}">
 <h2>Summary</h2><ul>{facts}</ul>
-<h2>Events</h2><table><tr><th>t (s)</th><th>kind</th><th>step</th><th>detail</th></tr>
+{_diagnoses_html(events)}<h2>Events</h2><table><tr><th>t (s)</th><th>kind</th><th>step</th><th>detail</th></tr>
 {rows}
 </table></body></html>
 """
+
+
+def _diagnoses_html(events: list[ev.Event]) -> str:
+    """A section per hang diagnosis: the verdict and one row per rank of its group."""
+    out = []
+    for e in events:
+        if not isinstance(e, ev.HangDiagnosed):
+            continue
+        columns = [c for c in ("rank", "step", "phase", "last_completed", "sent", "received", "at")
+                   if any(c in row for row in e.table)]
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+        rows = "".join("<tr>" + "".join(f"<td>{html.escape(str(row.get(c, '')))}</td>" for c in columns) + "</tr>"
+                       for row in e.table)
+        out.append(f"<h2>Hang diagnosed at step {e.step}</h2><p class=\"diagnosis\">{html.escape(e.verdict)}</p>"
+                   f"<table><tr>{head}</tr>{rows}</table>")
+    return "\n".join(out) + ("\n" if out else "")
 
 
 def _fmt(v) -> str:

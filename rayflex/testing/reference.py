@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rayflex.config import TrainSpec
-from rayflex.data.dataset import GlobalSampler, TokenDataset
+from rayflex.data.dataset import open_dataset
 from rayflex.models.spec import build_stage
 
 
@@ -46,8 +46,8 @@ def single_process_train(spec: TrainSpec, steps: int, *,
     else:
         state = copy.deepcopy(start_state)  # the optimizer's state keys follow the copied parameters
     model, opt = state.model, state.optimizer
-    ds = TokenDataset(spec.data.uri)
-    sampler = GlobalSampler(len(ds), spec.data.global_batch, spec.data.seed)
+    ds = open_dataset(spec.data)
+    sampler = ds.sampler(spec.data)
     seq = spec.data.seq_len
     losses = []
     for step in range(state.step + 1, steps + 1):

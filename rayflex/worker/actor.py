@@ -10,8 +10,8 @@ from __future__ import annotations
 
 # TrainWorker's public methods, callable on the actor (tests/test_architecture.py keeps
 # this list equal to the class's).
-ACTOR_METHODS = ("reconfigure", "node_info", "setup", "start", "poll", "request_stop", "request_checkpoint",
-                 "set_fail_at", "join", "release", "shutdown")
+ACTOR_METHODS = ("reconfigure", "node_info", "setup", "start", "poll", "flight_record", "request_stop",
+                 "request_checkpoint", "set_fail_at", "join", "release", "shutdown")
 
 
 class TrainWorkerActor:

@@ -99,9 +99,12 @@ def _install_wait_timer() -> None:
 
 
 @contextmanager
-def pipeline_wait_timer():
-    """Yields a dict whose ``wait_s`` is the time this thread blocked on pipeline p2p."""
-    _install_wait_timer()
+def pipeline_wait_timer(pipelined: bool = True):
+    """Yields a dict whose ``wait_s`` is the time this thread blocked on pipeline p2p
+    (0 without a pipeline: torch's pipelining package, ~1 s of CPU to import, is then
+    never loaded)."""
+    if pipelined:
+        _install_wait_timer()
     _tls.wait_s = 0.0
     out = {"wait_s": 0.0}
     try:

@@ -42,6 +42,8 @@ class StepRecord:
     sample_indices: Optional[list] = None
     # Seconds blocked in the end-of-step all-reduce: the last rank to arrive waits least.
     sync_wait_s: float = 0.0
+    # Seconds the step waited for its rows (0-ish when the prefetcher had them cached).
+    data_wait_s: float = 0.0
 
 
 @dataclass
@@ -55,3 +57,41 @@ class WorkerStatus:
     error: Optional[str] = None
     error_step: Optional[int] = None
     checkpoints: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CollectiveEntry:
+    """One collective (or point-to-point op) this rank issued, from its flight recorder.
+
+    ``group``: the group's role in the mesh ("dp", "tp", "pp", "dp_replicate", "world",
+    "control", "checkpoint"); ``members``: its global ranks; ``seq``: the op's number in
+    that group (collectives and point-to-point ops are numbered separately, as torch
+    does); ``completed``: the op finished on this rank; ``step``: the training step it
+    was issued in (0: setup or restore).
+    """
+
+    group: str
+    members: tuple
+    seq: int
+    op: str
+    sizes: tuple = ()
+    dtypes: tuple = ()
+    completed: bool = False
+    p2p: bool = False
+    started: float = 0.0  # unix time the op was issued
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class FlightRecord:
+    """A rank's recent collectives, newest last, as it answers a hang investigation.
+
+    ``available`` is False where no recorder ran (``ElasticConfig.flight_recorder=0``,
+    or a torch without one); ``error`` says why."""
+
+    rank: int
+    step: int
+    phase: str
+    entries: tuple = ()
+    available: bool = True
+    error: str = ""

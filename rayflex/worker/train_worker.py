@@ -21,11 +21,13 @@ from typing import Any, Optional
 
 import torch
 
-from rayflex.data.dataset import GlobalSampler, TokenDataset
+from rayflex.data.dataset import Prefetcher, open_dataset
 from rayflex.worker.process_groups import open_process_groups, process_group_layout
 from rayflex.worker.instrument import ActivationCounter, pipeline_wait_timer
 from rayflex.mesh.plan import MeshPlan
-from rayflex.worker.status import StepRecord, WorkerState, WorkerStatus
+from rayflex.worker import flight_recorder
+from rayflex.worker.collective_faults import collective_fault_for, committed
+from rayflex.worker.status import FlightRecord, StepRecord, WorkerState, WorkerStatus
 from rayflex.worker.meta_init import build_sharded_stages
 from rayflex.worker.parallelize import (build_device_mesh, build_schedule, clip_grads_, data_parallel_mesh,
                                         shard_stage, tp_grad_summed_params)
@@ -115,6 +117,22 @@ def _clear_sharding_caches() -> None:
         log.debug("could not clear DTensor sharding caches: %s", e)
 
 
+def _freeze_long_lived() -> None:
+    """Move what the process keeps for its whole life (torch, its distributed packages,
+    rayflex, Ray) out of the cyclic collector's sight: a full collection of a process
+    with torch loaded scans ~10^6 objects (0.2-0.7 s), and the collector runs them on
+    its own mid-step. The distributed packages are imported here (every setup imports
+    them anyway) so that they are frozen too. Called once the process holds no attempt
+    state; frozen objects are still freed by reference counting."""
+    import gc
+
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -126,6 +144,9 @@ class TrainWorker:
         from rayflex.constants import adopt_knobs
 
         adopt_knobs(knobs)
+        # Before the first process group: torch reads the size once per process.
+        self._p2p_log = (flight_recorder.P2PLog.install(spec.elastic.flight_recorder)
+                         if flight_recorder.enable(spec.elastic.flight_recorder) else None)
         self.spec = spec
         torch.set_num_threads(spec.scaling.torch_threads)
         self.node_id = self._node_id()
@@ -133,6 +154,8 @@ class TrainWorker:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self.reconfigure(rank, plan)
+        _freeze_long_lived()
+
 
     def reconfigure(self, rank: int, plan: MeshPlan) -> None:
         """Take a (new) rank in a (new) mesh. An elastic restart reuses a surviving process
@@ -155,9 +178,14 @@ class TrainWorker:
         self._checkpoint_request: Optional[str] = None
         # An armed injected failure belongs to this attempt: a reused process forgets it.
         self.fail_at: Optional[InjectedFailure] = _fail_at_from_env(rank)
+        self.collective_fault = collective_fault_for(rank)
         self.checkpointer = None
         self._last_saved_step: Optional[int] = None
         self.activations = ActivationCounter()
+        # For the flight record: this attempt's start and when each step began.
+        self._attempt_start = time.time()
+        self._step_starts: list[tuple[float, int]] = []
+        self._group_labels: Optional[flight_recorder.GroupLabels] = None
 
     # ----------------------------------------------------------------- identity
     @staticmethod
@@ -193,7 +221,7 @@ class TrainWorker:
         run.steps it was trained toward; None for a checkpoint older than that record).
         """
         self._set_phase("setup")
-        t0 = time.time()
+        t0 = self._attempt_start = time.time()
         _clear_sharding_caches()  # a reused process may hold decisions about its old rank
         # The world groups (worker/process_groups.py): the default one on the training
         # device's backend, a gloo control group for host scalars where that backend cannot
@@ -210,7 +238,12 @@ class TrainWorker:
         self.mesh = build_device_mesh(self.plan, self.device.type)
         self.dp_mesh = data_parallel_mesh(self.mesh, self.plan)
         self.tp_mesh = self.mesh["tp"] if self.plan.tp > 1 else None
+        self._group_labels = self._label_groups()
         pipelined = self.plan.pp > 1
+        if self._p2p_log is not None:
+            self._p2p_log.reset()
+            if pipelined:
+                self._p2p_log.attach()
 
         def shard(s: int, module):
             return shard_stage(module, self.dp_mesh, pipelined=pipelined, precision=self.spec.precision,
@@ -234,12 +267,21 @@ class TrainWorker:
                                              weight_decay=opt.weight_decay) for _, m in self.stages]
         self.schedule = (build_schedule(self.plan, self.stages, self.mesh["pp"].get_group(), self.device,
                                         self.spec.model.loss_fn) if pipelined else None)
-        self.dataset = TokenDataset(self.spec.data.uri)
-        need = self.spec.data.seq_len + 1
+        data = self.spec.data
+        if getattr(self, "_dataset_of", None) != (data.uri, data.sources):
+            # Kept by a reused process: its footers and cached row groups stay warm. The
+            # cache holds a shuffle window (a block spans <= 2 row groups) and the prefetch.
+            self.dataset = open_dataset(data, cache_groups=2 * data.shuffle_window + 4)
+            self._dataset_of = (data.uri, data.sources)
+        need = data.seq_len + 1
         if self.dataset.row_len < need:
             raise ValueError(f"dataset rows have {self.dataset.row_len} tokens but DataConfig.seq_len="
-                             f"{self.spec.data.seq_len} needs {need}; lower seq_len or rewrite the data")
-        self.sampler = GlobalSampler(len(self.dataset), self.spec.data.global_batch, self.spec.data.seed)
+                             f"{data.seq_len} needs {need}; lower seq_len or rewrite the data")
+        self.sampler = self.dataset.sampler(data)
+        if getattr(self, "_prefetcher", None) is not None:
+            self._prefetcher.close()  # a setup retried without a teardown in between
+        self._prefetcher = (Prefetcher(self.dataset, self.sampler, self.dp_index, self.plan.dp, data.prefetch_steps)
+                            if data.prefetch_steps else None)
         self._has_first = 0 in [s for s, _ in self.stages]
         self._has_last = (self.plan.num_stages - 1) in [s for s, _ in self.stages]
         # Every gloo group of the attempt exists now (on CPU the mesh's subgroups are gloo
@@ -261,6 +303,24 @@ class TrainWorker:
         t_end = time.time()
         return {"rank": self.rank, "setup_s": t_end - t0, "step": self._step, "restored": restored,
                 "rendezvous_s": t_pg - t0, "build_s": t_build - t_pg, "restore_s": t_end - t_build}
+
+    def _label_groups(self) -> flight_recorder.GroupLabels:
+        """Name this attempt's process groups by their role (the mesh's first: a mesh
+        dimension spanning the world may be the world group itself)."""
+        import torch.distributed as dist
+
+        labels = flight_recorder.GroupLabels()
+        labels.add_mesh(self.mesh, self.plan)
+        labels.add(dist.group.WORLD, "world")
+        labels.add(self.groups.control, "control")
+        labels.add(self.groups.checkpoint, "checkpoint")
+        return labels
+
+    def _role_of(self, group) -> str:
+        import torch.distributed as dist
+
+        group = group if group is not None else dist.group.WORLD
+        return self._group_labels.of(group.group_name)[0] if self._group_labels else "world"
 
     def _lr_of_step(self, step: int) -> float:
         return self.spec.run.optimizer.lr_of_step(step, self.spec.run.steps)
@@ -301,9 +361,12 @@ class TrainWorker:
                     _log_injected_failure(self.rank, step, failure.message)
                     raise RuntimeError(failure.message)
                 t0 = time.perf_counter()
-                loss_sum, grad_norm, probe = self._train_step(step)
-                self._set_phase("collective")
-                agreed = self._agree(loss_sum)
+                self._note_step_start(step)
+                with committed(self.collective_fault, step, self._role_of,
+                               on_fire=lambda message: _log_injected_failure(self.rank, step, message)):
+                    loss_sum, grad_norm, probe = self._train_step(step)
+                    self._set_phase("collective")
+                    agreed = self._agree(loss_sum)
                 probe["sync_wait_s"] = agreed.wait_s
                 loss = agreed.loss
                 stop_agreed = agreed.stop
@@ -341,10 +404,21 @@ class TrainWorker:
             self._state = WorkerState.FAILED
             log.error("rank %d failed at step %d:\n%s", self.rank, self._error_step, self._error)
 
+    def _note_step_start(self, step: int) -> None:
+        self._step_starts.append((time.time(), step))
+        if len(self._step_starts) > 512:  # the recorder's ring holds far fewer steps than this
+            del self._step_starts[:256]
+
     def _train_step(self, step: int) -> tuple[float, float, dict]:
         self._set_phase("data")
         indices = self.sampler.indices(step - 1, self.dp_index, self.plan.dp)
+        t_data = time.perf_counter()
         rows = self.dataset.rows(indices)
+        data_wait_s = time.perf_counter() - t_data
+        if self._prefetcher is not None:
+            # After this step's read, not before: the prefetch thread then reads while the
+            # step computes, instead of contending for the GIL with the read above.
+            self._prefetcher.ahead_of(step - 1)
         seq = self.spec.data.seq_len
         x, y = rows[:, :seq].to(self.device), rows[:, 1:seq + 1].to(self.device)
         self._set_phase("forward_backward")
@@ -353,13 +427,14 @@ class TrainWorker:
         loss_fn = self.spec.model.loss_fn
         self.activations.reset_peak()
         t_fb = time.perf_counter()
-        with self.activations.track(), pipeline_wait_timer() as waits:
+        with self.activations.track(), pipeline_wait_timer(self.schedule is not None) as waits:
             loss_contrib = self._forward_backward(x, y, loss_fn)
         if self._tp_summed:
             from rayflex.models.tp_plan import sum_replicated_grads
 
             sum_replicated_grads(self._tp_summed, self.tp_mesh.get_group())
         probe = {"activation_peak_bytes": self.activations.peak, "pipeline_wait_s": waits["wait_s"],
+                 "data_wait_s": data_wait_s,
                  "forward_backward_s": time.perf_counter() - t_fb,
                  "sample_indices": indices.tolist() if self.spec.data.log_samples else None}
         self._set_phase("optimizer")
@@ -460,6 +535,12 @@ class TrainWorker:
                                 phase=self._phase, records=records, error=self._error,
                                 error_step=self._error_step, checkpoints=ckpts)
 
+    def flight_record(self) -> FlightRecord:
+        """This attempt's recent collectives (torch's flight recorder), for a hang
+        investigation. Answers while the training loop is blocked in a collective."""
+        return flight_recorder.read_flight_record(self.rank, self._step, self._phase, self._group_labels,
+                                                  self._attempt_start, list(self._step_starts), self._p2p_log)
+
     def request_stop(self, reason: str = "stop") -> None:
         """Stop at the next step boundary (agreed by every rank), leaving a checkpoint there
         (``reason="preemption"``: even if periodic checkpoints are off)."""
@@ -547,8 +628,12 @@ class TrainWorker:
             self.__dict__.pop(name, None)
         self.checkpointer = None
         self._thread = None
+        prefetcher, self._prefetcher = getattr(self, "_prefetcher", None), None
+        if prefetcher is not None:
+            prefetcher.close()
         _clear_sharding_caches()
-        gc.collect()
+        gc.collect()  # the attempt's cycles (FSDP hooks, DTensor specs) hold sockets open
+        _freeze_long_lived()  # what survived is the process's own (caches filled this attempt)
 
     def shutdown(self, checkpoint_grace_s: float = 4.0) -> None:
         """Give an in-flight checkpoint a moment to commit, then leave the process group."""

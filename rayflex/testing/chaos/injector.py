@@ -234,7 +234,15 @@ class Injector:
         self._actions += [(deadline, "remove", node), (deadline + self.timing.node_return_s, "add", None)]
 
     def _preempt_long(self, fault: Injected, workers: list[dict]) -> None:
-        self._preempt(fault, workers, self.timing.long_notice_s)
+        """A notice long enough for an emergency checkpoint *on this machine now*: the run
+        says how much it needs (a step + its recent save time + the margin), and under a
+        loaded CI machine that can exceed ``long_notice_s``; a shorter notice would make the
+        controller (rightly) restore the last commit instead, and the fault would test the
+        short-notice path twice and this one never."""
+        needed = float(self.handle.status().get("emergency_notice_s") or 0.0)
+        notice = max(self.timing.long_notice_s, 1.5 * needed + 1.0)
+        fault.detail["needed_s"] = round(needed, 2)
+        self._preempt(fault, workers, notice)
 
     def _preempt_short(self, fault: Injected, workers: list[dict]) -> None:
         self._preempt(fault, workers, self.timing.short_notice_s)

@@ -127,6 +127,15 @@ def _match(fault: dict, events: list[ev.Event]) -> Optional[ev.Event]:
     return matcher(fault, [e for e in events if e.time >= fault["time"] - 0.5])
 
 
+def _about_target(fault: dict, events: list[ev.Event], limit: int = 4) -> list[str]:
+    """The first events after a fault that name its rank or node."""
+    node, rank = fault.get("node_id"), fault.get("rank")
+    about = [e for e in events if e.time >= fault["time"] - 0.5
+             and ((node and getattr(e, "node_id", None) == node)
+                  or (rank is not None and (getattr(e, "rank", None) == rank or rank in (getattr(e, "ranks", None) or []))))]
+    return [f"+{e.time - fault['time']:.1f}s {e.describe()}"[:300] for e in about[:limit]]
+
+
 def faults_accounted(faults: list[dict], events: list[Union[ev.Event, dict]],
                      heartbeat_s: float) -> tuple[bool, list[dict]]:
     """For every injected fault: the event that named it, which detector, how fast."""
@@ -142,6 +151,8 @@ def faults_accounted(faults: list[dict], events: list[Union[ev.Event, dict]],
             bound += heartbeat_s
         row["ok"] = e is not None and (bound is None or row["after_s"] <= bound)
         row["bound_s"] = bound
+        if e is None:  # what the run did say about the target: a missed fault or a different path
+            row["seen"] = _about_target(f, events)
         ok &= row["ok"]
         rows.append(row)
     return ok, rows

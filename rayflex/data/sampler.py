@@ -1,0 +1,165 @@
+"""The world-size-independent sample order: O(1) memory, row-group locality.
+
+Step ``s`` consumes positions ``[s*G, (s+1)*G)`` of an endless stream of epochs; dp rank
+``r`` of ``dp`` takes the contiguous slice ``[r*G/dp, (r+1)*G/dp)`` of that window. The
+sampler's whole state is one integer (the next step) and the order depends only on the
+seed and the dataset's size and block size, never on dp, pp or tp: a resume at another
+world size sees exactly the samples an uninterrupted run would have seen.
+
+Position -> row, within epoch ``e``, in two levels:
+
+1. The dataset is cut into blocks of ``block_rows`` consecutive rows (the shards' row-group
+   size, so a block is one or two row groups). The full blocks are permuted by a seeded
+   bijection, and the permuted sequence is cut into *windows* of ``window_blocks`` blocks.
+2. Inside a window, its ``window_blocks * block_rows`` rows are permuted by another seeded
+   bijection. The rows that do not fill a block (fewer than ``block_rows``) close the epoch,
+   permuted among themselves.
+
+Each bijection is a keyed 4-round Feistel network over the next power of four, walked
+in cycles back into ``[0, n)``: no permutation array is ever built, so memory is O(1) per
+index whatever N is, and each epoch still visits every row exactly once.
+
+The statistical trade-off: rows are shuffled uniformly *within* a window of
+``window_blocks`` random blocks, not across the whole dataset, so the samples of one step
+come from at most ~2 x ``window_blocks`` row groups (what a reader must cache) instead of
+up to G of them. Rows packed next to each other at preparation time (one document's
+chunks) stay within a window; datasets shuffled at preparation time lose nothing. With
+``window_blocks * block_rows >= N`` the order is a uniform shuffle of the whole epoch.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from rayflex.constants import DEFAULT_SHUFFLE_WINDOW
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _mix_int(x: int) -> int:
+    """:func:`_mix` on one Python int (no array overhead: keys are derived per call)."""
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def derive_key(*parts: int) -> int:
+    """A 64-bit key from non-negative integers (seed, epoch, level, window)."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = _mix_int(h ^ (int(p) & 0xFFFFFFFFFFFFFFFF))
+    return h
+
+
+@functools.lru_cache(maxsize=64)
+def _bijection(n: int, key: int) -> "Bijection":
+    return Bijection(n, key)
+
+
+class Bijection:
+    """A keyed pseudo-random permutation of ``[0, n)`` evaluated pointwise."""
+
+    ROUNDS = 4
+
+    def __init__(self, n: int, key: int):
+        if n < 1:
+            raise ValueError(f"a permutation needs n >= 1, got {n}")
+        self.n = int(n)
+        self.half_bits = max(1, (int(n - 1).bit_length() + 1) // 2)
+        self.mask = np.uint64((1 << self.half_bits) - 1)
+        self.keys = [np.uint64(derive_key(key, r)) for r in range(self.ROUNDS)]
+
+    def _rounds(self, x: np.ndarray) -> np.ndarray:
+        h = np.uint64(self.half_bits)
+        left, right = x >> h, x & self.mask
+        for k in self.keys:
+            left, right = right, left ^ (_mix(right ^ k) & self.mask)
+        return (left << h) | right
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """The images of ``x`` (integers in ``[0, n)``), as int64."""
+        if self.n == 1:
+            return np.zeros(np.shape(x), dtype=np.int64)
+        out = self._rounds(np.asarray(x, dtype=np.uint64))
+        # Cycle walking: the domain is at most 4n, so a point needs ~2 walks on average.
+        todo = np.nonzero(out >= np.uint64(self.n))[0]
+        while todo.size:
+            out[todo] = self._rounds(out[todo])
+            todo = todo[out[todo] >= np.uint64(self.n)]
+        return out.astype(np.int64)
+
+
+@dataclass(frozen=True)
+class GlobalSampler:
+    """Maps (step, dp rank) to dataset row indices; see the module docstring.
+
+    ``block_rows``: rows per block (the dataset's row-group size; 0: the whole dataset is
+    one window, a uniform shuffle). ``window_blocks``: blocks shuffled together.
+    """
+
+    num_samples: int
+    global_batch: int
+    seed: int
+    block_rows: int = 0
+    window_blocks: int = DEFAULT_SHUFFLE_WINDOW
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise ValueError(f"a sampler needs at least one sample, got num_samples={self.num_samples}")
+        if self.window_blocks < 1:
+            raise ValueError(f"window_blocks must be >= 1, got {self.window_blocks}")
+
+    @property
+    def _block(self) -> int:
+        k = self.block_rows
+        return self.num_samples if k <= 0 or k > self.num_samples else k
+
+    @property
+    def window_rows(self) -> int:
+        """Rows shuffled together (the reader's working set)."""
+        return min(self.num_samples, self._block * self.window_blocks)
+
+    def positions(self, step: int, dp_rank: int, dp: int) -> range:
+        """Global stream positions consumed by ``dp_rank`` at ``step`` (0-based step)."""
+        per_rank = self.global_batch // dp
+        start = step * self.global_batch + dp_rank * per_rank
+        return range(start, start + per_rank)
+
+    def indices(self, step: int, dp_rank: int = 0, dp: int = 1) -> np.ndarray:
+        """Dataset row indices for ``dp_rank`` at ``step``."""
+        return self.rows_at(np.asarray(self.positions(step, dp_rank, dp), dtype=np.int64))
+
+    def rows_at(self, positions: np.ndarray) -> np.ndarray:
+        """Dataset row indices at global stream positions (any epoch)."""
+        pos = np.asarray(positions, dtype=np.int64)
+        n, k, w = self.num_samples, self._block, self.window_blocks
+        full_blocks = n // k
+        full_rows = full_blocks * k
+        window = w * k
+        out = np.empty_like(pos)
+        epoch, q = np.divmod(pos, n)
+        # Group by (epoch, window): a step's positions fall in one or two of them.
+        win = np.where(q < full_rows, q // window, -1)
+        for e, wi in sorted(set(zip(epoch.tolist(), win.tolist()))):
+            sel = np.nonzero((epoch == e) & (win == wi))[0]
+            if wi < 0:  # the rows that do not fill a block end the epoch
+                tail = _bijection(n - full_rows, derive_key(self.seed, e, 2))
+                out[sel] = full_rows + tail(q[sel] - full_rows)
+                continue
+            blocks_here = min(w, full_blocks - wi * w)
+            local = _bijection(blocks_here * k, derive_key(self.seed, e, 1, wi))(q[sel] - wi * window)
+            slot, row = np.divmod(local, k)
+            block = _bijection(full_blocks, derive_key(self.seed, e, 0))(wi * w + slot)
+            out[sel] = block * k + row
+        return out
