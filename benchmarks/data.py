@@ -3,10 +3,11 @@
 * the sampler: time and peak memory per step, the per-epoch permutation it replaced
   (``np.random.default_rng([seed, epoch]).permutation(N)`` on every call) vs the O(1)
   Feistel order, at N up to 10^9 virtual samples (the old one only where it fits);
-* read amplification (rows loaded / rows consumed, per dp rank): the old reader (uniform
-  order, whole shards, an LRU of 4 shards; simulated exactly from the shard each row lives
+* read amplification (rows loaded / rows consumed): the old reader (uniform order, whole
+  shards, an LRU of 4 shards, dp rank 0; simulated exactly from the shard each row lives
   in, since reading a 5 GB corpus that way takes hours) vs the row-group reader with the
-  windowed order at several shuffle windows (measured: every byte really read);
+  windowed order at several shuffle windows, every dp rank with its own reader (measured:
+  every byte really read);
 * data wait per step with and without the prefetcher, against a step of ``--step-s``.
 
     python benchmarks/data.py [--shards 2000 --rows-per-shard 320 --seq-len 2048] [--storage file|s3]
@@ -104,16 +105,16 @@ def _shard_rows(ds: TokenDataset) -> list[int]:
 
 
 def new_reader(uri: str, batch: int, dp: int, steps: int, window: int, *, step_s: float = 0.0,
-               prefetch: int = 0) -> dict:
+               prefetch: int = 0, rank: int = 0) -> dict:
     ds = TokenDataset(uri, cache_groups=2 * window + 4)
     base_rows = ds.stats.rows_loaded  # the group read at open
     base_bytes = ds.stats.bytes_loaded
     s = GlobalSampler(len(ds), batch, 0, block_rows=ds.block_rows, window_blocks=window)
-    pf = Prefetcher(ds, s, 0, dp, prefetch) if prefetch else None
+    pf = Prefetcher(ds, s, rank, dp, prefetch) if prefetch else None
     waits = []
     t_start = time.perf_counter()
     for step in range(steps):
-        idx = s.indices(step, 0, dp)
+        idx = s.indices(step, rank, dp)
         t0 = time.perf_counter()
         ds.rows(idx)
         waits.append(time.perf_counter() - t0)
@@ -129,6 +130,18 @@ def new_reader(uri: str, batch: int, dp: int, steps: int, window: int, *, step_s
             "data_wait_ms_median": statistics.median(waits) * 1e3, "data_wait_ms_p90": float(np.percentile(waits, 90)) * 1e3,
             "data_wait_fraction": sum(waits) / max(1e-9, time.perf_counter() - t_start), "row_groups": ds.num_row_groups,
             "block_rows": ds.block_rows}
+
+
+def every_rank(uri: str, batch: int, dp: int, steps: int, window: int) -> dict:
+    """Read amplification of each dp rank (its own reader, as in a run): rows loaded per
+    row consumed, mean and max over the ranks, and bytes read / consumed over all of them."""
+    runs = [new_reader(uri, batch, dp, steps, window, rank=r) for r in range(dp)]
+    amps = [r["amplification"] for r in runs]
+    return {"window_blocks": window, "dp": dp, "amplification": statistics.mean(amps),
+            "amplification_max_rank": max(amps),
+            "bytes_read": sum(r["bytes_read"] for r in runs), "bytes_consumed": sum(r["bytes_consumed"] for r in runs),
+            "bytes_read_per_byte_consumed": sum(r["bytes_read"] for r in runs) / sum(r["bytes_consumed"] for r in runs),
+            "row_groups": runs[0]["row_groups"], "block_rows": runs[0]["block_rows"]}
 
 
 def main() -> None:
@@ -171,7 +184,7 @@ def main() -> None:
             f"dp{dp}": old_reader_amplification(ds, args.batch, dp, args.steps) for dp in (1, 8)}}
         for window in (1, 4, 16):
             for dp in (1, 8):
-                amp[f"after_window{window}_dp{dp}"] = new_reader(uri, args.batch, dp, args.steps, window)
+                amp[f"after_window{window}_dp{dp}"] = every_rank(uri, args.batch, dp, args.steps, window)
         out["read_amplification"] = amp
         out["data_wait"] = {f"prefetch{p}": new_reader(uri, args.batch, 8, min(args.steps, 100), 4,
                                                          step_s=args.step_s, prefetch=p) for p in (0, 2)}

@@ -24,8 +24,20 @@ def test_every_sample_once_per_epoch_then_new_order():
 
 def test_batches_straddling_an_epoch_boundary():
     s = GlobalSampler(num_samples=10, global_batch=4, seed=1)
-    seen = np.concatenate([s.indices(k) for k in range(5)])  # 20 positions = 2 epochs
-    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:]) == list(range(10))
+    stream = np.concatenate([s.step_rows(k) for k in range(5)])  # 20 positions = 2 epochs
+    assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:]) == list(range(10))
+    # A step that straddles the boundary still consumes exactly its own rows.
+    assert sorted(s.indices(2)) == sorted(stream[8:12])
+
+
+@pytest.mark.parametrize("dp", [2, 4, 8])
+def test_each_rank_reads_its_own_blocks(dp):
+    # Round-robin windows: a step takes an equal share of each block of its window, and a
+    # rank's share of the step is a run of whole blocks, so no two ranks need one block.
+    s = GlobalSampler(num_samples=64 * 40, global_batch=64, seed=5, block_rows=16, window_blocks=8)
+    for step in range(12):
+        blocks = [set((s.indices(step, r, dp) // 16).tolist()) for r in range(dp)]
+        assert sum(len(b) for b in blocks) == len(set().union(*blocks)) == 8
 
 
 @pytest.mark.parametrize("scheme", ["file", "memory"])

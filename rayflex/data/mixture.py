@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rayflex.data.sampler import Bijection, derive_key
+from rayflex.data.sampler import Bijection, StepOrder, derive_key
 
 MIXTURE_PERIOD = 1000
 
@@ -49,7 +49,7 @@ def _period_order(period: int, key: int) -> Bijection:
 
 
 @dataclass(frozen=True)
-class MixtureSampler:
+class MixtureSampler(StepOrder):
     """Maps (step, dp rank) to global row indices of a mixture; see the module docstring."""
 
     sources: tuple  # GlobalSampler per source, in order
@@ -62,14 +62,6 @@ class MixtureSampler:
     @property
     def num_samples(self) -> int:
         return self.offsets[-1] + self.sources[-1].num_samples
-
-    def positions(self, step: int, dp_rank: int, dp: int) -> range:
-        per_rank = self.global_batch // dp
-        start = step * self.global_batch + dp_rank * per_rank
-        return range(start, start + per_rank)
-
-    def indices(self, step: int, dp_rank: int = 0, dp: int = 1) -> np.ndarray:
-        return self.rows_at(np.asarray(self.positions(step, dp_rank, dp), dtype=np.int64))
 
     def source_positions(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source, that source's stream position) of each global stream position."""

@@ -62,7 +62,9 @@ def samples_exact(samples: list[dict], sampler, steps: int) -> tuple[bool, str]:
     n = sampler.num_samples
     for s in range(1, steps + 1):
         positions = np.arange((s - 1) * sampler.global_batch, s * sampler.global_batch)
-        for pos, idx in zip(positions, by_step[s]["indices"]):
+        # The line lists the step's rows in dataset order (each rank's share in turn); the
+        # stream order says which epoch each belongs to.
+        for pos, idx in zip(positions, sampler.step_rows(s - 1).tolist()):
             epoch = int(pos // n)
             if idx in seen.setdefault(epoch, set()):
                 return False, f"row {idx} seen twice in epoch {epoch} (step {s})"
