@@ -8,6 +8,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from rayflex.data.sampler import SAMPLE_ORDER
 from rayflex.faults.preemption import Notice
 from rayflex.group.standby import Readiness
 from rayflex.group.worker_group import PollResult
@@ -182,7 +183,8 @@ class FakeGroup:
         # A test sets cluster.saved_total_steps to the run.steps the checkpoint was trained
         # toward (unset: a checkpoint without that record).
         restored = ({"uri": f"mem://ckpt/{self.step}", "world_size": 0,
-                     "total_steps": getattr(self.cluster, "saved_total_steps", None)} if self.step else None)
+                     "total_steps": getattr(self.cluster, "saved_total_steps", None),
+                     "sample_order": getattr(self.cluster, "saved_sample_order", SAMPLE_ORDER)} if self.step else None)
         return [{"step": self.step, "restored": restored} for _ in self.actors]
 
     def start(self, end_step: int) -> list[int]:

@@ -34,9 +34,12 @@ def place(ctx, state: Placing):
     step = steps.pop()
     restored = infos[0].get("restored")
     if restored:
+        from rayflex.data.sampler import sample_order_change  # numpy, not torch: fine beside the driver
+
         ctx.record(ev.CheckpointLoaded(step=step, uri=restored.get("uri", ""), world_size=world,
                                        saved_world_size=restored.get("world_size", 0),
-                                       skipped=restored.get("skipped", [])))
+                                       skipped=restored.get("skipped", []),
+                                       data_order=sample_order_change(restored.get("sample_order"))))
         saved_total, total = restored.get("total_steps"), ctx.spec.run.steps
         if saved_total is not None and saved_total != total:
             opt = ctx.spec.run.optimizer

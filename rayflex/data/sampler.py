@@ -48,6 +48,24 @@ import numpy as np
 
 from rayflex.constants import DEFAULT_SHUFFLE_WINDOW
 
+# The version of the order function, recorded in every checkpoint: a resume from a
+# checkpoint of another version continues at the right step but not on the rows the
+# original run would have seen next, and says so (CheckpointLoaded.data_order). 1: a
+# per-epoch permutation array; 2: windowed Feistel blocks (rank slices of the stream);
+# 3: round-robin windows, each rank a run of the step's rows in dataset order.
+SAMPLE_ORDER = 3
+
+
+def sample_order_change(saved) -> str:
+    """What a resume from a checkpoint saved with order ``saved`` means for the data
+    ("" when the order is this rayflex's)."""
+    if saved == SAMPLE_ORDER:
+        return ""
+    was = f"sample order {saved}" if saved is not None else "an older sample order (before versions were recorded)"
+    return (f"the checkpoint was trained with {was}; this rayflex uses order {SAMPLE_ORDER}: the run resumes at its "
+            "step, but later steps see other rows than the original run would have (each row still once per epoch)")
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser, elementwise on uint64 (wrapping arithmetic)."""
     x = x ^ (x >> np.uint64(30))

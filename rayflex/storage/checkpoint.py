@@ -55,6 +55,7 @@ class TrainState:
     get_step: Callable[[], int]
     schedulers: list[Any] = field(default_factory=list)
     total_steps: Optional[int] = None
+    sample_order: Optional[int] = None  # rayflex.data.sampler.SAMPLE_ORDER of the run
     config: dict = field(default_factory=dict)
 
     def tensor_state(self) -> dict[str, Any]:
@@ -114,7 +115,7 @@ class TrainState:
             torch.save(torch.cuda.get_rng_state(), cuda_buf)
             extra["cuda_rng"] = base64.b64encode(cuda_buf.getvalue()).decode()
         return {**extra, "step": self.get_step(), "data_position_steps": self.get_step(),
-                "total_steps": self.total_steps,
+                "total_steps": self.total_steps, "sample_order": self.sample_order,
                 # The LR lambdas are code, not state: keep only the counters.
                 "schedulers": [{k: v for k, v in s.state_dict().items() if k != "lr_lambdas"}
                                for s in self.schedulers],
@@ -359,6 +360,7 @@ class AsyncCheckpointer:
         info["uri"] = path
         # The run.steps it was trained toward (None: saved before rayflex recorded it).
         info["total_steps"] = extra.get("total_steps")
+        info["sample_order"] = extra.get("sample_order")  # None: saved before it was recorded
         return info
 
 

@@ -142,6 +142,7 @@ class CheckpointLoaded(Event):
     world_size: int = 0
     saved_world_size: int = 0
     skipped: list = field(default_factory=list)
+    data_order: str = ""  # set when the checkpoint's sample order is not this rayflex's
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from rayflex.data.dataset import Prefetcher, open_dataset
+from rayflex.data.sampler import SAMPLE_ORDER
 from rayflex.worker.process_groups import open_process_groups, process_group_layout
 from rayflex.worker.instrument import ActivationCounter, pipeline_wait_timer
 from rayflex.mesh.plan import MeshPlan
@@ -330,6 +331,7 @@ class TrainWorker:
 
         return TrainState(modules=[m for _, m in self.stages], optimizers=self.optimizers,
                           get_step=lambda: self._step, total_steps=self.spec.run.steps,
+                          sample_order=SAMPLE_ORDER,
                           config={"run": self.spec.run.name, "world_size": self.plan.world_size,
                                   "pp": self.plan.pp, "dp": self.plan.dp, "tp": self.plan.tp,
                                   "dp_replicate": self.plan.dp_replicate})
