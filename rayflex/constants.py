@@ -53,6 +53,10 @@ _DEFAULTS: dict[str, float] = {
     "STORAGE_RETRY_ATTEMPTS": 5,
     "STORAGE_RETRY_BASE_DELAY_S": 0.2,
     "STORAGE_RETRY_MAX_DELAY_S": 5.0,
+    # How long a step waits for a row group another thread (the prefetcher, possibly of an
+    # earlier attempt in a reused process) is reading before it reads the group itself: a
+    # read stuck on a dead endpoint must not hold every later step.
+    "DATA_PENDING_READ_WAIT_S": 30.0,
     # Emergency-checkpoint duration assumed before the run has measured one.
     "EMERGENCY_CHECKPOINT_DEFAULT_S": 10.0,
     # CPU niceness of the checkpoint upload thread (0 = as training): uploads take the

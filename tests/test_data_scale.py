@@ -123,6 +123,32 @@ def test_two_threads_wanting_one_row_group_read_it_once(tmp_path):
     assert ds.stats.groups_loaded == 2  # row 0's group at open, then 300-349's once
 
 
+def test_a_read_stuck_in_another_thread_does_not_hold_the_step(tmp_path, monkeypatch):
+    # A prefetch read that never returns (a dead endpoint, an earlier attempt's thread in a
+    # reused process): the step waits DATA_PENDING_READ_WAIT_S, then reads the group itself.
+    monkeypatch.setenv("RAYFLEX_DATA_PENDING_READ_WAIT_S", "0.2")
+    ds = _dataset(tmp_path)
+    expected = TokenDataset(ds.uri).rows(np.arange(300, 350))
+    entered, release = threading.Event(), threading.Event()
+    real_read = ds._read_group
+
+    def first_read_hangs(g):
+        if not entered.is_set():
+            entered.set()
+            release.wait(60)
+        return real_read(g)
+
+    monkeypatch.setattr(ds, "_read_group", first_read_hangs)
+    stuck = threading.Thread(target=ds.warm, args=(np.arange(300, 350),), daemon=True)
+    stuck.start()
+    assert entered.wait(10)
+    got = ds.rows(np.arange(300, 350))  # returns while the other read is still stuck
+    assert stuck.is_alive() and (got == expected).all()
+    release.set()
+    stuck.join(10)
+    assert not stuck.is_alive() and (ds.rows(np.arange(300, 350)) == expected).all()
+
+
 def test_bad_data_knobs_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="DataConfig.shuffle_window"):
         DataConfig(uri=f"file://{tmp_path}/d", shuffle_window=0)

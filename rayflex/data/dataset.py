@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
+from rayflex.constants import knob
 from rayflex.data.sampler import GlobalSampler
 from rayflex.storage.fs import check_bucket, ensure_dir, redact_uri, resolve, with_retries
 
@@ -147,28 +148,40 @@ class TokenDataset:
                     return self._cache[gi]
                 pending = self._loading.get(gi)
                 if pending is None:
-                    self._loading[gi] = threading.Event()
+                    mine = self._loading[gi] = threading.Event()
                     break
-            pending.wait()  # the other thread's read; then take it from the cache
+            # The other thread's read; then take it from the cache. One that does not end
+            # (a prefetch stuck on a dead endpoint, perhaps left by an earlier attempt) is
+            # not waited for again: this thread reads the group itself.
+            if not pending.wait(knob("DATA_PENDING_READ_WAIT_S")):
+                log.warning("row group %d of %s: another thread's read is not done after %.0fs; reading it here",
+                            self._groups[gi].index, redact_uri(self._shards[self._groups[gi].shard]),
+                            knob("DATA_PENDING_READ_WAIT_S"))
+                return self._read_into_cache(gi)
         try:
-            g = self._groups[gi]
-            table = with_retries(lambda: self._read_group(g), what=f"read row group {g.index} of {self._shards[g.shard]}")
-            col = table.column(TOKENS_COLUMN).combine_chunks()
-            # Kept as stored (int32 ids: zero-copy from Arrow, half the cache of int64); only
-            # the rows a step takes are widened, in :meth:`rows`. A prefetch thread that
-            # converted whole row groups would hold the GIL the training thread waits for.
-            arr = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), -1)
-            with self._lock:
-                self._cache[gi] = arr
-                while len(self._cache) > self.cache_groups:
-                    self._cache.popitem(last=False)
-                self.stats.groups_loaded += 1
-                self.stats.rows_loaded += g.rows
-                self.stats.bytes_loaded += g.bytes
-            return arr
+            return self._read_into_cache(gi)
         finally:
             with self._lock:
-                self._loading.pop(gi).set()
+                if self._loading.get(gi) is mine:
+                    del self._loading[gi]
+            mine.set()
+
+    def _read_into_cache(self, gi: int) -> np.ndarray:
+        g = self._groups[gi]
+        table = with_retries(lambda: self._read_group(g), what=f"read row group {g.index} of {self._shards[g.shard]}")
+        col = table.column(TOKENS_COLUMN).combine_chunks()
+        # Kept as stored (int32 ids: zero-copy from Arrow, half the cache of int64); only
+        # the rows a step takes are widened, in :meth:`rows`. A prefetch thread that
+        # converted whole row groups would hold the GIL the training thread waits for.
+        arr = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), -1)
+        with self._lock:
+            self._cache[gi] = arr
+            while len(self._cache) > self.cache_groups:
+                self._cache.popitem(last=False)
+            self.stats.groups_loaded += 1
+            self.stats.rows_loaded += g.rows
+            self.stats.bytes_loaded += g.bytes
+        return arr
 
     def groups_of(self, indices: np.ndarray) -> np.ndarray:
         """The row groups holding the given global row indices (sorted, unique)."""
