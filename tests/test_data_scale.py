@@ -149,6 +149,27 @@ def test_a_read_stuck_in_another_thread_does_not_hold_the_step(tmp_path, monkeyp
     assert not stuck.is_alive() and (ds.rows(np.arange(300, 350)) == expected).all()
 
 
+def test_blocks_that_straddle_row_groups_get_a_cache_that_holds_them(tmp_path):
+    from rayflex.data.dataset import open_dataset
+
+    # 225 rows per shard in groups of 50: each shard ends in a 25-row group (as Ray Data
+    # writes them), so from the first shard's end on a 50-row block spans two groups.
+    uri = write_synthetic_dataset(f"file://{tmp_path}/straddle", num_samples=450, seq_len=8, vocab_size=16,
+                                  num_shards=2, row_group_rows=50, seed=4)
+    data = DataConfig(uri=uri, seq_len=8, global_batch=30, seed=1, shuffle_window=2)
+    ds = open_dataset(data)
+    assert ds.block_rows == 50 and not ds.blocks_aligned and ds.cache_groups == 2 * 2 * 2 + 4
+    assert _dataset(tmp_path).blocks_aligned and open_dataset(
+        DataConfig(uri=_dataset(tmp_path).uri, seq_len=8, global_batch=20, shuffle_window=2)).cache_groups == 2 * 2 + 4
+    s = ds.sampler(data)
+    touched: set = set()
+    for step in range(len(ds) // 30):  # one epoch: every group needed is read once, never again
+        idx = s.indices(step)
+        touched |= set(ds.groups_of(idx).tolist())
+        ds.rows(idx)
+    assert ds.stats.groups_loaded == len(touched | {0})
+
+
 def test_bad_data_knobs_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="DataConfig.shuffle_window"):
         DataConfig(uri=f"file://{tmp_path}/d", shuffle_window=0)

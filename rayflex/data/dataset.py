@@ -107,6 +107,20 @@ class TokenDataset:
         """The dataset's row-group size (the most common one): the sampler's block."""
         return Counter(g.rows for g in self._groups).most_common(1)[0][0]
 
+    @property
+    def blocks_aligned(self) -> bool:
+        """Every block of the sampler is one row group (all groups but the dataset's last
+        hold ``block_rows`` rows). Not so for shards whose last row group is partial (Ray
+        Data writes them): from there on a block straddles two groups."""
+        k = self.block_rows
+        return all(g.rows == k for g in self._groups[:-1])
+
+    def cache_for_window(self, window_blocks: int) -> int:
+        """Row groups a reader must cache so that no group is read twice: a rank's share of
+        two windows (the one it trains in and the next, which prefetch reaches into), one
+        group per block, two where blocks straddle groups, and a little slack."""
+        return 2 * window_blocks * (1 if self.blocks_aligned else 2) + 4
+
     def sampler(self, data: "DataConfig") -> GlobalSampler:
         """This dataset's sample order for ``data`` (its batch, seed and shuffle window)."""
         return GlobalSampler(len(self), data.global_batch, data.seed, block_rows=self.block_rows,
@@ -241,14 +255,18 @@ class Prefetcher:
         self._thread.join(timeout_s)
 
 
-def open_dataset(data: "DataConfig", *, cache_groups: int = 8):
-    """``data``'s dataset: a :class:`TokenDataset`, or a mixture of them (``data.sources``)."""
+def open_dataset(data: "DataConfig", *, cache_groups: Optional[int] = None):
+    """``data``'s dataset: a :class:`TokenDataset`, or a mixture of them (``data.sources``).
+    ``cache_groups``: each source's row-group cache (None: what its layout needs for
+    ``data.shuffle_window``, :meth:`TokenDataset.cache_for_window`)."""
+    datasets = [TokenDataset(uri) for uri in ([u for u, _ in data.sources] if data.sources else [data.uri])]
+    for ds in datasets:
+        ds.cache_groups = cache_groups if cache_groups is not None else ds.cache_for_window(data.shuffle_window)
     if data.sources:
         from rayflex.data.mixture import MixtureDataset
 
-        return MixtureDataset([TokenDataset(uri, cache_groups=cache_groups) for uri, _ in data.sources],
-                              [w for _, w in data.sources])
-    return TokenDataset(data.uri, cache_groups=cache_groups)
+        return MixtureDataset(datasets, [w for _, w in data.sources])
+    return datasets[0]
 
 
 def data_label(data: "DataConfig") -> str:

@@ -272,7 +272,7 @@ class TrainWorker:
         if getattr(self, "_dataset_of", None) != (data.uri, data.sources):
             # Kept by a reused process: its footers and cached row groups stay warm. The
             # cache holds a shuffle window (a block spans <= 2 row groups) and the prefetch.
-            self.dataset = open_dataset(data, cache_groups=2 * data.shuffle_window + 4)
+            self.dataset = open_dataset(data)
             self._dataset_of = (data.uri, data.sources)
         need = data.seq_len + 1
         if self.dataset.row_len < need:
