@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from checkpoint_helpers import save_committed, tiny_state
 from cloud_fixtures import (create_azure_container, create_gcs_bucket, fresh_bucket_name,
                             is_bucket_creation)
 from conftest import SEQ_LEN, small_gpt
@@ -53,34 +54,20 @@ def cloud(request):
     return CloudStore(request.param, env)
 
 
-def _state(seed: int = 0):
-    from rayflex.storage.checkpoint import TrainState
-
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(8, 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(2, 8)).sum().backward()
-    opt.step()
-    return TrainState(modules=[model], optimizers=[opt], get_step=lambda: 3)
-
-
 def test_checkpoint_round_trip(cloud):
     from rayflex.storage.checkpoint import AsyncCheckpointer
     from rayflex.storage.fs import check_storage
 
     root = f"{cloud.uri}/runs/round-trip/checkpoints"
     check_storage(root)
-    state = _state()
-    ckpt = AsyncCheckpointer(root, rank=0, use_async=True, keep=2)
-    ckpt.save(state, step=3)
-    [report] = ckpt.wait(timeout_s=60)
-    assert report.get("committed"), report.get("error")
+    state = tiny_state()
+    save_committed(root, state)
     assert mf.list_committed(root) == [3]
     manifest = mf.verify(root, 3)
     assert any(name.endswith(".metadata") for name in manifest.files)
     assert all(f.fingerprint.startswith("blake2b:") for f in manifest.files.values())
 
-    fresh = _state(seed=1)
+    fresh = tiny_state(seed=1)
     assert AsyncCheckpointer(root, rank=0, keep=2).load_latest(fresh)["step"] == 3
     for a, b in zip(state.modules[0].parameters(), fresh.modules[0].parameters()):
         assert torch.equal(a, b)
@@ -99,11 +86,11 @@ def test_no_bucket_or_container_is_ever_created(cloud):
     check_storage(root)
     ckpt = AsyncCheckpointer(root, rank=0, use_async=True, keep=1)
     for step in (1, 2):
-        ckpt.save(_state(), step=step)
+        ckpt.save(tiny_state(), step=step)
         [report] = ckpt.wait(timeout_s=60)
         assert report.get("committed"), report.get("error")
     assert mf.list_committed(root) == [2], "retention removed step 1"
-    assert AsyncCheckpointer(root, rank=0).load_latest(_state(seed=1))["step"] == 2
+    assert AsyncCheckpointer(root, rank=0).load_latest(tiny_state(seed=1))["step"] == 2
 
     missing = f"{cloud.scheme}://{fresh_bucket_name()}"
     word = "bucket" if cloud.scheme == "gs" else "container"
@@ -112,7 +99,7 @@ def test_no_bucket_or_container_is_ever_created(cloud):
     with pytest.raises(StorageError, match=f"{word} .* does not exist"):
         check_bucket(f"{missing}/data")
     lost = AsyncCheckpointer(f"{missing}/ckpt", rank=0, use_async=True)
-    lost.save(_state(), step=1)
+    lost.save(tiny_state(), step=1)
     [report] = lost.wait(timeout_s=60)
     assert "error" in report and not report.get("committed"), report
 

@@ -15,6 +15,7 @@ import uuid
 import pytest
 import torch
 
+from checkpoint_helpers import save_committed, tiny_state
 from rayflex.storage import manifest as mf
 
 WRITER_POLICY = {
@@ -56,18 +57,6 @@ def prefix_only_identity(s3_endpoint, s3_client, monkeypatch):
         s3fs.S3FileSystem.clear_instance_cache()
 
 
-def _state():
-    from rayflex.storage.checkpoint import TrainState
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.randn(2, 8)).sum().backward()
-    opt.step()
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return TrainState(modules=[model], optimizers=[opt], schedulers=[sched], get_step=lambda: 3)
-
-
 def test_stock_dcp_writer_would_create_a_bucket(prefix_only_identity):
     """The premise: without rayflex's writer, this identity cannot save at all."""
     import torch.distributed.checkpoint as dcp
@@ -77,22 +66,19 @@ def test_stock_dcp_writer_would_create_a_bucket(prefix_only_identity):
 
     path = f"{prefix_only_identity}/stock/step_00000001"
     with pytest.raises(BaseException, match="(?i)denied|not authorized|forbidden|permission"):
-        dcp.save(_state().tensor_state(), storage_writer=FsspecWriter(path, **fsspec_kwargs(path)))
+        dcp.save(tiny_state(scheduler=True).tensor_state(), storage_writer=FsspecWriter(path, **fsspec_kwargs(path)))
 
 
 def test_checkpoint_saves_and_loads_without_bucket_permissions(prefix_only_identity):
     from rayflex.storage.checkpoint import AsyncCheckpointer
 
     root = f"{prefix_only_identity}/runs/prefix-only/checkpoints"
-    state = _state()
-    ckpt = AsyncCheckpointer(root, rank=0, use_async=True, keep=2)
-    ckpt.save(state, step=3)
-    [report] = ckpt.wait(timeout_s=60)
-    assert report.get("committed"), report.get("error")
+    state = tiny_state(scheduler=True)
+    save_committed(root, state)
     assert mf.list_committed(root) == [3]
     assert mf.verify(root, 3).files, "the manifest covers the shards it committed"
 
-    fresh = _state()
+    fresh = tiny_state(scheduler=True)
     with torch.no_grad():
         for p in fresh.modules[0].parameters():
             p.zero_()

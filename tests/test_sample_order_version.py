@@ -4,7 +4,6 @@ under another version says that later steps will see other rows (it still resume
 from __future__ import annotations
 
 import pytest
-import torch
 
 import rayflex as rf
 from rayflex.control.controller import Controller
@@ -12,6 +11,7 @@ from rayflex.data.sampler import SAMPLE_ORDER
 from rayflex.models.summary import ModelSummary
 from rayflex.telemetry import events as ev
 
+from checkpoint_helpers import save_committed, tiny_state
 from controller_fakes import FakeClock, FakeCluster
 
 
@@ -43,25 +43,17 @@ def test_a_checkpoint_of_this_order_resumes_without_a_note(tmp_path):
 
 @pytest.mark.parametrize("saved", [SAMPLE_ORDER - 1, None])
 def test_a_checkpoint_of_another_order_says_later_steps_see_other_rows(tmp_path, saved):
-    note = _loaded(tmp_path, saved).data_order
+    loaded = _loaded(tmp_path, saved)
+    note = loaded.data_order
     assert f"this rayflex uses order {SAMPLE_ORDER}" in note and "other rows" in note
     assert (f"sample order {saved}" if saved is not None else "before versions were recorded") in note
-    assert "data_order=" in _loaded(tmp_path / "again", saved).describe()
+    assert "data_order=" in loaded.describe()
 
 
 def test_the_checkpoint_records_the_order_it_was_saved_with(tmp_path):
-    from rayflex.storage.checkpoint import AsyncCheckpointer, TrainState
-
-    def state(order):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 2)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        return TrainState(modules=[model], optimizers=[opt], get_step=lambda: 2, sample_order=order)
+    from rayflex.storage.checkpoint import AsyncCheckpointer
 
     for order, name in ((SAMPLE_ORDER, "now"), (None, "old")):
         root = f"file://{tmp_path}/{name}/checkpoints"
-        ckpt = AsyncCheckpointer(root, rank=0, use_async=True, keep=2)
-        ckpt.save(state(order), step=2)
-        [report] = ckpt.wait(timeout_s=60)
-        assert report.get("committed"), report.get("error")
-        assert AsyncCheckpointer(root, rank=0, keep=2).load_latest(state(SAMPLE_ORDER))["sample_order"] == order
+        save_committed(root, tiny_state(sample_order=order), step=2)
+        assert AsyncCheckpointer(root, rank=0, keep=2).load_latest(tiny_state())["sample_order"] == order
