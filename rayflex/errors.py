@@ -27,6 +27,23 @@ class ConfigError(RayflexError, ValueError):
         return (type(self), (self.field, self.problem, self.fix))
 
 
+class SetupFailed(RayflexError):
+    """Workers of a new attempt died, or did not answer in time, while it started (their
+    node went mid-restart: a spot node preempted, a frozen node declared dead by Ray).
+    The controller treats it as a failure of the attempt, not of the run."""
+
+    def __init__(self, phase: str, dead: dict, slow: list, timeout_s: float):
+        self.phase, self.dead, self.slow, self.timeout_s = phase, dict(dead), list(slow), timeout_s
+        parts = [f"rank {r} died ({e})" for r, e in sorted(self.dead.items())]
+        if self.slow:
+            parts.append(f"rank{'s' if len(self.slow) > 1 else ''} {', '.join(map(str, self.slow))} did not "
+                         f"answer within {timeout_s:.0f}s")
+        super().__init__(f"while the attempt started ({phase}): {'; '.join(parts)}")
+
+    def __reduce__(self):
+        return (type(self), (self.phase, self.dead, self.slow, self.timeout_s))
+
+
 class PlacementError(RayflexError):
     """The cluster cannot host the requested workers; the message names what is missing."""
 

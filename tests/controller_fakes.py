@@ -179,6 +179,10 @@ class FakeGroup:
         self.failed: dict[int, str] = {}
 
     def setup(self, restore: bool = True) -> list[dict]:
+        # A test queues what goes wrong while the next attempts start (may raise SetupFailed).
+        failures = getattr(self.cluster, "setup_failures", [])
+        if failures:
+            failures.pop(0)(self)
         self.step = self.cluster.committed if restore else 0
         # A test sets cluster.saved_total_steps to the run.steps the checkpoint was trained
         # toward (unset: a checkpoint without that record).

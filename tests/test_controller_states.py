@@ -112,6 +112,37 @@ def test_a_frozen_rank_is_found_by_its_silence_and_replaced(tmp_path, monkeypatc
     assert result["status"] == "finished"
 
 
+def test_a_node_that_dies_while_the_restart_starts_is_a_failure_not_the_end_of_the_run(tmp_path, monkeypatch):
+    # A frozen node: its ranks stop answering (the hang detector names them), Ray still lists
+    # the node, so the restart places ranks there; they never start, and Ray's health check
+    # declares the node dead while the attempt waits for them. The failed start is decided by
+    # the failure policy like any failure: the run restarts on what is left and finishes.
+    from rayflex.errors import SetupFailed
+
+    monkeypatch.setenv("RAYFLEX_HEARTBEAT_TIMEOUT_S", "5")
+    spec = _spec(tmp_path, min_workers=2, every=2, restart_while_warming=False)  # the restart waits for node b
+
+    def node_b_dies_during_setup(group):
+        lose_node("b")(group)
+        raise SetupFailed("start", {2: "ActorDiedError: its node died"}, [], 300)
+
+    def freeze_node_b(group):
+        freeze_rank(2)(group)
+        freeze_rank(3)(group)
+        group.cluster.setup_failures = [node_b_dies_during_setup]
+
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, freeze_node_b)])
+    assert _timeline(c).of(ev.HangDetected)[0].ranks == [2, 3]
+    assert [(e.rank, e.node_id) for e in _timeline(c).of(ev.WorkerDied)] == [(2, "b")]
+    assert [(e.node_id, e.ranks) for e in _timeline(c).of(ev.NodeLost)] == [("b", [2, 3])]
+    restarts = _timeline(c).of(ev.Restarted)
+    assert len(restarts) == 1 and restarts[0].world_size == 2 and "while the attempt started" in restarts[0].reason
+    assert set(_timeline(c).of(ev.PlanChosen)[-1].rank_to_node) == {"a"}
+    assert (S.PLACING, S.PLACING) in c.transitions
+    assert all(not a.alive for a in cluster.groups[1].actors), "the failed attempt's workers are let go"
+    assert result["status"] == "finished" and result["steps_completed"] == 8 and result["world_size"] == 2
+
+
 def test_a_spot_notice_with_time_takes_an_emergency_checkpoint_first(tmp_path):
     spec = _spec(tmp_path, min_workers=2, every=100, emergency_margin_s=1.0)
     c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, notice("b", seconds_left=60))], watch=True)

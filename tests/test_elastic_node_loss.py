@@ -44,3 +44,50 @@ def test_node_loss_shrinks_then_capacity_return_grows_back(two_node_cluster, dat
     started = [e for e in events if e["kind"] == "workers_started"]
     assert started[-1]["spawn_s"] < 3.0, "the newcomers were warmed before the stop, not after it"
     _assert_recovered(result, trainer, events, world_size=4, stopped=True)
+
+
+def _node_processes(node) -> list:
+    """The raylet of a ``cluster_utils`` node and everything it started (its workers)."""
+    import psutil
+    from ray._private import ray_constants
+
+    raylet = psutil.Process(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+    return [raylet, *raylet.children(recursive=True)]
+
+
+def test_a_frozen_node_is_declared_lost_and_the_run_shrinks_and_finishes(two_node_cluster, dataset_uri, tmp_path):
+    # The machine stays up but answers nothing (a kernel hang, a saturated NIC): every
+    # process of the node is SIGSTOPped, so no socket closes and nothing "dies". Ray's
+    # health check (conftest: 1 s period, 5 misses) is what can declare the node dead.
+    import signal
+
+    cluster = two_node_cluster
+    worker_node = next(iter(cluster.worker_nodes))
+    trainer = _trainer(dataset_uri, tmp_path, "frozen-node", steps=24, restart_while_warming=False)
+    handle = trainer.submit()
+    wait_until_running(handle, 4, committed=3)
+    frozen = _node_processes(worker_node)
+    frozen_at = time.time()
+    for p in frozen:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        result = handle.wait(timeout_s=240)
+    finally:
+        for p in frozen:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    p.send_signal(sig)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+        cluster.remove_node(worker_node, allow_graceful=False)
+        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={"rack": "r1"})
+    events = run_events(tmp_path, "frozen-node")
+    first = next(e for e in events if e["kind"] in ("node_lost", "worker_died", "hang_detected"))
+    print({"first_detection": first["kind"], "after_s": round(first["time"] - frozen_at, 1)})
+    node_lost = [e for e in events if e["kind"] == "node_lost"]
+    assert node_lost and node_lost[0]["node_id"] == worker_node.node_id, [e["kind"] for e in events]
+    print({"node_lost_after_s": round(node_lost[0]["time"] - frozen_at, 1)})
+    assert first["time"] - frozen_at < 15.0, "the frozen ranks are named within seconds"
+    sizes = [e["world_size"] for e in events if e["kind"] == "restarted"]
+    assert sizes and sizes[-1] == 2, f"the run shrank to the live node: {sizes}"
+    _assert_recovered(result, trainer, events, world_size=2)

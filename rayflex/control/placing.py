@@ -11,7 +11,7 @@ import logging
 
 from rayflex.constants import knob
 from rayflex.control.states import Attempt, Finished, Placing, Running
-from rayflex.errors import RayflexError
+from rayflex.errors import RayflexError, SetupFailed
 from rayflex.faults.detector import FaultDetector
 from rayflex.faults.policy import best_world_size
 from rayflex.telemetry import events as ev
@@ -25,7 +25,10 @@ def place(ctx, state: Placing):
     world, plan, resolved, placement = _plan(ctx, state, survivors)
     ctx.plan = plan
     group = _start_group(ctx, plan, placement, survivors, world, shrinking=state.workers_up is not None)
-    infos = group.setup(restore=ctx.spec.checkpoint.resume)
+    try:
+        infos = group.setup(restore=ctx.spec.checkpoint.resume)
+    except SetupFailed as failure:
+        return _setup_failed(ctx, group, placement, failure)
     ctx.record(_plan_event(world, plan, resolved, placement, group,
                            plan.memory_config(ctx.spec.memory).activation_checkpointing))
     steps = {i["step"] for i in infos}
@@ -66,6 +69,31 @@ def place(ctx, state: Placing):
     if world < ctx.spec.scaling.max_size:
         ctx.request_capacity()
     return Running(Attempt(group=group, plan=plan, detector=detector))
+
+
+def _setup_failed(ctx, group, placement, failure: SetupFailed):
+    """Workers of the new attempt died or never answered while it started: their node went
+    mid-restart (a spot node preempted, a frozen node that Ray's health check declared
+    dead). A failure like one in training, decided by the failure policy, never the end of
+    the run by itself. Every worker of the attempt is let go: the others may be half-way
+    into a rendezvous with the dead one."""
+    from rayflex.control.restarting import follow_decision
+
+    now, step = ctx.clock.time(), ctx.ledger.step + 1
+    # Where each rank is: known to the group once it answered, else where the plan put it.
+    node_of = {**dict(enumerate(placement.rank_to_node)), **getattr(group, "node_of", {})}
+    log.warning("attempt failed to start: %s", failure)
+    for rank, error in sorted(failure.dead.items()):
+        ctx.record(ev.WorkerDied(step=step, rank=rank, node_id=node_of.get(rank, ""), error=error))
+    alive = ctx.alive_nodes()
+    for node in sorted({node_of[r] for r in [*failure.dead, *failure.slow] if node_of.get(r)} - alive):
+        ctx.record(ev.NodeLost(step=step, node_id=node, ranks=sorted(r for r, n in node_of.items() if n == node)))
+    for actor in getattr(group, "actors", []):
+        ctx.reservation.vacate(ctx.cluster.actor_id(actor))
+        ctx.cluster.kill(actor)
+    decision = ctx.policy.decide(kind="failure", step=step, committed_step=ctx.ledger.committed_step,
+                                 usable_slots=ctx.usable_slots(), error=str(failure))
+    return follow_decision(ctx, decision, {}, now, lambda: failure)
 
 
 def _plan(ctx, state: Placing, survivors: dict):

@@ -33,6 +33,12 @@ def restart(ctx, state: Restarting):
     _name_lost_nodes(ctx, fault, node_of)
     decision = ctx.policy.decide(kind=fault.kind, step=ctx.ledger.step + 1, committed_step=ctx.ledger.committed_step,
                                  usable_slots=ctx.usable_slots(), error=fault.error, diagnosis=fault.diagnosis)
+    return follow_decision(ctx, decision, survivors, state.fault_time, lambda: worker_error(fault))
+
+
+def follow_decision(ctx, decision, survivors: dict, fault_time: float, error: Callable[[], Any]):
+    """Act on the failure policy's decision: wait for resources (asking the autoscaler),
+    fail the run (with ``error()`` as its cause), or restart at the size it chose."""
     deadline = None
     while isinstance(decision, WaitForResources):
         if deadline is None:
@@ -46,9 +52,9 @@ def restart(ctx, state: Restarting):
         decision = ctx.policy.resize(usable_slots=ctx.usable_slots())
     if isinstance(decision, Fail):
         _kill_all(ctx, survivors)
-        return Failed(decision.reason, worker_error(fault))
+        return Failed(decision.reason, error())
     assert isinstance(decision, Restart)
-    placing = Placing(world_size=decision.world_size, restart_reason=decision.reason, fault_time=state.fault_time,
+    placing = Placing(world_size=decision.world_size, restart_reason=decision.reason, fault_time=fault_time,
                       survivors=survivors)
     return with_what_is_up(ctx, placing) or placing
 

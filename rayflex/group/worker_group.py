@@ -76,14 +76,14 @@ class RayWorkerGroup:
 
         timeout_s = timeout_s or knob("SETUP_TIMEOUT_S")
         t0 = time.time()
-        ray.get(self._reconfigured, timeout=timeout_s)
-        infos = ray.get([a.node_info.remote() for a in self.actors], timeout=timeout_s)
+        _gather(self._reconfigured, timeout_s, "reconfigure", ranks=self.reused)
+        infos = _gather([a.node_info.remote() for a in self.actors], timeout_s, "start")
         self.spawn_s = time.time() - t0  # process start + imports (0 for reused workers)
         self.node_of = {i["rank"]: i["node_id"] for i in infos}
         self.pids = {i["rank"]: i["pid"] for i in infos}
         master = infos[0]
         refs = [a.setup.remote(master["ip"], master["port"], restore) for a in self.actors]
-        out = ray.get(refs, timeout=timeout_s)
+        out = _gather(refs, timeout_s, "rendezvous, build and restore")
         now = time.time()
         self._last_answer = {r: now for r in range(len(self.actors))}
         return out
@@ -185,6 +185,41 @@ class RayWorkerGroup:
         except Exception:  # noqa: BLE001 - the kill below is what matters
             pass
         self.kill(range(len(self.actors)))
+
+
+def _gather(refs: list, timeout_s: float, phase: str, ranks: Optional[list] = None) -> list:
+    """``ray.get`` of one call per rank (``ranks[i]``: the rank of ``refs[i]``; default i).
+    Stops at the first rank whose actor died, or at the timeout, and raises
+    :class:`SetupFailed` naming the ranks: the others may be waiting on the dead one (a
+    rendezvous), so waiting for them would only spend the timeout. A rank that raised
+    keeps its error (a bug in the model or config, not a lost node)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    from rayflex.errors import SetupFailed
+
+    rank_of = {ref: (ranks[i] if ranks is not None else i) for i, ref in enumerate(refs)}
+    results: dict = {}
+    dead: dict[int, str] = {}
+    raised: Optional[BaseException] = None
+    pending, deadline = list(refs), time.time() + timeout_s
+    while pending and not dead:
+        left = deadline - time.time()
+        if left <= 0:
+            break
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in ready:
+            try:
+                results[ref] = ray.get(ref)
+            except RayActorError as e:
+                dead[rank_of[ref]] = _short_error(e)
+            except Exception as e:  # noqa: BLE001 - re-raised below unless a rank died
+                raised = raised or e
+    if dead or pending:
+        raise SetupFailed(phase, dead, [] if dead else sorted(rank_of[r] for r in pending), timeout_s)
+    if raised is not None:
+        raise raised
+    return [results[ref] for ref in refs]
 
 
 def _short_error(e: BaseException) -> str:
