@@ -143,6 +143,51 @@ def test_a_node_that_dies_while_the_restart_starts_is_a_failure_not_the_end_of_t
     assert result["status"] == "finished" and result["steps_completed"] == 8 and result["world_size"] == 2
 
 
+def _fits_only_at(size: int, monkeypatch):
+    """The capacity planner finds no mesh that holds the model below ``size`` workers."""
+    from rayflex.control.context import RunContext
+    from rayflex.planning.capacity.memory import CapacityError
+
+    plan_at = RunContext.plan_at
+
+    def plan_or_refuse(self, world, topology):
+        if world < size:
+            raise CapacityError(f"nothing fits on {world} workers: the smallest peak is 90 GiB of 80 GiB")
+        return plan_at(self, world, topology)
+
+    monkeypatch.setattr(RunContext, "plan_at", plan_or_refuse)
+
+
+def test_a_restart_where_the_model_fits_nowhere_waits_for_capacity_and_resumes(tmp_path, monkeypatch):
+    from controller_fakes import FakeCluster
+
+    _fits_only_at(4, monkeypatch)
+    requested = FakeCluster.request_capacity
+
+    def autoscaler_brings_b_back(self):  # what `request_resources` gets from a real autoscaler
+        requested(self)
+        add_node("b", 2)(type("G", (), {"cluster": self})())
+
+    monkeypatch.setattr(FakeCluster, "request_capacity", autoscaler_brings_b_back)
+    spec = _spec(tmp_path, min_workers=2, every=2, resource_wait_s=60, restart_while_warming=False)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, lose_node("b"))])
+    assert [(e.node_id, e.ranks) for e in _timeline(c).of(ev.NodeLost)] == [("b", [2, 3])]
+    assert cluster.capacity_requests >= 1, "it asked for capacity (node b came back only then)"
+    restart = _timeline(c).of(ev.Restarted)[0]
+    assert restart.world_size == 4 and restart.from_step == 4, "it resumed once the model fit again"
+    assert result["status"] == "finished" and result["steps_completed"] == 8
+
+
+def test_a_restart_where_the_model_fits_nowhere_fails_after_resource_wait_s(tmp_path, monkeypatch):
+    _fits_only_at(4, monkeypatch)
+    spec = _spec(tmp_path, min_workers=2, every=2, resource_wait_s=30, restart_while_warming=False)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, lose_node("b"))])
+    assert result["status"] == "failed"
+    assert "gave up after waiting 30s for room: the model fits in no mesh of 2 workers" in result["reason"]
+    assert "smallest peak is 90 GiB" in result["reason"], "the planner's reason is kept"
+    assert all(not a.alive for g in cluster.groups for a in g.actors), "no worker is left behind"
+
+
 def test_a_spot_notice_with_time_takes_an_emergency_checkpoint_first(tmp_path):
     spec = _spec(tmp_path, min_workers=2, every=100, emergency_margin_s=1.0)
     c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, notice("b", seconds_left=60))], watch=True)

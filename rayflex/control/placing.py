@@ -12,6 +12,7 @@ import logging
 from rayflex.constants import knob
 from rayflex.control.states import Attempt, Finished, Placing, Running
 from rayflex.errors import RayflexError, SetupFailed
+from rayflex.planning.capacity.memory import CapacityError
 from rayflex.faults.detector import FaultDetector
 from rayflex.faults.policy import best_world_size
 from rayflex.telemetry import events as ev
@@ -110,8 +111,13 @@ def _plan(ctx, state: Placing, survivors: dict):
             world = best_world_size(ctx.spec, min(world, ctx.usable_slots(topology))) or world
     try:
         plan, resolved, placement = ctx.plan_at(world, topology)
-    except RayflexError:
+    except RayflexError as e:
         if state.full_size is None:
+            # A restart shrank below where the model fits: more room may come (autoscaler,
+            # a replacement node); the first start's size is the user's to fix.
+            if isinstance(e, CapacityError) and state.restart_reason is not None \
+                    and world < ctx.spec.scaling.max_size:
+                return _wait_for_a_size_that_fits(ctx, world, e)
             raise
         log.warning("cannot restart on the workers that are up; waiting for the new ones", exc_info=True)
         world = state.full_size
@@ -120,6 +126,28 @@ def _plan(ctx, state: Placing, survivors: dict):
             ctx.standby.wait(knob("WORKER_START_TIMEOUT_S"))
             survivors.update(ctx.standby.take())
     return world, plan, resolved, placement
+
+
+def _wait_for_a_size_that_fits(ctx, too_small: int, error: CapacityError):
+    """A restart shrank to a size where the model fits in no mesh (the survivors cannot
+    hold its shards). Nothing is wrong with the run, only with the cluster's size now: ask
+    the autoscaler for capacity and re-plan as slots come back, for up to
+    ``resource_wait_s``; then fail with what did not fit."""
+    wait_s = ctx.spec.elastic.resource_wait_s
+    deadline = ctx.clock.time() + wait_s
+    log.warning("the model fits in no mesh of %d workers; waiting up to %.0fs for more: %s", too_small, wait_s, error)
+    ctx.request_capacity()
+    while ctx.clock.time() < deadline and not ctx.stop_requested.is_set():
+        ctx.clock.sleep(knob("RESOURCE_POLL_S"))
+        topology = ctx.usable_topology()
+        size = ctx.best_size(topology)
+        if size > too_small:
+            try:
+                return (size, *ctx.plan_at(size, topology))
+            except CapacityError as e:
+                too_small, error = size, e
+    raise CapacityError(f"gave up after waiting {wait_s:.0f}s for room: the model fits in no mesh of "
+                        f"{too_small} workers, the most the cluster has had since: {error}")
 
 
 def _start_group(ctx, plan, placement, survivors: dict, world: int, *, shrinking: bool):
