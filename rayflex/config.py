@@ -303,9 +303,14 @@ class DataConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
-    """Asynchronous sharded checkpoints. ``every_steps=0`` disables periodic saves."""
+    """Asynchronous sharded checkpoints. ``every_steps=0`` disables periodic saves;
+    ``every_steps="auto"`` picks the interval from this run's measured save cost and
+    failure rate (Young/Daly, ``rayflex.faults.checkpoint_interval``), re-evaluated as the
+    run goes; ``mtbf_prior_s`` is the mean time between failures it assumes before the run
+    has seen its own (one failure per hour: a few hundred spot nodes)."""
 
-    every_steps: int = 0
+    every_steps: int | str = 0
+    mtbf_prior_s: float = 3600.0
     keep: int = 3
     async_save: bool = True
     # Where checkpoints go; None means ``{RunConfig.storage}/{name}/checkpoints``.
@@ -313,9 +318,23 @@ class CheckpointConfig:
     # Load the latest committed checkpoint of this run on start (resume).
     resume: bool = True
 
+    @property
+    def auto_interval(self) -> bool:
+        return self.every_steps == "auto"
+
+    @property
+    def periodic_steps(self) -> int:
+        """The fixed interval the workers keep by themselves (0: none, or chosen by the controller)."""
+        return 0 if self.auto_interval else self.every_steps
+
     def __post_init__(self) -> None:
         c = "CheckpointConfig"
-        _non_negative_int(c, "every_steps", self.every_steps, "use 0 (off) or a step interval")
+        if self.every_steps != "auto":
+            _non_negative_int(c, "every_steps", self.every_steps, 'use 0 (off), a step interval, or "auto"')
+        if isinstance(self.mtbf_prior_s, bool) or not isinstance(self.mtbf_prior_s, (int, float)) \
+                or not self.mtbf_prior_s > 0:
+            raise ConfigError(f"{c}.mtbf_prior_s", f"must be a number of seconds > 0, got {self.mtbf_prior_s!r}",
+                              "use the mean time between failures you expect of the cluster, e.g. 3600")
         _positive_int(c, "keep", self.keep)
         if self.uri is not None:
             check_uri(f"{c}.uri", self.uri)

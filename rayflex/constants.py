@@ -59,6 +59,8 @@ _DEFAULTS: dict[str, float] = {
     "DATA_PENDING_READ_WAIT_S": 30.0,
     # Emergency-checkpoint duration assumed before the run has measured one.
     "EMERGENCY_CHECKPOINT_DEFAULT_S": 10.0,
+    # every_steps="auto": the training time a save is assumed to block before one is measured.
+    "CHECKPOINT_COST_PRIOR_S": 5.0,
     # CPU niceness of the checkpoint upload thread (0 = as training): uploads take the
     # cycles training leaves idle.
     "UPLOAD_NICE": 10.0,

@@ -195,6 +195,12 @@ class FakeGroup:
         self.end = end_step
         return [self.step] * len(self.actors)
 
+    def request_checkpoint(self, reason: str) -> None:
+        self.checkpoint_request = reason
+        self.cluster.checkpoint_requests.append((self.step, reason))
+
+    checkpoint_request: Optional[str] = None
+
     def _live(self, rank: int) -> bool:
         a = self.actors[rank]
         return a.alive and a.node in self.cluster.alive
@@ -231,8 +237,11 @@ class FakeGroup:
                                       grad_norm=1.0, time=now, samples=self.plan.per_rank_batch,
                                       pp_index=pp_index, dp_index=dp_index))
             every = self.cluster.every_steps
-            if rank == 0 and every and finished_now % every == 0:
+            if rank == 0 and isinstance(every, int) and every and finished_now % every == 0:
                 checkpoints.append(self._commit(finished_now, "periodic"))
+            elif rank == 0 and self.checkpoint_request is not None:
+                checkpoints.append(self._commit(finished_now, self.checkpoint_request))
+                self.checkpoint_request = None
         if rank == 0 and self.stopping and not self._stop_saved:
             self._stop_saved = True
             checkpoints.append(self._commit(self.step, "stop"))
@@ -291,6 +300,7 @@ class FakeCluster:
         self.killed: list[FakeActor] = []
         self.releases: list[tuple] = []
         self.capacity_requests = 0
+        self.checkpoint_requests: list[tuple[int, str]] = []  # (step, reason) of each request
         self.standbys_started = 0
         # A collective hang: the ranks answer but never finish this step (every attempt),
         # and what their flight records say (FakeGroup -> (records, silent ranks)).

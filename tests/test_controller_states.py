@@ -188,6 +188,31 @@ def test_a_restart_where_the_model_fits_nowhere_fails_after_resource_wait_s(tmp_
     assert all(not a.alive for g in cluster.groups for a in g.actors), "no worker is left behind"
 
 
+def test_auto_checkpoint_interval_is_chosen_from_measured_cost_and_shortens_after_a_failure(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYFLEX_CHECKPOINT_COST_PRIOR_S", "0.1")
+    spec = _spec(tmp_path, steps=160, min_workers=4)
+    spec = spec.__class__(**{**spec.__dict__, "checkpoint": rf.CheckpointConfig(every_steps="auto", mtbf_prior_s=60)})
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(70, kill_rank(1))])
+    assert result["status"] == "finished" and result["steps_completed"] == 160
+    chosen = _timeline(c).of(ev.CheckpointIntervalChosen)
+    measured = [e for e in chosen if e.measured]
+    assert chosen[0].measured is False and chosen[0].cost_s == 0.1, "the prior until a save is measured"
+    assert measured and measured[0].cost_s == 0.1, "then the blocked time of this run's saves (the fakes': 0.1 s)"
+    # Young/Daly from what it measured: a 0.1 s save, one failure a minute, 0.1 s steps.
+    first = measured[0]
+    assert first.faults == 0 and first.every_steps == round(first.interval_s / first.step_time_s)
+    after = next(e for e in chosen if e.faults == 1)
+    assert after.every_steps < first.every_steps, "the failure shortens the interval"
+    auto = [e.step for e in _timeline(c).of(ev.CheckpointCommitted) if e.reason == "auto"]
+    restart = _timeline(c).of(ev.Restarted)[0]
+    assert 70 - restart.from_step <= first.every_steps + 1, "the failure lost at most one interval"
+    # Asked one step early: the save lands at the boundary after the request.
+    after_restart = [s for s in auto if s > restart.from_step]
+    assert len(after_restart) >= 2 and {b - a for a, b in zip(after_restart, after_restart[1:])} == \
+        {after.every_steps}, (auto, after.every_steps)
+    assert [r for _, r in cluster.checkpoint_requests] == ["auto"] * len(auto), "one request per save"
+
+
 def test_a_spot_notice_with_time_takes_an_emergency_checkpoint_first(tmp_path):
     spec = _spec(tmp_path, min_workers=2, every=100, emergency_margin_s=1.0)
     c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, notice("b", seconds_left=60))], watch=True)

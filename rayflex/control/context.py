@@ -16,6 +16,7 @@ from typing import Any, Optional
 from rayflex.config import TrainSpec
 from rayflex.control.ledger import StepLedger
 from rayflex.control.recorder import Recorder
+from rayflex.control.cadence import CheckpointCadence
 from rayflex.faults.policy import FailurePolicy, best_world_size
 from rayflex.mesh.plan import plan_mesh
 
@@ -26,6 +27,7 @@ class RunContext:
         self.recorder = Recorder(spec, clock)
         self.ledger = StepLedger(spec, self.recorder)
         self.policy = FailurePolicy(spec)
+        self.cadence = CheckpointCadence(spec, clock) if spec.checkpoint.auto_interval else None
         self.excluded: set[str] = set()  # nodes with a preemption notice: about to vanish
         self.stop_requested = threading.Event()
         self.stop_reason = ""

@@ -25,6 +25,8 @@ class StepLedger:
         self.committed_step = 0
         self.last_checkpoint: Optional[dict] = None
         self.checkpoint_seconds: list[float] = []
+        self.checkpoint_blocked_s: list[float] = []  # the training time each commit blocked
+        self.checkpoint_total_s: list[float] = []  # ... and the time it took in all (upload included)
         self.first_step_at: Optional[float] = None
         self._pending: dict[int, dict[int, Any]] = {}
         self._plan = None  # the mesh of the attempt whose records are pending
@@ -101,6 +103,8 @@ class StepLedger:
             self.last_checkpoint = {"step": ck["step"], "uri": ck.get("uri")}
             self.committed_step = max(self.committed_step, ck["step"])
             self.checkpoint_seconds.append(ck.get("blocked_s", 0.0) + ck.get("total_s", 0.0))
+            self.checkpoint_blocked_s.append(ck.get("blocked_s", 0.0))
+            self.checkpoint_total_s.append(ck.get("total_s", 0.0))
             self.recorder.record(ev.CheckpointCommitted(step=ck["step"], uri=ck.get("uri", ""),
                                                         blocked_s=ck.get("blocked_s", 0.0),
                                                         total_s=ck.get("total_s", 0.0), bytes=ck.get("bytes", 0),

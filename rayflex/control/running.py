@@ -79,6 +79,8 @@ def _cycle(ctx, loop: AttemptLoop):
     states = {st.state for st in result.statuses.values()}
     if len(result.statuses) == attempt.plan.world_size and states <= {WorkerState.DONE, WorkerState.STOPPED}:
         return _attempt_over(ctx, loop, states, now)
+    if ctx.cadence is not None and not loop.stop_sent and loop.preempting is None:
+        ctx.cadence.tick(ctx, attempt.group)
     _watch_capacity(ctx, loop, now)
     if now - loop.last_flush > knob("RUNDIR_FLUSH_S"):
         ctx.recorder.flush()

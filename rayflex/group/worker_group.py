@@ -146,6 +146,11 @@ class RayWorkerGroup:
         for a in self.actors:
             getattr(a, method).remote(*args)
 
+    def request_checkpoint(self, reason: str) -> None:
+        """A checkpoint at the next step boundary. One rank is asked: the control all-reduce
+        carries its request to the others (asking all could split it over two steps)."""
+        self.actors[0].request_checkpoint.remote(reason)
+
     def kill(self, ranks) -> None:
         for r in ranks:
             kill_quietly(self.actors[r])

@@ -29,6 +29,7 @@ class EventKind(enum.StrEnum):
     CHECKPOINT_FAILED = "checkpoint_failed"
     CHECKPOINT_LOADED = "checkpoint_loaded"
     SCHEDULE_CHANGED = "schedule_changed"
+    CHECKPOINT_INTERVAL_CHOSEN = "checkpoint_interval_chosen"
     WORKER_FAILED = "worker_failed"
     WORKER_DIED = "worker_died"
     NODE_LOST = "node_lost"
@@ -247,6 +248,20 @@ class PreemptionNotice(Event):
     # emergency_checkpoint | restore_last_committed | no_workers
     action: str = ""
     reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointIntervalChosen(Event):
+    """``every_steps="auto"``: the interval chosen (Young/Daly) and what it came from."""
+
+    kind: ClassVar[EventKind] = EventKind.CHECKPOINT_INTERVAL_CHOSEN
+    every_steps: int = 0
+    interval_s: float = 0.0  # the optimum in seconds of training, before rounding to steps
+    cost_s: float = 0.0  # the training time a save blocks (measured, or the prior)
+    mtbf_s: float = 0.0  # the mean time between failures assumed
+    faults: int = 0
+    step_time_s: float = 0.0
+    measured: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

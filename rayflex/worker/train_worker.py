@@ -382,7 +382,8 @@ class TrainWorker:
                                                     tp_index=self.tp_index, **probe))
                 if self.checkpointer is not None:
                     self._note_checkpoint(self.checkpointer.completed())
-                periodic = self.spec.checkpoint.every_steps and step % self.spec.checkpoint.every_steps == 0
+                every = self.spec.checkpoint.periodic_steps
+                periodic = every and step % every == 0
                 if agreed.checkpoint or (periodic and step < end_step):
                     reason = self._checkpoint_request or "periodic"
                     self._checkpoint_request = None
