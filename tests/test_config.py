@@ -29,6 +29,8 @@ def _trainer(dataset_uri, **over):
     (lambda: rf.ParallelConfig(schedule="interleaved", stages_per_rank=1), "ParallelConfig.stages_per_rank",
      "stages_per_rank=2"),
     (lambda: rf.CheckpointConfig(every_steps=-5), "CheckpointConfig.every_steps", "0 (off)"),
+    (lambda: rf.CheckpointConfig(every_steps="often"), "CheckpointConfig.every_steps", '"auto"'),
+    (lambda: rf.CheckpointConfig(every_steps="auto", mtbf_prior_s=0), "CheckpointConfig.mtbf_prior_s", "3600"),
     (lambda: rf.OptimizerConfig(lr=0), "OptimizerConfig.lr", "3e-4"),
     (lambda: rf.ParallelConfig(tp=0), "ParallelConfig.tp", "1: no tensor parallelism"),
     (lambda: rf.ParallelConfig(layout="manual"), "ParallelConfig.layout", "'auto'"),
