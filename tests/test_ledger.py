@@ -68,3 +68,25 @@ def test_a_committed_step_some_ranks_had_not_reported_is_written_when_the_next_a
     assert recorder.metrics[-1]["loss"] == 2.0
     samples = recorder.rundir.lines["samples.jsonl"]
     assert [s["step"] for s in samples] == [1, 2]
+
+
+def test_a_saves_cost_is_what_it_blocked_plus_the_slowdown_of_the_steps_beside_its_upload(tmp_path):
+    import dataclasses
+
+    import pytest
+
+    recorder, spec = _Recorder(), _spec(tmp_path)
+    ledger = StepLedger(spec, recorder)
+    plan = plan_mesh(spec.model, spec.parallel, spec.data, 1)
+    # 0.1 s steps; a save after step 10 blocks 0.05 s and uploads for 1 s, during which three
+    # steps take 0.3 s each; the step after the upload is back to 0.1 s.
+    step_time = {11: 0.3, 12: 0.3, 13: 0.3}
+    t = 0.0
+    for step in range(1, 21):
+        t += step_time.get(step, 0.1) + (0.05 if step == 11 else 0.0)
+        rec = StepRecord(step=step, loss=1.0, step_time_s=step_time.get(step, 0.1), lr=1e-3, grad_norm=1.0,
+                         time=t, samples=8)
+        ckpt = {"committed": True, "step": 10, "uri": "mem://10", "blocked_s": 0.05, "total_s": 1.0} \
+            if step == 14 else None
+        ledger.absorb(0, dataclasses.replace(_status(0, step, ckpt), records=[rec]), plan, _Detector())
+    assert ledger.save_costs_s() == [pytest.approx(0.05 + 3 * 0.2)]

@@ -25,8 +25,8 @@ class StepLedger:
         self.committed_step = 0
         self.last_checkpoint: Optional[dict] = None
         self.checkpoint_seconds: list[float] = []
-        self.checkpoint_blocked_s: list[float] = []  # the training time each commit blocked
-        self.checkpoint_total_s: list[float] = []  # ... and the time it took in all (upload included)
+        self.checkpoint_total_s: list[float] = []  # the time each commit took in all (upload included)
+        self._saves: list[tuple[int, float, float]] = []  # (step, blocked_s, total_s) of each commit
         self.first_step_at: Optional[float] = None
         self._pending: dict[int, dict[int, Any]] = {}
         self._plan = None  # the mesh of the attempt whose records are pending
@@ -53,6 +53,27 @@ class StepLedger:
         with self._lock:
             times = [m["step_time_s"] for m in self._metrics[-20:] if m["step"] > self.start_step]
         return statistics.median(times) if times else 1.0
+
+    def save_costs_s(self) -> list[float]:
+        """The training time each recent save cost: what it blocked, plus how much longer
+        than the median step the steps beside its upload took (an asynchronous upload
+        shares the host's cores, memory bandwidth and links with training). A step's time
+        never includes the blocked copy: the save runs between two steps."""
+        with self._lock:
+            recent = [m for m in self._metrics[-200:] if m["step"] > self.start_step]
+        if not recent:
+            return [blocked for _, blocked, _ in self._saves[-5:]]
+        lines = {m["step"]: m for m in recent}
+        median = statistics.median(m["step_time_s"] for m in recent[-50:])
+        costs = []
+        for step, blocked, total in self._saves[-5:]:
+            slowdown, ended = 0.0, lines.get(step, {}).get("time")
+            s = step + 1
+            while ended is not None and s in lines and lines[s]["time"] - lines[s]["step_time_s"] < ended + total:
+                slowdown += max(0.0, lines[s]["step_time_s"] - median)
+                s += 1
+            costs.append(blocked + slowdown)
+        return costs
 
     def emergency_notice_s(self, margin_s: float) -> float:
         """The notice a spot preemption must give for an emergency checkpoint: finish the
@@ -103,8 +124,9 @@ class StepLedger:
             self.last_checkpoint = {"step": ck["step"], "uri": ck.get("uri")}
             self.committed_step = max(self.committed_step, ck["step"])
             self.checkpoint_seconds.append(ck.get("blocked_s", 0.0) + ck.get("total_s", 0.0))
-            self.checkpoint_blocked_s.append(ck.get("blocked_s", 0.0))
             self.checkpoint_total_s.append(ck.get("total_s", 0.0))
+            self._saves.append((ck["step"], ck.get("blocked_s", 0.0), ck.get("total_s", 0.0)))
+            del self._saves[:-8]
             self.recorder.record(ev.CheckpointCommitted(step=ck["step"], uri=ck.get("uri", ""),
                                                         blocked_s=ck.get("blocked_s", 0.0),
                                                         total_s=ck.get("total_s", 0.0), bytes=ck.get("bytes", 0),

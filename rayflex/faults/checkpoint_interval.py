@@ -6,8 +6,10 @@ every M seconds on average the waste per unit time, C/T + T/(2M), is least at
 T = sqrt(2CM) (Young, 1974); Daly (2006) adds the higher-order terms used here, which
 matter once C is not much smaller than M.
 
-C is measured: the median blocked time of this run's recent saves (a prior,
-``auto_cost_prior_s``, until the first one). M is estimated from this run's own faults with
+C is measured: the median training time this run's recent saves cost — what a save
+blocked, plus how much the steps beside its asynchronous upload slowed down
+(``StepLedger.save_costs_s``) — with a prior (``RAYFLEX_CHECKPOINT_COST_PRIOR_S``) until
+the first one. M is estimated from this run's own faults with
 a prior of one failure per ``mtbf_prior_s``: (mtbf_prior_s + elapsed) / (1 + faults). So a
 run on a quiet cluster stretches its interval as hours pass without a failure, and one on
 a cluster that keeps losing nodes shortens it after the second or third loss. An
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 class IntervalChoice:
     steps: int  # checkpoint every this many steps
     seconds: float  # the optimum in seconds of training, before rounding to steps
-    cost_s: float  # C: training time one save blocks (measured, or the prior)
+    cost_s: float  # C: training time one save costs (measured, or the prior)
     mtbf_s: float  # M: estimated mean time between failures
     faults: int  # failures and preemptions this run has seen
     step_time_s: float
@@ -49,10 +51,10 @@ class CheckpointIntervalPolicy:
     def __init__(self, mtbf_prior_s: float, cost_prior_s: float, max_steps: int):
         self.mtbf_prior_s, self.cost_prior_s, self.max_steps = mtbf_prior_s, cost_prior_s, max(1, max_steps)
 
-    def choose(self, *, blocked_s: list[float], save_total_s: list[float], step_time_s: float,
+    def choose(self, *, save_costs_s: list[float], save_total_s: list[float], step_time_s: float,
                elapsed_s: float, faults: int) -> IntervalChoice:
-        measured = bool(blocked_s)
-        cost = statistics.median(blocked_s[-5:]) if measured else self.cost_prior_s
+        measured = bool(save_costs_s)
+        cost = statistics.median(save_costs_s[-5:]) if measured else self.cost_prior_s
         mtbf = (self.mtbf_prior_s + max(0.0, elapsed_s)) / (1 + faults)
         seconds = daly_interval_s(cost, mtbf)
         step_time_s = max(step_time_s, 1e-6)

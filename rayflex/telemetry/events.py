@@ -257,7 +257,7 @@ class CheckpointIntervalChosen(Event):
     kind: ClassVar[EventKind] = EventKind.CHECKPOINT_INTERVAL_CHOSEN
     every_steps: int = 0
     interval_s: float = 0.0  # the optimum in seconds of training, before rounding to steps
-    cost_s: float = 0.0  # the training time a save blocks (measured, or the prior)
+    cost_s: float = 0.0  # the training time a save costs: blocked + steps slowed by its upload (or the prior)
     mtbf_s: float = 0.0  # the mean time between failures assumed
     faults: int = 0
     step_time_s: float = 0.0
