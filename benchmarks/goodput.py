@@ -8,6 +8,11 @@
 
     python benchmarks/goodput.py [--minutes 5] [--period 60]
 
+``--interval-sweep``: ``CheckpointConfig(every_steps="auto")`` against fixed intervals
+(``--fixed 5,10,20,40``), each for ``--minutes`` under the same seeded schedule of node
+losses *without* notice (so the work since the last checkpoint is lost), one every
+``--period`` s; goal: auto within 5% of the best fixed interval's steps per second.
+
 Goodput = useful committed step time / wall time (rayflex.telemetry.goodput); throughput =
 committed steps per wall second. Goal: rayflex with preemptions >= 0.85 x no preemptions.
 """
@@ -27,7 +32,8 @@ from common import emit, machine, setup_logging  # noqa: E402
 WORKERS, GB, EVERY = 4, 12, 20
 
 
-def trainer(data: str, storage: str, name: str, steps: int, *, margin: float):
+def trainer(data: str, storage: str, name: str, steps: int, *, margin: float, every: int | str = EVERY,
+            mtbf_prior_s: float = 3600.0):
     import rayflex as rf
     from rayflex.models import GPTConfig, gpt
 
@@ -35,8 +41,82 @@ def trainer(data: str, storage: str, name: str, steps: int, *, margin: float):
                       data=rf.DataConfig(uri=data, seq_len=64, global_batch=GB),
                       run=rf.RunConfig(name=name, storage=storage, steps=steps),
                       scaling=rf.ScalingConfig(num_workers=WORKERS, min_workers=2),
-                      checkpoint=rf.CheckpointConfig(every_steps=EVERY, keep=2),
-                      elastic=rf.ElasticConfig(max_preemptions=100, emergency_margin_s=margin))
+                      checkpoint=rf.CheckpointConfig(every_steps=every, keep=2, mtbf_prior_s=mtbf_prior_s),
+                      elastic=rf.ElasticConfig(max_preemptions=100, max_failures=100, emergency_margin_s=margin))
+
+
+def run_with_node_losses(cluster, data: str, storage: str, name: str, minutes: float, period: float,
+                         every: int | str, mtbf_prior_s: float) -> dict:
+    """Train for ``minutes``; every ``period`` s a random non-head node vanishes with no
+    notice (the work since the last checkpoint is lost) and a replacement joins 10 s later.
+    The schedule is seeded: every interval under test meets the same losses."""
+    import ray
+
+    handle = trainer(data, storage, name, steps=100_000, margin=2.0, every=every, mtbf_prior_s=mtbf_prior_s).submit()
+    t0 = time.time()
+    rng = random.Random(0)
+    head = ray.get_runtime_context().get_node_id()
+    next_loss, add_at, losses = t0 + period, [], 0
+    while time.time() - t0 < minutes * 60:
+        now = time.time()
+        for when in [w for w in add_at if w <= now]:
+            add_at.remove(when)
+            cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+        if now >= next_loss:
+            next_loss += period
+            nodes = sorted((n for n in cluster.list_all_nodes() if n.node_id != head), key=lambda n: n.node_id)
+            if nodes:
+                cluster.remove_node(rng.choice(nodes))
+                losses += 1
+                add_at.append(now + 10)
+        time.sleep(0.25)
+    result = handle.stop(timeout_s=300)
+    wall = time.time() - t0
+    raw = result.raw
+    import json
+
+    events_file = os.path.join(storage.removeprefix("file://"), name, "events.jsonl")
+    with open(events_file) as f:
+        chosen = [e for e in map(json.loads, f) if e.get("kind") == "checkpoint_interval_chosen"]
+    return {"every_steps": every, "wall_s": wall, "steps_completed": raw["steps_completed"],
+            "steps_per_s": raw["steps_completed"] / wall, "goodput": raw.get("goodput"), "losses": losses,
+            "restarts": raw.get("restarts"), "lost_steps": raw.get("lost_steps"),
+            "auto_choices": [{k: e.get(k) for k in ("step", "every_steps", "interval_s", "cost_s", "mtbf_s", "faults")}
+                             for e in chosen]}
+
+
+def interval_sweep(args, data: str, tmp: str) -> None:
+    """every_steps="auto" against fixed intervals under the same node losses."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from rayflex.local_ray import head_node_args
+
+    candidates: list = [int(x) for x in args.fixed.split(",")] + ["auto"]
+    results = {}
+    for every in candidates:
+        cluster = Cluster(initialize_head=True, head_node_args=head_node_args(2))
+        try:
+            for _ in range(3):
+                cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address)
+            results[str(every)] = run_with_node_losses(cluster, data, f"file://{tmp}/runs", f"interval-{every}",
+                                                       args.minutes, args.period, every, args.mtbf_prior_s)
+            print(f"every_steps={every}: {results[str(every)]}", file=sys.stderr)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    fixed = {k: v for k, v in results.items() if k != "auto"}
+    best = max(fixed, key=lambda k: fixed[k]["steps_per_s"])
+    ratio = results["auto"]["steps_per_s"] / fixed[best]["steps_per_s"]
+    emit({"benchmark": "goodput_interval", "machine": machine(),
+          "workload": {"model": "gpt-2x64", "workers": WORKERS, "nodes": 4, "minutes": args.minutes,
+                       "node_loss_period_s": args.period, "replacement_after_s": 10, "notice": None,
+                       "mtbf_prior_s": args.mtbf_prior_s, "one run per interval (no rounds)": True},
+          "results": results, "best_fixed_every_steps": int(best),
+          "ratios": {"auto_over_best_fixed_steps_per_s": ratio},
+          "goals": {"auto_within_5pct_of_best_fixed": ratio >= 0.95}})
 
 
 def run_for(cluster, data: str, storage: str, name: str, minutes: float, period: float | None,
@@ -88,6 +168,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=5.0)
     ap.add_argument("--period", type=float, default=60.0)
+    ap.add_argument("--interval-sweep", action="store_true",
+                    help='every_steps="auto" vs the fixed intervals in --fixed, under node losses without notice')
+    ap.add_argument("--fixed", default="5,10,20,40", help="the fixed intervals the sweep tries")
+    ap.add_argument("--mtbf-prior-s", type=float, default=3600.0, help='the prior every_steps="auto" starts from')
     args = ap.parse_args()
     setup_logging()
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -99,6 +183,8 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="rayflex-bench-")
     data = write_synthetic_dataset(f"file://{tmp}/data", num_samples=4096, seq_len=64)
+    if args.interval_sweep:
+        return interval_sweep(args, data, tmp)
     results = {}
     for label, period, margin in (("no_preemptions", None, 2.0), ("rayflex", args.period, 2.0),
                                   ("restore_last_periodic", args.period, 1e9)):

@@ -15,7 +15,10 @@ import pytest
 
 from conftest import SEQ_LEN, run_events
 
-pytestmark = pytest.mark.cluster
+# Slow (make test-slow): two driver processes, two controllers and four workers cost ~90 s
+# of the 2-core CI machine; the restart logic it exercises is Ray's cleanup plus the
+# resume by name that the CI's job-submission and tracker tests cover.
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 STEPS = 30
 NAME = "driver-killed"

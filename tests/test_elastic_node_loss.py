@@ -55,6 +55,7 @@ def _node_processes(node) -> list:
     return [raylet, *raylet.children(recursive=True)]
 
 
+@pytest.mark.slow  # ~80 s in CI; the failed-start path it ends in is covered there by test_controller_states
 def test_a_frozen_node_is_declared_lost_and_the_run_shrinks_and_finishes(two_node_cluster, dataset_uri, tmp_path):
     # The machine stays up but answers nothing (a kernel hang, a saturated NIC): every
     # process of the node is SIGSTOPped, so no socket closes and nothing "dies". Ray's
