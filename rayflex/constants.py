@@ -61,6 +61,8 @@ _DEFAULTS: dict[str, float] = {
     "EMERGENCY_CHECKPOINT_DEFAULT_S": 10.0,
     # every_steps="auto": the training time a save is assumed to block before one is measured.
     "CHECKPOINT_COST_PRIOR_S": 5.0,
+    # every_steps="auto": the first save (which measures what a save costs) after this many steps.
+    "CHECKPOINT_AUTO_FIRST_STEPS": 5,
     # CPU niceness of the checkpoint upload thread (0 = as training): uploads take the
     # cycles training leaves idle.
     "UPLOAD_NICE": 10.0,

@@ -90,3 +90,5 @@ def test_a_saves_cost_is_what_it_blocked_plus_the_slowdown_of_the_steps_beside_i
             if step == 14 else None
         ledger.absorb(0, dataclasses.replace(_status(0, step, ckpt), records=[rec]), plan, _Detector())
     assert ledger.save_costs_s() == [pytest.approx(0.05 + 3 * 0.2)]
+    # What a failure now would lose: the steps trained since the save of step 10.
+    assert ledger.training_s_since(10) == pytest.approx(3 * 0.3 + 7 * 0.1)

@@ -40,8 +40,17 @@ class CheckpointCadence:
             self.choice = choice
         if self.requested_step > ledger.step:  # a restart rolled back past it
             self.requested_step = 0
+        if ledger.step >= ctx.spec.run.steps - 1:
+            return  # the end of the run saves anyway
         last = max(ledger.committed_step, self.requested_step, ledger.start_step)
-        # Asked a step early: the save happens at the step boundary after the request.
-        if ledger.step - last >= self.choice.steps - 1 and ledger.step < ctx.spec.run.steps - 1:
+        if not choice.measured:
+            # No save measured yet: take one early to learn what a save costs. On the prior
+            # alone (5 s) a benchmark's first save was due at 35 s, after its first failure.
+            due = self.requested_step == 0 and ledger.step - last >= knob("CHECKPOINT_AUTO_FIRST_STEPS")
+        else:
+            # In seconds of training, not steps: a step-time estimate swings through warm-up.
+            # Asked a step early: the save happens at the step boundary after the request.
+            due = ledger.training_s_since(last) >= self.choice.seconds - choice.step_time_s
+        if due:
             group.request_checkpoint("auto")
             self.requested_step = ledger.step

@@ -54,6 +54,15 @@ class StepLedger:
             times = [m["step_time_s"] for m in self._metrics[-20:] if m["step"] > self.start_step]
         return statistics.median(times) if times else 1.0
 
+    def training_s_since(self, step: int) -> float:
+        """Seconds this attempt has trained since the end of ``step`` (or since its own
+        first step): the work a failure now would lose."""
+        with self._lock:
+            lines = [m for m in self._metrics[-2000:] if m["step"] > max(step, self.start_step)]
+        if not lines:
+            return 0.0
+        return lines[-1]["time"] - (lines[0]["time"] - lines[0]["step_time_s"])
+
     def save_costs_s(self) -> list[float]:
         """The training time each recent save cost: what it blocked, plus how much longer
         than the median step the steps beside its upload took (an asynchronous upload
