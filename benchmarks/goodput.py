@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import emit, machine, setup_logging  # noqa: E402
 
 WORKERS, GB, EVERY = 4, 12, 20
+FOUR_NODES = [{"num_cpus": 2}] * 4  # loopback "nodes"; the head is never removed
 
 
 def trainer(data: str, storage: str, name: str, steps: int, *, margin: float, every: int | str = EVERY,
@@ -87,26 +88,15 @@ def run_with_node_losses(cluster, data: str, storage: str, name: str, minutes: f
 
 def interval_sweep(args, data: str, tmp: str) -> None:
     """every_steps="auto" against fixed intervals under the same node losses."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from rayflex.local_ray import head_node_args
+    from rayflex.local_ray import loopback_cluster
 
     candidates: list = [int(x) for x in args.fixed.split(",")] + ["auto"]
     results = {}
     for every in candidates:
-        cluster = Cluster(initialize_head=True, head_node_args=head_node_args(2))
-        try:
-            for _ in range(3):
-                cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
-            cluster.wait_for_nodes()
-            ray.init(address=cluster.address)
+        with loopback_cluster(FOUR_NODES) as cluster:
             results[str(every)] = run_with_node_losses(cluster, data, f"file://{tmp}/runs", f"interval-{every}",
                                                        args.minutes, args.period, every, args.mtbf_prior_s)
             print(f"every_steps={every}: {results[str(every)]}", file=sys.stderr)
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
     fixed = {k: v for k, v in results.items() if k != "auto"}
     best = max(fixed, key=lambda k: fixed[k]["steps_per_s"])
     ratio = results["auto"]["steps_per_s"] / fixed[best]["steps_per_s"]
@@ -175,11 +165,8 @@ def main() -> None:
     args = ap.parse_args()
     setup_logging()
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    import ray
-    from ray.cluster_utils import Cluster
-
     from rayflex.data.dataset import write_synthetic_dataset
-    from rayflex.local_ray import head_node_args
+    from rayflex.local_ray import loopback_cluster
 
     tmp = tempfile.mkdtemp(prefix="rayflex-bench-")
     data = write_synthetic_dataset(f"file://{tmp}/data", num_samples=4096, seq_len=64)
@@ -188,18 +175,10 @@ def main() -> None:
     results = {}
     for label, period, margin in (("no_preemptions", None, 2.0), ("rayflex", args.period, 2.0),
                                   ("restore_last_periodic", args.period, 1e9)):
-        cluster = Cluster(initialize_head=True, head_node_args=head_node_args(2))
-        try:
-            for _ in range(3):
-                cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
-            cluster.wait_for_nodes()
-            ray.init(address=cluster.address)
+        with loopback_cluster(FOUR_NODES) as cluster:
             results[label] = run_for(cluster, data, f"file://{tmp}/runs", f"goodput-{label}", args.minutes,
                                      period, margin)
             print(f"{label}: {results[label]}", file=sys.stderr)
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
     base = results["no_preemptions"]["committed_steps_per_s"]
     emit({"benchmark": "goodput", "machine": machine(),
           "workload": {"model": "gpt-2x64", "workers": WORKERS, "nodes": 4, "minutes": args.minutes,

@@ -161,3 +161,16 @@ def wait_until_running(handle, step: int, timeout_s: float = 120, committed: int
             return st
         time.sleep(0.1)
     raise AssertionError(f"run not running at step {step} after {timeout_s}s")
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    """Poll ``predicate`` until it returns something truthy (returned), or fail naming ``what``."""
+    import time
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

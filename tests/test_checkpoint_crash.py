@@ -4,7 +4,6 @@ committed checkpoint is detected on load and the previous one is used instead.""
 import json
 import os
 import signal
-import time
 
 import pytest
 
@@ -12,7 +11,7 @@ import rayflex as rf
 from rayflex.cli.main import main as cli_main
 from rayflex.storage import manifest as mf
 
-from conftest import small_gpt
+from conftest import small_gpt, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -28,22 +27,12 @@ def _events(tmp_path, name):
     return [json.loads(x) for x in (tmp_path / "runs" / name / "events.jsonl").read_text().splitlines()]
 
 
-def _wait_for(pred, timeout_s, what):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 def test_worker_killed_mid_upload_leaves_previous_checkpoint(two_node_cluster, dataset_uri, tmp_path, monkeypatch):
     storage, name = f"file://{tmp_path}/runs", "killed"
     root = f"{storage}/{name}/checkpoints"
     monkeypatch.setenv("RAYFLEX_SLOW_UPLOAD", "4:5:4")  # step 4's upload takes 5 s
     handle = _trainer(dataset_uri, storage, name, steps=12).submit()
-    status = _wait_for(lambda: (lambda s: s if s["step"] >= 5 else None)(handle.status()), 120, "step 5")
+    status = wait_for(lambda: (lambda s: s if s["step"] >= 5 else None)(handle.status()), 120, "step 5")
     assert mf.list_committed(root) == [2]
     step4 = tmp_path / "runs" / name / "checkpoints" / "step_00000004"
     assert step4.exists() and not (step4 / mf.MARKER).exists(), "step 4 is being uploaded"

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import SEQ_LEN, run_events
+from conftest import SEQ_LEN, run_events, wait_for
 
 # Slow (make test-slow): two driver processes, two controllers and four workers cost ~90 s
 # of the 2-core CI machine; the restart logic it exercises is Ray's cleanup plus the
@@ -55,16 +55,6 @@ def _leftovers() -> dict:
     return {"actors": alive, "placement_groups": groups, "cpus_in_use": busy}
 
 
-def _wait_for(what, timeout_s: float, predicate):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 def _wait_until_clean(timeout_s: float) -> None:
     deadline, left = time.time() + timeout_s, None
     while time.time() < deadline:
@@ -87,7 +77,7 @@ def test_a_killed_driver_leaves_nothing_behind_and_the_next_run_resumes(two_node
     with open(tmp_path / "first.log", "w") as log:
         driver = subprocess.Popen([RAYFLEX, "run", str(spec_file)], env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_for("a committed checkpoint", 120, lambda: committed() or driver.poll() is not None)
+            wait_for(lambda: committed() or driver.poll() is not None, 120, "a committed checkpoint", 0.2)
             assert driver.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         finally:
             driver.kill()  # SIGKILL: no handler runs, nothing is stopped cleanly

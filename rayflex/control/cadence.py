@@ -27,7 +27,7 @@ class CheckpointCadence:
     def tick(self, ctx, group) -> None:
         """Re-evaluate the interval; ask ``group`` for a checkpoint if one is due."""
         ledger = ctx.ledger
-        choice = self.policy.choose(save_costs_s=ledger.save_costs_s(), save_total_s=ledger.checkpoint_total_s,
+        choice = self.policy.choose(save_costs_s=ledger.save_costs_s(), save_total_s=ledger.save_total_s(),
                                     step_time_s=ledger.step_time_estimate_s(),
                                     elapsed_s=self.clock.time() - self.started,
                                     faults=ctx.policy.failures + ctx.policy.preemptions)

@@ -25,8 +25,7 @@ class StepLedger:
         self.committed_step = 0
         self.last_checkpoint: Optional[dict] = None
         self.checkpoint_seconds: list[float] = []
-        self.checkpoint_total_s: list[float] = []  # the time each commit took in all (upload included)
-        self._saves: list[tuple[int, float, float]] = []  # (step, blocked_s, total_s) of each commit
+        self._saves: list[tuple[int, float, float]] = []  # (step, blocked_s, total_s) of recent commits
         self.first_step_at: Optional[float] = None
         self._pending: dict[int, dict[int, Any]] = {}
         self._plan = None  # the mesh of the attempt whose records are pending
@@ -62,6 +61,10 @@ class StepLedger:
         if not lines:
             return 0.0
         return lines[-1]["time"] - (lines[0]["time"] - lines[0]["step_time_s"])
+
+    def save_total_s(self) -> list[float]:
+        """How long each recent save took in all (its upload included)."""
+        return [total for _, _, total in self._saves]
 
     def save_costs_s(self) -> list[float]:
         """The training time each recent save cost: what it blocked, plus how much longer
@@ -133,7 +136,6 @@ class StepLedger:
             self.last_checkpoint = {"step": ck["step"], "uri": ck.get("uri")}
             self.committed_step = max(self.committed_step, ck["step"])
             self.checkpoint_seconds.append(ck.get("blocked_s", 0.0) + ck.get("total_s", 0.0))
-            self.checkpoint_total_s.append(ck.get("total_s", 0.0))
             self._saves.append((ck["step"], ck.get("blocked_s", 0.0), ck.get("total_s", 0.0)))
             del self._saves[:-8]
             self.recorder.record(ev.CheckpointCommitted(step=ck["step"], uri=ck.get("uri", ""),
