@@ -7,6 +7,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+# Every Ray worker process imports rayflex: without cached bytecode each one compiles its
+# ~21k lines again (~0.3 CPU-s a process, hundreds of processes in `make test`). Some
+# environments (CI images, sandboxes) set this variable; it is not wanted here.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv emulators demo test test-slow test-fast bench chaos compare clean
 

@@ -13,6 +13,9 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAYFLEX_POLL_INTERVAL_S", "0.2")
 os.environ.setdefault("RAYFLEX_PLACEMENT_TIMEOUT_S", "30")
 os.environ.setdefault("RAYFLEX_COLLECTIVE_TIMEOUT_S", "60")
+# No run report (matplotlib, ~1 CPU-s of the controller) at the end of every cluster run:
+# the report is tested in test_report.py, and whether a run draws it in test_controller_states.py.
+os.environ.setdefault("RAYFLEX_RUN_REPORT", "0")
 
 import pytest  # noqa: E402
 

@@ -366,3 +366,30 @@ def test_a_collective_mismatch_that_hangs_the_same_step_again_fails_the_run_with
     assert len(_timeline(controller).of(ev.Restarted)) == 1, "one restart, then the policy stops looping"
     assert result["status"] == "failed"
     assert "a bug in the training program" in result["reason"] and diagnosed[0].verdict in result["reason"]
+
+
+@pytest.mark.parametrize("setting, drawn", [(None, True), ("1", True), ("0", False)])
+def test_a_run_draws_its_report_when_it_ends_unless_told_not_to(tmp_path, monkeypatch, setting, drawn):
+    drawn_for = []
+    monkeypatch.setattr("rayflex.telemetry.report.write_report", lambda run_dir, *a, **k: drawn_for.append(run_dir))
+    if setting is None:
+        monkeypatch.delenv("RAYFLEX_RUN_REPORT", raising=False)
+    else:
+        monkeypatch.setenv("RAYFLEX_RUN_REPORT", setting)
+    spec = _spec(tmp_path)
+    _, _, result = _run(spec, {"a": 2, "b": 2})
+    assert result["status"] == "finished"
+    assert drawn_for == ([spec.run.run_dir] if drawn else [])
+
+
+def test_an_unreadable_report_setting_fails_before_the_run_starts(tmp_path, monkeypatch):
+    from rayflex.models import GPTConfig, gpt
+
+    monkeypatch.setenv("RAYFLEX_RUN_REPORT", "sometimes")
+    trainer = rf.Trainer(model=gpt(GPTConfig(vocab_size=16, seq_len=8, d_model=8, n_layers=1, n_heads=1)),
+                         data=rf.DataConfig(uri="file:///nowhere", seq_len=8, global_batch=8),
+                         run=rf.RunConfig(name="r", storage=f"file://{tmp_path}/runs"))
+    with pytest.raises(ValueError, match="RAYFLEX_RUN_REPORT='sometimes'"):
+        trainer.preflight()
+    assert not (tmp_path / "runs").exists()
+

@@ -91,3 +91,17 @@ def test_s3_dataset_missing_bucket_vs_missing_shards(s3_endpoint, s3_bucket):
         TokenDataset(f"{s3_bucket}/tokens")
     write_synthetic_dataset(f"{s3_bucket}/tokens", num_samples=12, seq_len=4, vocab_size=8, num_shards=2)
     assert len(TokenDataset(f"{s3_bucket}/tokens")) == 12
+
+
+def test_reading_rows_imports_neither_pandas_nor_arrow_compute(tmp_path):
+    # Every worker process reads data at start-up: Arrow's own conversions would import
+    # pandas and pyarrow.compute there (~1 CPU-s per process).
+    import subprocess
+    import sys
+
+    uri = write_synthetic_dataset(f"file://{tmp_path}/d", num_samples=48, seq_len=16, vocab_size=64, num_shards=2)
+    code = ("import sys\nfrom rayflex.data.dataset import TokenDataset\n"
+            f"ds = TokenDataset({uri!r})\nrows = ds.rows(__import__('numpy').arange(len(ds)))\n"
+            "print(rows.shape, sorted(m for m in ('pandas', 'pyarrow.compute') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "torch.Size([48, 17]) []", out

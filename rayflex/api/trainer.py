@@ -261,7 +261,9 @@ class Trainer:
         the model contract (on the meta device). ``fit()`` and ``submit()`` run it first;
         call it alone to check a configuration without starting anything."""
         from rayflex.storage.fs import check_storage
+        from rayflex.telemetry.report import drawn_at_run_end
 
+        drawn_at_run_end()  # a RAYFLEX_RUN_REPORT it cannot read fails now, not as the run ends
         check_storage(self.spec.run.storage)
         if self.spec.checkpoint.uri:
             check_storage(self.spec.checkpoint.uri)

@@ -131,12 +131,13 @@ class Controller:
         self.ctx.recorder.finish()
         result = self.result()
         self.ctx.recorder.rundir.write_json("result.json", result)
-        try:  # the report is a convenience: never fail a run over a plot
-            from rayflex.telemetry.report import write_report
+        from rayflex.telemetry import report
 
-            write_report(self.spec.run.run_dir)
-        except Exception as e:  # noqa: BLE001
-            log.warning("could not write the run report: %s", e)
+        if report.drawn_at_run_end():
+            try:  # the report is a convenience: never fail a run over a plot
+                report.write_report(self.spec.run.run_dir)
+            except Exception as e:  # noqa: BLE001
+                log.warning("could not write the run report: %s", e)
         return result
 
     def _teardown(self) -> None:

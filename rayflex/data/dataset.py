@@ -183,11 +183,10 @@ class TokenDataset:
     def _read_into_cache(self, gi: int) -> np.ndarray:
         g = self._groups[gi]
         table = with_retries(lambda: self._read_group(g), what=f"read row group {g.index} of {self._shards[g.shard]}")
-        col = table.column(TOKENS_COLUMN).combine_chunks()
         # Kept as stored (int32 ids: zero-copy from Arrow, half the cache of int64); only
         # the rows a step takes are widened, in :meth:`rows`. A prefetch thread that
         # converted whole row groups would hold the GIL the training thread waits for.
-        arr = col.flatten().to_numpy(zero_copy_only=False).reshape(len(col), -1)
+        arr = _rows_as_numpy(table.column(TOKENS_COLUMN))
         with self._lock:
             self._cache[gi] = arr
             while len(self._cache) > self.cache_groups:
@@ -337,3 +336,42 @@ def write_synthetic_dataset(uri: str, *, num_samples: int = 4096, seq_len: int =
             pq.write_table(pa.table({TOKENS_COLUMN: col}), f, row_group_size=row_group_rows)
     log.info("wrote %d samples in %d shards to %s", num_samples, num_shards, uri)
     return uri
+
+
+def _rows_as_numpy(column) -> np.ndarray:
+    """A list<int> column of equal-length rows as a (rows, row_len) array, read straight
+    from Arrow's buffers (zero-copy for one chunk).
+
+    Arrow's own conversions (``ListArray.flatten``, ``combine_chunks``, ``to_numpy``) import
+    pyarrow.compute and pandas: ~1 CPU-s in every worker process that reads data, the most
+    expensive import at worker start-up that rayflex controls."""
+    parts = []
+    for chunk in column.chunks:
+        if not len(chunk):
+            continue
+        if chunk.null_count:  # rows are never null in a rayflex dataset; Arrow's path then
+            parts.append(np.stack(chunk.to_numpy(zero_copy_only=False)))
+            continue
+        offsets = _integers_as_numpy(chunk.offsets)
+        values = _integers_as_numpy(chunk.values)[offsets[0]:offsets[-1]]
+        lengths = np.diff(offsets)
+        if len(lengths) and (lengths != lengths[0]).any():
+            raise ValueError(f"rows of unequal length ({lengths.min()}..{lengths.max()} tokens) in column "
+                             f"{TOKENS_COLUMN!r}: a rayflex dataset holds fixed-length rows "
+                             "(write it with rayflex.data.prepare or write_synthetic_dataset)")
+        parts.append(values.reshape(len(chunk), -1))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _integers_as_numpy(values) -> np.ndarray:
+    """An Arrow integer array without nulls as a zero-copy NumPy view of its data buffer
+    (``Array.to_numpy`` would import pandas, see :func:`_rows_as_numpy`)."""
+    import pyarrow as pa
+
+    if not pa.types.is_integer(values.type) or values.null_count:
+        return values.to_numpy(zero_copy_only=False)
+    kind = "i" if pa.types.is_signed_integer(values.type) else "u"
+    width = values.type.bit_width // 8
+    return np.frombuffer(values.buffers()[1], dtype=np.dtype(f"<{kind}{width}"), count=len(values),
+                         offset=values.offset * width)
+

@@ -295,6 +295,18 @@ def _event_detail(e: dict) -> str:
     return " ".join(parts)[:300]
 
 
+def drawn_at_run_end() -> bool:
+    """Whether a run draws its report when it ends (``RAYFLEX_RUN_REPORT``, default on).
+
+    Drawing costs the controller about a CPU-second (matplotlib) before the run returns;
+    ``RAYFLEX_RUN_REPORT=0`` skips it (sweeps, CI), and ``rayflex report NAME`` draws the
+    same report from the run directory at any time later."""
+    raw = os.environ.get("RAYFLEX_RUN_REPORT", "1").strip().lower()
+    if raw not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"RAYFLEX_RUN_REPORT={raw!r}: use 1 (draw the report when a run ends) or 0 (do not)")
+    return raw in ("1", "true", "yes", "on")
+
+
 def write_report(run_dir_uri: str, out_dir: Optional[str] = None) -> tuple[str, str]:
     """Render the report of ``run_dir_uri`` into ``out_dir`` (default: the run directory).
 
