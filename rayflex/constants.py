@@ -87,6 +87,10 @@ _DEFAULTS: dict[str, float] = {
     "RELEASE_CHECKPOINT_GRACE_S": 3.0,
     # A single call to an actor (start the loop, arm a fault) that must answer quickly.
     "ACTOR_CALL_TIMEOUT_S": 60.0,
+    # A node all of whose ranks stopped answering is asked to run a no-op task; one that
+    # does not within this long is left out of placement until it answers or Ray drops it
+    # (Ray's own health check takes up to a minute to declare a frozen node dead).
+    "NODE_PROBE_TIMEOUT_S": 5.0,
 }
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from rayflex.data.sampler import SAMPLE_ORDER
+from rayflex.errors import SetupFailed
 from rayflex.faults.preemption import Notice
 from rayflex.group.standby import Readiness
 from rayflex.group.worker_group import PollResult
@@ -183,6 +184,10 @@ class FakeGroup:
         failures = getattr(self.cluster, "setup_failures", [])
         if failures:
             failures.pop(0)(self)
+        stuck = sorted(r for r, a in enumerate(self.actors) if a.node in self.cluster.frozen_nodes)
+        if stuck:  # a process placed on a frozen node never answers
+            self.cluster.clock.sleep(60.0)
+            raise SetupFailed("start", dead={}, slow=stuck, timeout_s=60.0)
         self.step = self.cluster.committed if restore else 0
         # A test sets cluster.saved_total_steps to the run.steps the checkpoint was trained
         # toward (unset: a checkpoint without that record).
@@ -306,6 +311,8 @@ class FakeCluster:
         # and what their flight records say (FakeGroup -> (records, silent ranks)).
         self.hang_at_step: Optional[int] = None
         self.flight: Optional[Callable] = None
+        self.frozen_nodes: set[str] = set()  # up in the cluster's view; run nothing (freeze_node)
+        self.probed: list[tuple[str, ...]] = []
 
     # the controller's view
     def topology(self) -> Topology:
@@ -342,6 +349,16 @@ class FakeCluster:
     def set_fail_at(self, actor, at_step: int, message: str) -> int:
         return 0
 
+    def probe_nodes(self, nodes) -> dict[str, str]:
+        self.probed.append(tuple(nodes))
+        return {n: n for n in nodes}
+
+    def unanswered(self, probes: dict[str, str], timeout_s: float) -> set[str]:
+        silent = {n for n in probes if n in self.frozen_nodes or n not in self.alive}
+        if silent:
+            self.clock.sleep(timeout_s)
+        return silent
+
     # test helpers
     def new_actor(self, node: str) -> FakeActor:
         actor = FakeActor(node=node)
@@ -367,6 +384,17 @@ def lose_node(node: str, *, forever: bool = True):
 def freeze_rank(rank: int):
     def act(group):
         group.actors[rank].frozen = True
+    return act
+
+
+def freeze_node(node: str):
+    """The whole machine stops answering: its ranks freeze, it runs nothing new, and the
+    cluster still lists it (Ray's health check has not given up yet)."""
+    def act(group):
+        group.cluster.frozen_nodes.add(node)
+        for actor in group.actors:
+            if actor.node == node:
+                actor.frozen = True
     return act
 
 

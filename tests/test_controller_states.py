@@ -15,7 +15,7 @@ from rayflex.control.states import RunState as S
 from rayflex.models.summary import ModelSummary
 from rayflex.telemetry import events as ev
 
-from controller_fakes import (FakeClock, FakeCluster, add_node, freeze_rank, kill_rank, lose_node, notice,
+from controller_fakes import (FakeClock, FakeCluster, add_node, freeze_node, freeze_rank, kill_rank, lose_node, notice,
                               raise_in_rank)
 
 START = [(S.INITIALIZING, S.PLACING), (S.PLACING, S.RUNNING)]
@@ -109,7 +109,40 @@ def test_a_frozen_rank_is_found_by_its_silence_and_replaced(tmp_path, monkeypatc
     assert restart.world_size == 4 and restart.from_step == 4
     assert cluster.standbys_started == 1 and restart.reused_workers == 4, \
         "the replacement warmed while the survivors left, and all four processes are reused"
+    assert cluster.probed == [], "a node with a rank still answering is not suspected"
     assert result["status"] == "finished"
+
+
+def test_a_frozen_node_that_runs_no_probe_is_left_out_without_waiting_for_ray(tmp_path, monkeypatch):
+    # The whole machine froze: Ray still lists it (its health check takes up to a minute),
+    # but it runs no task. The restart does not place ranks there to wait for Ray.
+    monkeypatch.setenv("RAYFLEX_HEARTBEAT_TIMEOUT_S", "5")
+    spec = _spec(tmp_path, min_workers=2, every=2, restart_while_warming=False)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, freeze_node("b"))])
+    assert _timeline(c).of(ev.HangDetected)[0].ranks == [2, 3]
+    assert cluster.probed == [("b",)]
+    (lost,) = _timeline(c).of(ev.NodeLost)
+    assert (lost.node_id, lost.ranks) == ("b", [2, 3]) and lost.reason.startswith("unreachable: its ranks froze")
+    restarts = _timeline(c).of(ev.Restarted)
+    assert [r.world_size for r in restarts] == [2] and (S.PLACING, S.PLACING) not in c.transitions, \
+        "no attempt was started on the frozen node"
+    assert set(_timeline(c).of(ev.PlanChosen)[-1].rank_to_node) == {"a"}
+    assert restarts[0].time - _timeline(c).of(ev.HangDetected)[0].time < 15, "the probe's 5 s, not Ray's minute"
+    assert result["status"] == "finished" and result["world_size"] == 2
+
+
+def test_a_frozen_node_that_answers_again_is_used_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYFLEX_HEARTBEAT_TIMEOUT_S", "5")
+    spec = _spec(tmp_path, min_workers=2, every=2, steps=40, restart_while_warming=False)
+
+    def thaw_b(group):
+        group.cluster.frozen_nodes.discard("b")  # its pending probe runs now
+
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, freeze_node("b")), (6, thaw_b)])
+    sizes = [r.world_size for r in _timeline(c).of(ev.Restarted)]
+    assert sizes == [2, 4] and "capacity returned" in _timeline(c).of(ev.Restarted)[-1].reason
+    assert set(_timeline(c).of(ev.PlanChosen)[-1].rank_to_node) == {"a", "b"}
+    assert result["status"] == "finished" and result["world_size"] == 4
 
 
 def test_a_node_that_dies_while_the_restart_starts_is_a_failure_not_the_end_of_the_run(tmp_path, monkeypatch):

@@ -56,6 +56,31 @@ class RayCluster:
     kill = staticmethod(kill_quietly)
     actor_id = staticmethod(actor_id)
 
+    def probe_nodes(self, nodes) -> dict[str, Any]:
+        """A no-op task pinned to each node (0 CPUs): a node whose raylet answers runs it
+        in about a second, a frozen one never; ``unanswered`` reads the outcome."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        probe = ray.remote(num_cpus=0, max_retries=0)(_node_answers)
+        return {n: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n, soft=False)).remote()
+                for n in nodes}
+
+    def unanswered(self, probes: dict[str, Any], timeout_s: float) -> set[str]:
+        """The nodes whose probe has not run within ``timeout_s`` (or failed: the node is gone)."""
+        import ray
+
+        refs = {ref: node for node, ref in probes.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        answered = set()
+        for ref in ready:
+            try:
+                ray.get(ref)
+                answered.add(refs[ref])
+            except Exception:  # noqa: BLE001 - unschedulable: the node left
+                pass
+        return set(probes) - answered
+
     def reservation(self):
         from rayflex.group.reservation import RunPlacement
 
@@ -95,3 +120,7 @@ class RayCluster:
         import ray
 
         return ray.get(actor.set_fail_at.remote(at_step, message), timeout=knob("ACTOR_CALL_TIMEOUT_S"))
+
+
+def _node_answers() -> bool:
+    return True

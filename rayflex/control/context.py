@@ -2,14 +2,15 @@
 
 The services (clock, cluster, recorder, ledger, failure policy), the resources the run
 holds until teardown (the bundle reservation, the standby pool, the preemption watcher,
-the live worker group) and two run-long facts: the nodes excluded by a preemption notice
-and whether a stop was asked for. Data one state hands to the next is not here: it travels
+the live worker group) and run-long facts: the nodes excluded by a preemption notice, the
+nodes that stopped answering (``control/unreachable.py``) and whether a stop was asked for. Data one state hands to the next is not here: it travels
 in the state's payload (``control/states.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from typing import Any, Optional
 
@@ -17,8 +18,11 @@ from rayflex.config import TrainSpec
 from rayflex.control.ledger import StepLedger
 from rayflex.control.recorder import Recorder
 from rayflex.control.cadence import CheckpointCadence
+from rayflex.control.unreachable import UnreachableNodes
 from rayflex.faults.policy import FailurePolicy, best_world_size
 from rayflex.mesh.plan import plan_mesh
+
+log = logging.getLogger(__name__)
 
 
 class RunContext:
@@ -29,6 +33,7 @@ class RunContext:
         self.policy = FailurePolicy(spec)
         self.cadence = CheckpointCadence(spec, clock) if spec.checkpoint.auto_interval else None
         self.excluded: set[str] = set()  # nodes with a preemption notice: about to vanish
+        self.unreachable = UnreachableNodes(cluster)  # frozen nodes Ray still lists
         self.stop_requested = threading.Event()
         self.stop_reason = ""
         # Held until teardown.
@@ -54,7 +59,9 @@ class RunContext:
         from rayflex.planning.topology import Topology
 
         topology = self.cluster.topology()
-        skip = self.excluded | set(avoid)
+        for node in self.unreachable.refresh({n.node_id for n in topology.nodes}):
+            log.warning("node %s answers again: usable for placement", node[:12])
+        skip = self.excluded | self.unreachable.nodes | set(avoid)
         if skip:
             topology = Topology(tuple(n for n in topology.nodes if n.node_id not in skip), topology.bandwidths)
         return topology

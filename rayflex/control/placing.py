@@ -167,7 +167,7 @@ def _start_group(ctx, plan, placement, survivors: dict, world: int, *, shrinking
         aid = cluster.actor_id(actor)
         slot = slots.get(aid)
         if (ctx.standby is not None and world < ctx.spec.scaling.max_size and slot is not None
-                and slot.node in alive and slot.node not in ctx.excluded):
+                and slot.node in alive and slot.node not in ctx.excluded | ctx.unreachable.nodes):
             reservation.bind_slot(slot, aid)
             ctx.standby.adopt(aid, actor, slot.node)
         else:

@@ -28,9 +28,10 @@ def restart(ctx, state: Restarting):
     # holds its slot until it has left, so a bundle reserved there would only time out.
     gone = set(fault.bad_ranks) - raised
     _drain(ctx, attempt)
+    unreachable = _leave_out_unreachable_nodes(ctx, fault, node_of)  # before warming replacements there
     survivors = collect_survivors(ctx, attempt, set(fault.bad_ranks), raised,
                                   warm=(lambda: warm_replacements(ctx, node_of, gone)) if gone else None)
-    _name_lost_nodes(ctx, fault, node_of)
+    _name_lost_nodes(ctx, fault, node_of, named=unreachable)
     decision = ctx.policy.decide(kind=fault.kind, step=ctx.ledger.step + 1, committed_step=ctx.ledger.committed_step,
                                  usable_slots=ctx.usable_slots(), error=fault.error, diagnosis=fault.diagnosis)
     return follow_decision(ctx, decision, survivors, state.fault_time, lambda: worker_error(fault))
@@ -72,14 +73,35 @@ def _drain(ctx, attempt: Attempt) -> None:
         ctx.ledger.absorb(rank, st, attempt.plan, attempt.detector)
 
 
-def _name_lost_nodes(ctx, fault, node_of: dict[int, str]) -> None:
+def _name_lost_nodes(ctx, fault, node_of: dict[int, str], named: set[str] = frozenset()) -> None:
     """Dead actors are seen before Ray declares their node dead; name the lost nodes now,
     so the timeline says whether a process or a whole node went."""
-    reported = {e.node_id for e in fault.events if isinstance(e, ev.NodeLost)}
+    reported = {e.node_id for e in fault.events if isinstance(e, ev.NodeLost)} | set(named)
     alive = ctx.alive_nodes()
     for node in sorted({node_of[r] for r in fault.bad_ranks if r in node_of} - alive - reported):
         ctx.record(ev.NodeLost(step=ctx.ledger.step + 1, node_id=node,
                                ranks=sorted(r for r, n in node_of.items() if n == node)))
+
+
+def _leave_out_unreachable_nodes(ctx, fault, node_of: dict[int, str]) -> set[str]:
+    """A node every rank of which froze may be frozen itself (Ray still lists it until its
+    health check gives up, up to a minute): one that does not run a probe task within
+    ``NODE_PROBE_TIMEOUT_S`` is named lost and left out of placement until it answers."""
+    if fault.hang != "frozen":
+        return set()
+    alive = ctx.alive_nodes()
+    ranks_on = {}
+    for rank, node in node_of.items():
+        ranks_on.setdefault(node, []).append(rank)
+    silent = {n for n, ranks in ranks_on.items() if n in alive and set(ranks) <= set(fault.bad_ranks)}
+    timeout_s = knob("NODE_PROBE_TIMEOUT_S")
+    unreachable = ctx.unreachable.check(silent, timeout_s)
+    for node in sorted(unreachable):
+        log.warning("node %s ran no task within %.0fs after its ranks froze: leaving it out", node[:12], timeout_s)
+        ctx.record(ev.NodeLost(step=ctx.ledger.step + 1, node_id=node, ranks=sorted(ranks_on[node]),
+                               reason=f"unreachable: its ranks froze and it ran no task within {timeout_s:.0f}s; "
+                                      "left out of placement until it answers (Ray still lists it)"))
+    return unreachable
 
 
 def _kill_all(ctx, survivors: dict) -> None:

@@ -195,6 +195,9 @@ class NodeLost(Event):
     kind: ClassVar[EventKind] = EventKind.NODE_LOST
     node_id: str = ""
     ranks: list = field(default_factory=list)
+    # Empty: Ray declared the node dead. Otherwise why rayflex stopped using a node Ray
+    # still lists (its ranks froze and it did not run a probe task).
+    reason: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
