@@ -176,4 +176,4 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
         if value:
             return value
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")

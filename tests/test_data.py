@@ -105,3 +105,14 @@ def test_reading_rows_imports_neither_pandas_nor_arrow_compute(tmp_path):
             "print(rows.shape, sorted(m for m in ('pandas', 'pyarrow.compute') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "torch.Size([48, 17]) []", out
+
+
+def test_rows_of_unequal_length_are_refused_with_the_fix(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "d").mkdir()
+    rows = pa.array([[1, 2, 3], [4, 5]], type=pa.list_(pa.int32()))
+    pq.write_table(pa.table({"tokens": rows}), str(tmp_path / "d" / "part-0.parquet"))
+    with pytest.raises(ValueError, match=r"rows of unequal length \(2\.\.3 tokens\).*rayflex.data.prepare"):
+        TokenDataset(f"file://{tmp_path}/d")

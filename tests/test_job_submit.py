@@ -8,6 +8,7 @@ it and it joins nothing. Teardown stops exactly the processes it started (never 
 """
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -25,6 +26,8 @@ import pytest
 from rayflex.cli.main import main as rayflex_main
 from rayflex.local_ray import free_ports
 
+from conftest import wait_for
+
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,14 +35,8 @@ BIN = Path(sys.executable).parent
 WORKERS = 2  # two FSDP ranks: quick to start on a 2-core machine
 
 
-def _wait_for(cond, timeout_s: float, what: str, interval_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+# Job-server queries are HTTP calls to the head: polled every 0.5 s, not conftest's 0.1 s.
+_wait_for = functools.partial(wait_for, interval_s=0.5)
 
 
 def _pids_mentioning(marker: str) -> list[int]:

@@ -3,7 +3,8 @@
 The services (clock, cluster, recorder, ledger, failure policy), the resources the run
 holds until teardown (the bundle reservation, the standby pool, the preemption watcher,
 the live worker group) and run-long facts: the nodes excluded by a preemption notice, the
-nodes that stopped answering (``control/unreachable.py``) and whether a stop was asked for. Data one state hands to the next is not here: it travels
+nodes that stopped answering (``control/unreachable.py``) and whether a stop was asked
+for. Data one state hands to the next is not here: it travels
 in the state's payload (``control/states.py``).
 """
 
