@@ -129,6 +129,7 @@ def _freeze_long_lived() -> None:
     every worker process of every restart."""
     import gc
 
+    import torch._dynamo  # noqa: F401 - imported by the first DTensor anyway (DTensor.__new__ is dynamo-disabled)
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
 

@@ -229,3 +229,45 @@ def test_a_fault_whose_target_is_gone_is_tried_again():
         assert alive.wait(timeout=10) == -9
     finally:
         alive.kill()
+
+
+def test_a_node_fault_waits_for_a_rank_off_the_head():
+    """The head runs the driver and is never removed: while every rank sits there, a node
+    fault would hit nothing and be reported missed, so it waits for a layout where it hits."""
+    from rayflex.testing.chaos.injector import FaultTiming, Injector
+
+    class Cluster:
+        head_id = "head"
+        removed: list = []
+
+        def remove_node(self, node_id):
+            self.removed.append(node_id)
+            return True
+
+    class Handle:
+        nodes = ["head", "head"]
+
+        def status(self):
+            workers = [{"rank": r, "node_id": n, "pid": -1} for r, n in enumerate(self.nodes)]
+            return {"state": "RUNNING", "world_size": 2, "workers": workers, "step": 12}
+
+        def events(self):
+            return [{"kind": "checkpoint_committed", "time": 1e18}]
+
+    cluster, handle = Cluster(), Handle()
+    injector = Injector(cluster, handle, None, ["remove_node"], seed=0, workers=2, checkpoint_root="memory://x",
+                        timing=FaultTiming(min_steps_between=10), steps=100)
+    injector.tick()
+    assert injector.injected == [] and cluster.removed == []
+    handle.nodes = ["head", "n1"]
+    injector.tick()
+    assert [(f.kind, f.node_id, f.detail["ranks"]) for f in injector.injected] == [("remove_node", "n1", [1])]
+    assert cluster.removed == ["n1"]
+
+
+def test_a_chaos_run_whose_ranks_fit_on_the_head_is_refused():
+    from rayflex.testing.chaos import ChaosConfig
+
+    with pytest.raises(ValueError, match="workers=2 fit on one node of cpus_per_node=2.*more workers than"):
+        ChaosConfig(seed=0, faults=8, workers=2, nodes=3, cpus_per_node=2)
+    ChaosConfig(seed=0, faults=8, workers=2, nodes=3, cpus_per_node=1)  # the CI short seed's layout

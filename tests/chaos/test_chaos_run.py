@@ -28,15 +28,16 @@ def _assert_passed(report):
 @pytest.mark.timeout(1200)
 def test_chaos_short_seed(tmp_path):
     # Every kind, each detected and recovered from, in less of the suite's time than the
-    # long seeds: 3 workers on 3 nodes (4 on 4), an 8 s spot notice (15 s), a 9 s outage
+    # long seeds: 2 workers on 3 one-CPU nodes, so every node fault hits a rank and a spare
+    # node takes it over (4 workers on 4 two-CPU nodes), an 8 s spot notice (15 s), a 9 s outage
     # (12 s: still longer than a save's retries ride out), replacement nodes after 1 s (2 s),
     # 6 steps between faults (10; a commit since the last restart is still required), and
     # restarts that wait for the replacement worker (the long seeds restart at once with the
     # survivors and grow back: twice the restarts and replayed segments, ~100 more steps;
     # shrinking and growing stay covered in CI by test_elastic_node_loss and test_elastic_cluster).
     timing = FaultTiming(long_notice_s=8.0, s3_down_s=9.0, node_return_s=1.0, min_steps_between=6)
-    report = run_chaos(ChaosConfig(seed=0, faults=8, workers=3, nodes=3, timing=timing, workdir=str(tmp_path),
-                                    restart_while_warming=False))
+    report = run_chaos(ChaosConfig(seed=0, faults=8, workers=2, nodes=3, cpus_per_node=1, timing=timing,
+                                    workdir=str(tmp_path), restart_while_warming=False))
     print(json.dumps({k: report[k] for k in ("run_s", "wall_s", "steps", "restarts", "world_sizes")}))
     _assert_passed(report)
 

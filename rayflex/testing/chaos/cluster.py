@@ -50,9 +50,6 @@ class LocalCluster:
     def head_id(self) -> str:
         return self.cluster.head_node.node_id
 
-    def worker_node_ids(self) -> list[str]:
-        return [n.node_id for n in self.cluster.worker_nodes]
-
     def add_node(self) -> str:
         node = self.cluster.add_node(node_ip_address="127.0.0.1", num_cpus=self.cpus)
         return node.node_id

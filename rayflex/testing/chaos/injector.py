@@ -195,8 +195,9 @@ class Injector:
 
     def _victim_node(self, fault: Injected, workers: list[dict]) -> str:
         """A node (not the head: it hosts the driver) that runs at least one rank."""
-        head = self.cluster.head_id
-        nodes = sorted({w["node_id"] for w in workers} - {head}) or sorted(self.cluster.worker_node_ids())
+        nodes = sorted({w["node_id"] for w in workers} - {self.cluster.head_id})
+        if not nodes:  # a node fault there would hit no rank: wait for a layout where it does
+            raise InjectionLost("no node but the head runs a rank")
         fault.node_id = self.rng.choice(nodes)
         fault.detail["ranks"] = [w["rank"] for w in workers if w["node_id"] == fault.node_id]
         return fault.node_id

@@ -19,6 +19,7 @@ def _serve(commands, answers) -> None:
 
     set_node_ip("127.0.0.1")
     from rayflex.mesh.plan import plan_mesh
+    from rayflex.worker.actor import cyclic_gc_paused
     from rayflex.worker.train_worker import TrainWorker
 
     worker = None
@@ -32,7 +33,8 @@ def _serve(commands, answers) -> None:
                 spec, rank, world = args
                 plan = plan_mesh(spec.model, spec.parallel, spec.data, world)
                 if worker is None:
-                    worker = TrainWorker(rank, spec, plan)
+                    with cyclic_gc_paused():  # as a Ray worker's start (rayflex.worker.actor)
+                        worker = TrainWorker(rank, spec, plan)
                 else:
                     worker.reconfigure(rank, plan)
                 out = rank

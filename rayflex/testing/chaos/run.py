@@ -50,6 +50,11 @@ class ChaosConfig:
         plan_faults(self.seed, self.faults)  # fails early on too few faults
         if self.workers < 2 or self.nodes < 3:
             raise ValueError("a chaos run needs >= 2 workers and >= 3 nodes (one removed, the head kept)")
+        if self.workers <= self.cpus_per_node:
+            # The planner packs ranks onto as few nodes as it can: all of them could sit on
+            # the head, which node faults spare (it runs the driver), and they would hit nothing.
+            raise ValueError(f"workers={self.workers} fit on one node of cpus_per_node={self.cpus_per_node}: "
+                             "node faults could find no rank off the head; use more workers than cpus_per_node")
 
     @property
     def steps(self) -> int:
