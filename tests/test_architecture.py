@@ -27,6 +27,7 @@ LAYERS: list[set[str]] = [
     {"control"},
     {"api"},
     {"cli", "testing"},
+    {"chaos"},  # `python -m rayflex.chaos`: the chaos runs' command
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 

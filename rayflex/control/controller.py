@@ -119,7 +119,8 @@ class Controller:
         return [{"rank": r, "node_id": group.node_of.get(r), "pid": pids.get(r)} for r in sorted(group.node_of)]
 
     def _reason(self) -> str:
-        return getattr(self.state, "reason", "") or self.ctx.stop_reason
+        """Why the run is in its state: a failure or stop, or why it is placing again."""
+        return getattr(self.state, "reason", "") or getattr(self.state, "restart_reason", "") or self.ctx.stop_reason
 
     # ----------------------------------------------------------------- teardown
     def _finish(self) -> dict:

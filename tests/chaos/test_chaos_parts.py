@@ -271,3 +271,85 @@ def test_a_chaos_run_whose_ranks_fit_on_the_head_is_refused():
     with pytest.raises(ValueError, match="workers=2 fit on one node of cpus_per_node=2.*more workers than"):
         ChaosConfig(seed=0, faults=8, workers=2, nodes=3, cpus_per_node=2)
     ChaosConfig(seed=0, faults=8, workers=2, nodes=3, cpus_per_node=1)  # the CI short seed's layout
+
+
+def test_overlap_plan_puts_every_second_fault_in_a_window_it_can_hit():
+    from rayflex.testing.chaos.overlap import plan_overlaps, windows_for
+
+    kinds = plan_faults(1, 16)
+    plan = plan_overlaps(1, kinds, growth=True)
+    assert plan == plan_overlaps(1, kinds, growth=True), "seeded"
+    assert set(plan) <= set(range(1, 16, 2))
+    for i, o in plan.items():
+        assert o.window in windows_for(kinds[i - 1], kinds[i], growth=True)
+    # What each kind can hit: a process-killing fault needs a listed process, a raise an
+    # attempt that runs, and during an outage only the outage is a window.
+    assert windows_for("kill_actor", "raise_once") == ("first_step",)
+    assert "placement" not in windows_for("remove_node", "sigstop")
+    assert windows_for("s3_down", "preempt_long") == ("outage",)
+    assert windows_for("s3_down", "s3_down") == ()
+    assert "growth" in windows_for("kill_actor", "preempt_long", growth=True)
+    assert "growth" not in windows_for("kill_actor", "preempt_long")
+    two_nodes = plan_overlaps(0, ["remove_node", "remove_node"])
+    assert two_nodes[1].window == "at_once", "two nodes lost within one second"
+
+
+def test_overlap_phase_follows_the_recovery():
+    from rayflex.testing.chaos.overlap import phase_of, window_over
+
+    def phase(state, restarted=True, restart_step=None, workers=(), step=10, reason="", store_down=False):
+        return phase_of({"state": state, "workers": list(workers), "step": step, "reason": reason},
+                        restart_step=restart_step, restarted=restarted, store_down=store_down)
+
+    assert phase("RUNNING", restarted=False) == "running"
+    assert phase("RESTARTING") == "release"
+    assert phase("PLACING") == "placement"
+    assert phase("PLACING", workers=[{"rank": 0}]) == "restore"
+    assert phase("PLACING", workers=[{"rank": 0}], reason="capacity returned: growing from 2 to 4") == "growth"
+    assert phase("RUNNING", restart_step=9, step=10) == "first_step"
+    assert phase("RUNNING", restart_step=9, step=11) == "running"
+    assert phase("RUNNING", store_down=True) == "outage"
+    assert not window_over("restore", "release", since_s=3.0, restart_reasons=[])
+    assert window_over("restore", "running", since_s=3.0, restart_reasons=["worker died"])
+    assert not window_over("growth", "running", since_s=3.0, restart_reasons=["worker died"])
+    assert window_over("growth", "running", since_s=9.0, restart_reasons=["worker died", "capacity returned: ..."])
+    assert window_over("at_once", "release", since_s=1.5, restart_reasons=[])
+
+
+def test_overlap_mode_injects_the_second_fault_in_its_window_or_says_it_missed_it():
+    """The second fault waits for its window of the first one's recovery; a recovery that is
+    over before the window is seen still gets the fault, marked as not overlapped."""
+    from rayflex.testing.chaos.injector import FaultTiming, Injector
+    from rayflex.testing.chaos.overlap import Overlap
+
+    class Handle:
+        state, step, workers, events_ = "RUNNING", 12, True, []
+
+        def status(self):
+            workers = [{"rank": r, "node_id": f"n{r}", "pid": -1} for r in range(2)] if self.workers else []
+            return {"state": self.state, "world_size": 2, "workers": workers, "step": self.step}
+
+        def events(self):
+            return [{"kind": "checkpoint_committed", "time": 1e18}] + self.events_
+
+    for window, path, overlapped in (("restore", ["RESTARTING", "PLACING-", "PLACING+"], True),
+                                     ("release", ["PLACING-", "RUNNING"], False)):
+        handle = Handle()
+        injector = Injector(None, handle, None, ["raise_once", "kill_actor"], seed=0, workers=2,
+                            checkpoint_root="memory://x", timing=FaultTiming(min_steps_between=10), steps=100,
+                            mode="overlap")
+        injector.overlaps = {1: Overlap(1, window)}
+        injector._raise_once = injector._kill_actor = lambda fault, workers: None  # record the decisions only
+        injector.tick()
+        assert [f.kind for f in injector.injected] == ["raise_once"]
+        handle.events_ = [{"kind": "restarted", "time": injector.injected[0].time + 1, "reason": "worker failed"}]
+        for state in path:
+            handle.state, handle.workers = state.rstrip("+-"), not state.endswith("-")
+            handle.step = 20 if state == "RUNNING" else 12
+            injector.tick()
+            if len(injector.injected) == 2:
+                break
+        assert [f.kind for f in injector.injected] == ["raise_once", "kill_actor"], window
+        second = injector.injected[1].detail["overlap"]
+        assert (second["window"], second["overlapped"]) == (window, overlapped), second
+        assert second["phase"] == (window if overlapped else "running")

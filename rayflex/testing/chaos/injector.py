@@ -1,10 +1,12 @@
-"""Injects a planned sequence of faults into a live run, one at a time.
+"""Injects a planned sequence of faults into a live run.
 
-The next fault goes in once the run has recovered from the previous one: it is running
-at full size again, nothing is still scheduled (a node's return, the object store coming
-back), and a checkpoint has committed since — so every fault hits a healthy run and a
-failure never repeats without progress. Node additions and removals happen on the
-calling (main) thread; ``tick()`` is called from its loop.
+Sequential mode: the next fault goes in once the run has recovered from the previous
+one: it is running at full size again, nothing is still scheduled (a node's return, the
+object store coming back), and a checkpoint has committed since — so every fault hits a
+healthy run and a failure never repeats without progress. Overlap mode (``overlap.py``):
+every second fault instead lands in a seeded window of the recovery from the one before
+it; the pair after that waits for a healthy run again. Node additions and removals happen
+on the calling (main) thread; ``tick()`` is called from its loop.
 """
 
 from __future__ import annotations
@@ -57,9 +59,18 @@ class Injector:
     def __init__(self, cluster, handle, gate, kinds: list[str], seed: int, *, workers: int,
                  checkpoint_root: str, timing: FaultTiming = FaultTiming(),
                  corrupt: Optional[Callable[[str, int], str]] = None, steps: Optional[int] = None,
-                 fault_log: Optional[str] = None, arm: Optional[Callable[[int, int, str], int]] = None):
+                 fault_log: Optional[str] = None, arm: Optional[Callable[[int, int, str], int]] = None,
+                 mode: str = "sequential", growth: bool = False):
+        from rayflex.testing.chaos.overlap import plan_overlaps
+
+        if mode not in ("sequential", "overlap"):
+            raise ValueError(f"injector mode {mode!r}: use 'sequential' or 'overlap'")
         self.cluster, self.handle, self.gate = cluster, handle, gate
         self.kinds = list(kinds)
+        self.mode = mode
+        # Fault index -> the window of the previous fault's recovery it lands in.
+        self.overlaps = plan_overlaps(seed, self.kinds, growth=growth) if mode == "overlap" else {}
+        self._gone_nodes: set[str] = set()  # removed or drained: no longer a victim
         self.rng = random.Random(seed * 7919 + 1)  # targets: independent of the kind order
         self.workers = workers
         self.checkpoint_root = checkpoint_root
@@ -93,10 +104,34 @@ class Injector:
             self._act(action[1], action[2])
         if self._armed is not None:
             self._follow_armed()
-        elif len(self.injected) < len(self.kinds) and not self._actions:
-            status = self.handle.status()
-            if self._healthy(status):
-                self._inject(self.kinds[len(self.injected)], status)
+        elif len(self.injected) < len(self.kinds):
+            overlap = self.overlaps.get(len(self.injected))
+            if overlap is not None:
+                self._overlap(overlap.window)
+            elif not self._actions:
+                status = self.handle.status()
+                if self._healthy(status):
+                    self._inject(self.kinds[len(self.injected)], status)
+
+    def _overlap(self, window: str) -> None:
+        """Put the next fault in once the recovery from the last one reaches ``window``; if
+        the recovery is over before it does (a quick restart skips a window it polls too
+        slowly to see), put it in anyway and record that it did not overlap."""
+        from rayflex.testing.chaos.overlap import phase_of, window_over
+
+        first = self.injected[-1]
+        status = self.handle.status()
+        events = ev.Timeline.from_dicts(self.handle.events())
+        restarts = [e for e in events.of(ev.Restarted) if e.time >= first.time - 0.5]
+        loaded = [e for e in events.of(ev.CheckpointLoaded) if e.time >= first.time - 0.5]
+        phase = phase_of(status, restart_step=loaded[-1].step if loaded else None, restarted=bool(restarts),
+                         store_down=self.gate is not None and not self.gate.is_up)
+        since = time.time() - first.time
+        hit = phase == window or (window == "at_once" and since <= 1.0)
+        if hit or window_over(window, phase, since_s=since, restart_reasons=[e.reason for e in restarts]):
+            self._inject(self.kinds[len(self.injected)], status,
+                         overlap={"window": window, "phase": "at_once" if hit and window == "at_once" else phase,
+                                  "overlapped": hit, "after_previous_s": round(since, 2)})
 
     def settled(self) -> bool:
         """Every planned fault is in, has taken effect, and the run has recovered from the
@@ -171,9 +206,10 @@ class Injector:
         self._quiet_since = time.time()
 
     # ----------------------------------------------------------------- faults
-    def _inject(self, kind: str, status: dict) -> None:
-        workers = sorted(status["workers"], key=lambda w: w["rank"])
-        fault = Injected(index=len(self.injected), kind=kind, time=0.0, step=status["step"])
+    def _inject(self, kind: str, status: dict, overlap: Optional[dict] = None) -> None:
+        workers = sorted(status.get("workers") or [], key=lambda w: w["rank"])
+        fault = Injected(index=len(self.injected), kind=kind, time=0.0, step=status.get("step", 0),
+                         detail={"overlap": overlap} if overlap else {})
         try:
             getattr(self, f"_{kind}")(fault, workers)
         except InjectionLost as e:
@@ -189,13 +225,16 @@ class Injector:
                     fault.step, kind, fault.rank, (fault.node_id or "")[:8], fault.detail or "")
 
     def _victim(self, fault: Injected, workers: list[dict]) -> dict:
+        workers = [w for w in workers if w.get("pid") and w["node_id"] not in self._gone_nodes]
+        if not workers:  # between attempts (an overlapping fault): no process to hit yet
+            raise InjectionLost("no live worker process listed")
         w = self.rng.choice(workers)
         fault.rank, fault.node_id = w["rank"], w["node_id"]
         return w
 
     def _victim_node(self, fault: Injected, workers: list[dict]) -> str:
         """A node (not the head: it hosts the driver) that runs at least one rank."""
-        nodes = sorted({w["node_id"] for w in workers} - {self.cluster.head_id})
+        nodes = sorted({w["node_id"] for w in workers} - {self.cluster.head_id} - self._gone_nodes)
         if not nodes:  # a node fault there would hit no rank: wait for a layout where it does
             raise InjectionLost("no node but the head runs a rank")
         fault.node_id = self.rng.choice(nodes)
@@ -222,6 +261,7 @@ class Injector:
         fault.time = time.time()
         if not self.cluster.remove_node(node):
             raise InjectionLost(f"node {node[:8]} had already left")
+        self._gone_nodes.add(node)
         self._actions.append((time.time() + self.timing.node_return_s, "add", None))
 
     def _preempt(self, fault: Injected, workers: list[dict], notice_s: float) -> None:
@@ -231,6 +271,7 @@ class Injector:
             deadline = self.cluster.drain(node, notice_s)
         except RuntimeError as e:  # Ray refused the drain: the node is leaving already
             raise InjectionLost(str(e)) from None
+        self._gone_nodes.add(node)
         fault.detail["deadline_s"] = notice_s
         self._actions += [(deadline, "remove", node), (deadline + self.timing.node_return_s, "add", None)]
 

@@ -145,6 +145,14 @@ def _about_target(fault: dict, events: list[ev.Event], limit: int = 4) -> list[s
     return [f"+{e.time - fault['time']:.1f}s {e.describe()}"[:300] for e in about[:limit]]
 
 
+def _recovered_after(fault: dict, named: ev.Event, events: list[ev.Event]) -> Optional[float]:
+    """Seconds from the fault to the end of its recovery: the restart that followed its
+    detection (an outage that restarted nothing: the store answering again)."""
+    kinds = (ev.Restarted, ev.StorageRecovered) if fault["kind"] == "s3_down" else (ev.Restarted,)
+    done = next((e for e in events if isinstance(e, kinds) and e.time >= named.time), None)
+    return round(done.time - fault["time"], 3) if done is not None else None
+
+
 def faults_accounted(faults: list[dict], events: list[Union[ev.Event, dict]],
                      heartbeat_s: float) -> tuple[bool, list[dict]]:
     """For every injected fault: the event that named it, which detector, how fast."""
@@ -159,6 +167,7 @@ def faults_accounted(faults: list[dict], events: list[Union[ev.Event, dict]],
         if f["kind"] in _HEARTBEAT_BOUND or (f["kind"] == "kill_actor" and isinstance(e, ev.HangDetected)):
             bound += heartbeat_s
         row["ok"] = e is not None and (bound is None or row["after_s"] <= bound)
+        row["recovered_after_s"] = _recovered_after(f, e, events) if e is not None else None
         row["bound_s"] = bound
         if e is None:  # what the run did say about the target: a missed fault or a different path
             row["seen"] = _about_target(f, events)

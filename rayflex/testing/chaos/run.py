@@ -42,12 +42,17 @@ class ChaosConfig:
     # replacements are warm (two restarts per fault, the elastic path end to end); False:
     # it waits for them (one restart per fault: what a short CI seed can afford).
     restart_while_warming: bool = True
+    # "sequential": each fault hits a healthy run; "overlap": every second fault lands
+    # while the run is still recovering from the one before (overlap.py).
+    mode: str = "sequential"
     timing: FaultTiming = field(default_factory=FaultTiming)
     workdir: str = ""
     timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         plan_faults(self.seed, self.faults)  # fails early on too few faults
+        if self.mode not in ("sequential", "overlap"):
+            raise ValueError(f"chaos mode {self.mode!r}: use 'sequential' or 'overlap'")
         if self.workers < 2 or self.nodes < 3:
             raise ValueError("a chaos run needs >= 2 workers and >= 3 nodes (one removed, the head kept)")
         if self.workers <= self.cpus_per_node:
@@ -161,8 +166,8 @@ def run_chaos(cfg: ChaosConfig) -> dict:
 
     kinds = plan_faults(cfg.seed, cfg.faults)
     workdir = cfg.workdir or tempfile.mkdtemp(prefix="rayflex-chaos-")
-    name = f"chaos-seed{cfg.seed}"
-    report: dict = {"seed": cfg.seed, "planned": kinds, "steps": cfg.steps, "workers": cfg.workers,
+    name = f"chaos-{cfg.mode}-seed{cfg.seed}" if cfg.mode != "sequential" else f"chaos-seed{cfg.seed}"
+    report: dict = {"seed": cfg.seed, "mode": cfg.mode, "planned": kinds, "steps": cfg.steps, "workers": cfg.workers,
                     "nodes": cfg.nodes, "config": {k: v for k, v in asdict(cfg).items() if k != "workdir"}}
     t0 = time.time()
     fault_log = os.path.join(workdir, "injected_failures.jsonl")
@@ -182,7 +187,8 @@ def run_chaos(cfg: ChaosConfig) -> dict:
             handle = trainer.submit()
             injector = Injector(cluster, handle, gate, kinds, cfg.seed, workers=cfg.workers,
                                 checkpoint_root=root, timing=cfg.timing, corrupt=corrupt_newest_file,
-                                steps=cfg.steps, fault_log=fault_log)
+                                steps=cfg.steps, fault_log=fault_log, mode=cfg.mode,
+                                growth=cfg.restart_while_warming)
             stopped = False
             try:
                 deadline = time.time() + cfg.timeout_s
@@ -207,6 +213,11 @@ def run_chaos(cfg: ChaosConfig) -> dict:
         report["steps"] = last
         faults = [f.to_dict() for f in injector.injected]
         report["faults"] = faults
+        if cfg.mode == "overlap":
+            planned = [f for f in faults if f["detail"].get("overlap")]
+            report["overlapped"] = {"planned": len(injector.overlaps), "landed_in_window":
+                                    sum(1 for f in planned if f["detail"]["overlap"]["overlapped"]),
+                                    "windows": sorted({f["detail"]["overlap"]["phase"] for f in planned})}
         _keep_evidence(spec.run.run_dir, root, os.path.join(workdir, "evidence"))
         events = _read_lines(f"{spec.run.run_dir}/events.jsonl")
         timeline = ev.Timeline.from_dicts(events)

@@ -1,0 +1,1 @@
+"""``python -m rayflex.chaos``: the chaos runs' command (see ``rayflex.testing.chaos``)."""
