@@ -12,7 +12,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 # environments (CI images, sandboxes) set this variable; it is not wanted here.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: venv emulators demo test test-slow test-fast bench chaos compare clean
+.PHONY: venv emulators demo test test-slow test-fast bench chaos chaos-overlap compare clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ bench: venv
 # Three long chaos runs (12 faults each); the report is benchmarks/results/chaos.json.
 chaos: venv
 	$(PY) -m rayflex.testing.chaos --seed 1 2 3 --faults 12 --out benchmarks/results/chaos.json
+
+# Three chaos runs in overlap mode (16 faults each, every second one during a recovery);
+# the report is benchmarks/results/chaos_overlap.json.
+chaos-overlap: venv
+	$(PY) -m rayflex.chaos --mode overlap --seed 1 2 3 --faults 16 --out benchmarks/results/chaos_overlap.json
 
 # rayflex vs Ray Train vs torchrun on the same workload (the README's comparison table).
 compare: venv

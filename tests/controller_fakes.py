@@ -179,11 +179,18 @@ class FakeGroup:
         self.stopping = False
         self.failed: dict[int, str] = {}
 
-    def setup(self, restore: bool = True) -> list[dict]:
+    def setup(self, restore: bool = True, while_waiting=None) -> list[dict]:
         # A test queues what goes wrong while the next attempts start (may raise SetupFailed).
         failures = getattr(self.cluster, "setup_failures", [])
         if failures:
             failures.pop(0)(self)
+        # A test sets how long the next restore takes (a store riding out an outage); the
+        # controller is called back every second meanwhile, as by the real group.
+        slow, self.cluster.restore_s = getattr(self.cluster, "restore_s", 0.0), 0.0
+        for _ in range(int(slow)):
+            self.cluster.clock.sleep(1.0)
+            if while_waiting is not None:
+                while_waiting()
         stuck = sorted(r for r, a in enumerate(self.actors) if a.node in self.cluster.frozen_nodes)
         if stuck:  # a process placed on a frozen node never answers
             self.cluster.clock.sleep(60.0)

@@ -176,6 +176,55 @@ def test_a_node_that_dies_while_the_restart_starts_is_a_failure_not_the_end_of_t
     assert result["status"] == "finished" and result["steps_completed"] == 8 and result["world_size"] == 2
 
 
+class _InlineExecutor:
+    """Runs each submitted call at once (the recorder's background writes, under a fake clock)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+    def shutdown(self, wait=True):
+        pass
+
+
+def test_an_outage_during_the_restore_is_named_while_the_restore_rides_it_out(tmp_path, monkeypatch):
+    # Found by the overlap chaos run: the object store went down as a restart began, the
+    # restore retried through it, and nothing named the outage (the run directory was only
+    # stored while training). Now the controller keeps storing it while the ranks restore.
+    from rayflex.storage.rundir import RunDirectory
+
+    failing = {"writes": 0}  # the next this many writes of the run directory fail
+    flush = RunDirectory.flush
+
+    def flaky_flush(self):
+        if failing["writes"] > 0:
+            failing["writes"] -= 1
+            return "events.jsonl: ConnectionError: Could not connect to the endpoint URL"
+        return flush(self)
+
+    monkeypatch.setattr(RunDirectory, "flush", flaky_flush)
+    monkeypatch.setattr("rayflex.control.recorder.ThreadPoolExecutor", _InlineExecutor)  # fake time: no races
+
+    def outage_as_the_restart_begins(group):
+        kill_rank(1)(group)
+        failing["writes"] = 4  # back after a few seconds of the restore
+        group.cluster.restore_s = 12.0  # the restore's reads retry until the store is back
+
+    spec = _spec(tmp_path, every=2, restart_while_warming=False)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, outage_as_the_restart_begins)])
+    down, back = _timeline(c).of(ev.StorageUnavailable), _timeline(c).of(ev.StorageRecovered)
+    restarted = _timeline(c).of(ev.Restarted)
+    assert down and back and restarted, [(e.kind.value, e.step) for e in _timeline(c).events]
+    assert down[0].time < back[0].time < restarted[0].time, "both named while the restore waited, not after it"
+    assert result["status"] == "finished" and result["steps_completed"] == 8
+
+
 def _fits_only_at(size: int, monkeypatch):
     """The capacity planner finds no mesh that holds the model below ``size`` workers."""
     from rayflex.control.context import RunContext

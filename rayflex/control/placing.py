@@ -27,7 +27,10 @@ def place(ctx, state: Placing):
     ctx.plan = plan
     group = _start_group(ctx, plan, placement, survivors, world, shrinking=state.workers_up is not None)
     try:
-        infos = group.setup(restore=ctx.spec.checkpoint.resume)
+        # The run directory is still stored while the ranks start and restore: an object
+        # store that goes down meanwhile is named then (storage_unavailable), not once
+        # the restore has ridden it out.
+        infos = group.setup(restore=ctx.spec.checkpoint.resume, while_waiting=ctx.recorder.flush)
     except SetupFailed as failure:
         return _setup_failed(ctx, group, placement, failure)
     ctx.record(_plan_event(world, plan, resolved, placement, group,

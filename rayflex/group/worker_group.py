@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from rayflex.mesh.plan import MeshPlan
 from rayflex.worker.actor import TrainWorkerActor
@@ -70,20 +70,22 @@ class RayWorkerGroup:
         self._inflight: dict[int, tuple[Any, float]] = {}
         self._last_answer: dict[int, float] = {}
 
-    def setup(self, restore: bool = True, timeout_s: Optional[float] = None) -> list[dict]:
-        """Rendezvous at rank 0's address and build every stage. Returns per-rank setup info."""
-        import ray
-
+    def setup(self, restore: bool = True, timeout_s: Optional[float] = None,
+              while_waiting: Optional[Callable[[], None]] = None) -> list[dict]:
+        """Rendezvous at rank 0's address and build every stage. Returns per-rank setup info.
+        ``while_waiting`` is called about once a second until every rank answered (the
+        controller keeps storing its run directory, so an outage during a restore is named
+        while the restore rides it out, not after)."""
         timeout_s = timeout_s or knob("SETUP_TIMEOUT_S")
         t0 = time.time()
-        _gather(self._reconfigured, timeout_s, "reconfigure", ranks=self.reused)
-        infos = _gather([a.node_info.remote() for a in self.actors], timeout_s, "start")
+        _gather(self._reconfigured, timeout_s, "reconfigure", ranks=self.reused, while_waiting=while_waiting)
+        infos = _gather([a.node_info.remote() for a in self.actors], timeout_s, "start", while_waiting=while_waiting)
         self.spawn_s = time.time() - t0  # process start + imports (0 for reused workers)
         self.node_of = {i["rank"]: i["node_id"] for i in infos}
         self.pids = {i["rank"]: i["pid"] for i in infos}
         master = infos[0]
         refs = [a.setup.remote(master["ip"], master["port"], restore) for a in self.actors]
-        out = _gather(refs, timeout_s, "rendezvous, build and restore")
+        out = _gather(refs, timeout_s, "rendezvous, build and restore", while_waiting=while_waiting)
         now = time.time()
         self._last_answer = {r: now for r in range(len(self.actors))}
         return out
@@ -192,12 +194,14 @@ class RayWorkerGroup:
         self.kill(range(len(self.actors)))
 
 
-def _gather(refs: list, timeout_s: float, phase: str, ranks: Optional[list] = None) -> list:
+def _gather(refs: list, timeout_s: float, phase: str, ranks: Optional[list] = None,
+            while_waiting: Optional[Callable[[], None]] = None) -> list:
     """``ray.get`` of one call per rank (``ranks[i]``: the rank of ``refs[i]``; default i).
     Stops at the first rank whose actor died, or at the timeout, and raises
     :class:`SetupFailed` naming the ranks: the others may be waiting on the dead one (a
     rendezvous), so waiting for them would only spend the timeout. A rank that raised
-    keeps its error (a bug in the model or config, not a lost node)."""
+    keeps its error (a bug in the model or config, not a lost node). ``while_waiting``:
+    called between waits of at most a second."""
     import ray
     from ray.exceptions import RayActorError
 
@@ -212,7 +216,9 @@ def _gather(refs: list, timeout_s: float, phase: str, ranks: Optional[list] = No
         left = deadline - time.time()
         if left <= 0:
             break
-        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0) if while_waiting else left)
+        if while_waiting is not None:
+            while_waiting()
         for ref in ready:
             try:
                 results[ref] = ray.get(ref)
