@@ -12,7 +12,7 @@ from rayflex.data.sampler import SAMPLE_ORDER
 from rayflex.errors import SetupFailed
 from rayflex.faults.preemption import Notice
 from rayflex.group.standby import Readiness
-from rayflex.group.worker_group import PollResult
+from rayflex.group.worker_group import PollResult, Release
 from rayflex.planning.topology import NodeInfo, Topology
 from rayflex.worker.status import FlightRecord, StepRecord, WorkerStatus
 
@@ -288,9 +288,12 @@ class FakeGroup:
         for r in ranks:
             self.cluster.kill(self.actors[r])
 
-    def release(self, ranks, timeout_s=10.0, checkpoint_grace_s=3.0, abort=False) -> dict[int, bool]:
+    def release(self, ranks, timeout_s=10.0, checkpoint_grace_s=3.0, abort=False) -> Release:
         self.cluster.releases.append((tuple(ranks), abort))
-        return {r: self._live(r) and not self.actors[r].frozen for r in ranks}
+        leaving = getattr(self.cluster, "die_while_leaving", ())  # a test kills these as they leave
+        return Release(left=frozenset(r for r in ranks if self._live(r) and not self.actors[r].frozen
+                                      and r not in leaving),
+                       died={r: "ActorDiedError: the actor died" for r in ranks if not self._live(r) or r in leaving})
 
     def shutdown(self, graceful_s: float = 5.0) -> None:
         self.kill(range(len(self.actors)))

@@ -176,6 +176,23 @@ def test_a_node_that_dies_while_the_restart_starts_is_a_failure_not_the_end_of_t
     assert result["status"] == "finished" and result["steps_completed"] == 8 and result["world_size"] == 2
 
 
+def test_a_worker_that_dies_while_leaving_the_failed_attempt_is_named_and_replaced(tmp_path):
+    # Found by the overlap chaos run: a second process killed within a second of the first,
+    # while the survivors were leaving the failed attempt, was replaced without a word.
+    def second_death_while_leaving(group):
+        kill_rank(1)(group)
+        group.cluster.die_while_leaving = (0,)
+
+    spec = _spec(tmp_path, every=2, restart_while_warming=False)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, second_death_while_leaving)])
+    died = _timeline(c).of(ev.WorkerDied)
+    assert [d.rank for d in died] == [1, 0], died
+    assert "while leaving the failed attempt" in died[1].error and died[1].node_id == "a"
+    restarted = _timeline(c).of(ev.Restarted)
+    assert restarted[0].reused_workers == 2, "the dead leaver is not reused"
+    assert result["status"] == "finished" and result["world_size"] == 4
+
+
 class _InlineExecutor:
     """Runs each submitted call at once (the recorder's background writes, under a fake clock)."""
 

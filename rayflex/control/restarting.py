@@ -15,6 +15,7 @@ from rayflex.control.states import Attempt, Failed, Placing, Restarting
 from rayflex.control.warming import warm_replacements, warm_standbys
 from rayflex.errors import RayflexError, WorkerError
 from rayflex.faults.policy import Fail, Restart, WaitForResources, best_world_size
+from rayflex.group.worker_group import Release
 from rayflex.telemetry import events as ev
 
 log = logging.getLogger(__name__)
@@ -128,14 +129,17 @@ def collect_survivors(ctx, attempt: Attempt, bad_ranks: set[int], raised: frozen
     # in flight can still commit). A growth stop is at a step boundary and leaves gracefully.
     grace = 0.0 if kill_now else knob("RELEASE_CHECKPOINT_GRACE_S")
     released = (group.release(others, timeout_s=knob("RELEASE_TIMEOUT_S"), checkpoint_grace_s=grace,
-                              abort=bool(kill_now or raised)) if others else {})
+                              abort=bool(kill_now or raised)) if others else Release())
     survivors = {}
     for r in others:
         actor = group.actors[r]
-        if released.get(r) and r not in raised:
+        if r in released.left and r not in raised:
             survivors[cluster.actor_id(actor)] = actor
             continue
-        if not released.get(r):
+        if r in released.died:  # a second fault while the first is handled: named like the first
+            ctx.record(ev.WorkerDied(step=ctx.ledger.step, rank=r, node_id=group.node_of.get(r, ""),
+                                     error=f"while leaving the failed attempt: {released.died[r]}"))
+        elif r not in released.left:
             log.warning("rank %d did not leave the failed attempt within %.0fs; killing it", r, knob("RELEASE_TIMEOUT_S"))
         group.kill([r])
         reservation.vacate(cluster.actor_id(actor))

@@ -158,10 +158,11 @@ class RayWorkerGroup:
             kill_quietly(self.actors[r])
 
     def release(self, ranks, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0,
-                abort: bool = False) -> dict[int, bool]:
+                abort: bool = False) -> "Release":
         """Ask surviving ranks to leave the attempt (``abort``: the attempt is broken, fail
-        its pending collectives); returns rank -> released cleanly."""
+        its pending collectives); says which left cleanly and which died meanwhile."""
         import ray
+        from ray.exceptions import RayActorError
 
         refs = {r: self.actors[r].release.remote(timeout_s, checkpoint_grace_s, abort) for r in ranks}
         pending, ready = list(refs.values()), []
@@ -174,13 +175,18 @@ class RayWorkerGroup:
                 last_progress = time.time()
             elif ready and time.time() - last_progress > knob("RELEASE_SETTLE_S"):
                 break  # the rest wait on a frozen or dead peer: the caller kills them
-        out = {}
+        left, died = set(), {}
         for r, ref in refs.items():
+            if ref not in ready:
+                continue
             try:
-                out[r] = ref in ready and bool(ray.get(ref))
-            except Exception:  # noqa: BLE001
-                out[r] = False
-        return out
+                if ray.get(ref):
+                    left.add(r)
+            except RayActorError as e:  # its process is gone (killed, or its node with it)
+                died[r] = _short_error(e)
+            except Exception:  # noqa: BLE001 - it could not leave: the caller kills it
+                pass
+        return Release(frozenset(left), died)
 
     def shutdown(self, graceful_s: float = 5.0) -> None:
         """Let ranks release their process groups, then kill every actor."""
@@ -192,6 +198,14 @@ class RayWorkerGroup:
         except Exception:  # noqa: BLE001 - the kill below is what matters
             pass
         self.kill(range(len(self.actors)))
+
+
+@dataclass(frozen=True)
+class Release:
+    """How the ranks asked to leave an attempt did: ``left`` it cleanly (reusable), ``died``
+    meanwhile (rank -> error); any other did not leave in time."""
+    left: frozenset = frozenset()
+    died: dict = field(default_factory=dict)
 
 
 def _gather(refs: list, timeout_s: float, phase: str, ranks: Optional[list] = None,
