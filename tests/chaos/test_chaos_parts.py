@@ -56,6 +56,24 @@ def test_segments_follow_the_loaded_checkpoints():
     assert segments_from_events(events, 40) == [Segment(4, 0, 10), Segment(2, 10, 25), Segment(4, 25, 40)]
 
 
+def test_the_replay_saves_every_step_a_later_restart_goes_back_to():
+    # Found by an overlap chaos run: an attempt resumed from step 120, the next fault
+    # corrupted 120 in its first step, and the restart after that loaded 116, a step the
+    # replay had trained through but never saved ("restored step 120, expected 116").
+    from rayflex.testing.chaos.replay import split_at_restores
+
+    events = [{"kind": "plan_chosen", "world_size": 4, "time": 0},
+              {"kind": "checkpoint_loaded", "step": 120, "world_size": 4, "time": 1},
+              {"kind": "checkpoint_loaded", "step": 116, "world_size": 2, "time": 2},
+              {"kind": "checkpoint_loaded", "step": 150, "world_size": 4, "time": 3}]
+    segments = segments_from_events(events, 160)
+    assert segments == [Segment(4, 0, 120), Segment(2, 116, 150), Segment(4, 150, 160)]
+    assert split_at_restores(segments) == [Segment(4, 0, 116), Segment(4, 116, 120), Segment(2, 116, 150),
+                                           Segment(4, 150, 160)]
+    sequential = [Segment(4, 0, 10), Segment(2, 10, 25), Segment(4, 25, 40)]
+    assert split_at_restores(sequential) == sequential, "a run that never went back is replayed as it ran"
+
+
 def test_samples_invariant_catches_a_skip_and_a_repeat():
     from rayflex.data.dataset import GlobalSampler
 

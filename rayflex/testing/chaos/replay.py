@@ -37,6 +37,20 @@ def segments_from_events(events, total_steps: int) -> list[Segment]:
     return out
 
 
+def split_at_restores(segments: list[Segment]) -> list[Segment]:
+    """Each segment cut at every step a later segment resumes from (same world size on both
+    sides). A run can go back past the end of an attempt — the checkpoint that attempt
+    resumed from was corrupted as the next fault struck, and the restart after that loaded
+    an older one — and the replay, which saves only where its segments end, must have
+    saved that older step too. A restart at the same world size continues bit for bit."""
+    out = []
+    for i, seg in enumerate(segments):
+        cuts = sorted({later.from_step for later in segments[i + 1:] if seg.from_step < later.from_step < seg.to_step})
+        bounds = [seg.from_step, *cuts, seg.to_step]
+        out += [Segment(seg.world_size, a, b) for a, b in zip(bounds, bounds[1:])]
+    return out
+
+
 def replay(spec, segments: list[Segment], storage: str) -> str:
     """Run ``segments`` in order with no faults; returns the replay's checkpoint root."""
     from rayflex.testing.chaos.local_workers import LocalWorkerPool
@@ -47,8 +61,11 @@ def replay(spec, segments: list[Segment], storage: str) -> str:
         checkpoint=dataclasses.replace(spec.checkpoint, keep=10_000, every_steps=10**9, resume=True, uri=None))
     root = spec.checkpoint_uri
     with LocalWorkerPool(max(s.world_size for s in segments)) as pool:
-        for seg in segments:
-            # The run resumed from ``from_step``: everything it had after that was rolled back.
+        for seg in split_at_restores(segments):
+            # The run resumed from ``from_step``: everything it had after that was rolled back
+            # (a newer step it skipped as corrupted is withdrawn here as the run withdrew it).
+            for newer in [c for c in mf.list_committed(root) if c > seg.from_step]:
+                mf.quarantine(root, newer, f"the run went back to step {seg.from_step}")
             mf.clear_after(root, seg.from_step if seg.from_step > 0 else -1)
             got = pool.attempt(range(seg.world_size), spec, seg.to_step)
             if got["restored_step"] != seg.from_step:
