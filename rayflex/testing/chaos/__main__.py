@@ -11,11 +11,13 @@ import sys
 
 
 def main(argv=None) -> int:
+    from rayflex.testing.chaos.overlap import MODES
+
     ap = argparse.ArgumentParser(prog="python -m rayflex.chaos", description=__doc__)
     ap.add_argument("--seed", type=int, nargs="+", default=[0], help="one run per seed")
     ap.add_argument("--faults", type=int, default=12)
     ap.add_argument("--steps-per-fault", type=int, default=40)
-    ap.add_argument("--mode", choices=("sequential", "overlap"), default="sequential",
+    ap.add_argument("--mode", choices=MODES, default="sequential",
                     help="overlap: every second fault lands while the run recovers from the one before")
     ap.add_argument("--workdir", default="")
     ap.add_argument("--out", help="also write the JSON report here (Ray's log lines share stdout)")

@@ -61,13 +61,12 @@ class Injector:
                  corrupt: Optional[Callable[[str, int], str]] = None, steps: Optional[int] = None,
                  fault_log: Optional[str] = None, arm: Optional[Callable[[int, int, str], int]] = None,
                  mode: str = "sequential", growth: bool = False):
-        from rayflex.testing.chaos.overlap import plan_overlaps
+        from rayflex.testing.chaos.overlap import MODES, plan_overlaps
 
-        if mode not in ("sequential", "overlap"):
-            raise ValueError(f"injector mode {mode!r}: use 'sequential' or 'overlap'")
+        if mode not in MODES:
+            raise ValueError(f"injector mode {mode!r}: use one of {', '.join(MODES)}")
         self.cluster, self.handle, self.gate = cluster, handle, gate
         self.kinds = list(kinds)
-        self.mode = mode
         # Fault index -> the window of the previous fault's recovery it lands in.
         self.overlaps = plan_overlaps(seed, self.kinds, growth=growth) if mode == "overlap" else {}
         self._gone_nodes: set[str] = set()  # removed or drained: no longer a victim

@@ -17,6 +17,8 @@ import random
 from dataclasses import dataclass
 from typing import Optional
 
+MODES = ("sequential", "overlap")  # how an injector spaces faults (see injector.py)
+
 # Where in a recovery the second fault of a pair lands.
 WINDOWS = ("at_once", "release", "placement", "restore", "first_step", "growth", "outage")
 GROWTH_REASON = "capacity returned"  # how the controller names a restart that grows the run

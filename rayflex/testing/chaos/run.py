@@ -51,8 +51,10 @@ class ChaosConfig:
 
     def __post_init__(self) -> None:
         plan_faults(self.seed, self.faults)  # fails early on too few faults
-        if self.mode not in ("sequential", "overlap"):
-            raise ValueError(f"chaos mode {self.mode!r}: use 'sequential' or 'overlap'")
+        from rayflex.testing.chaos.overlap import MODES
+
+        if self.mode not in MODES:
+            raise ValueError(f"chaos mode {self.mode!r}: use one of {', '.join(MODES)}")
         if self.workers < 2 or self.nodes < 3:
             raise ValueError("a chaos run needs >= 2 workers and >= 3 nodes (one removed, the head kept)")
         if self.workers <= self.cpus_per_node:
