@@ -153,7 +153,8 @@ class FakeWatcher:
         pass
 
     def poll(self) -> list[Notice]:
-        out, self.cluster.notices = self.cluster.notices, []
+        # Like Ray's drain list, a node's notice is gone with the node.
+        out, self.cluster.notices = [n for n in self.cluster.notices if n.node_id in self.cluster.alive], []
         return out
 
     def close(self) -> None:
@@ -191,6 +192,8 @@ class FakeGroup:
             self.cluster.clock.sleep(1.0)
             if while_waiting is not None:
                 while_waiting()
+            if self.cluster.during_restore:  # one action a second, as a test queued them
+                self.cluster.during_restore.pop(0)(self)
         stuck = sorted(r for r, a in enumerate(self.actors) if a.node in self.cluster.frozen_nodes)
         if stuck:  # a process placed on a frozen node never answers
             self.cluster.clock.sleep(60.0)
@@ -290,6 +293,9 @@ class FakeGroup:
 
     def release(self, ranks, timeout_s=10.0, checkpoint_grace_s=3.0, abort=False) -> Release:
         self.cluster.releases.append((tuple(ranks), abort))
+        for act in self.cluster.on_release:  # what a test makes happen while the survivors leave
+            act(self)
+        self.cluster.on_release = []
         leaving = getattr(self.cluster, "die_while_leaving", ())  # a test kills these as they leave
         return Release(left=frozenset(r for r in ranks if self._live(r) and not self.actors[r].frozen
                                       and r not in leaving),
@@ -311,6 +317,8 @@ class FakeCluster:
         self.groups: list[FakeGroup] = []
         self.script: dict[int, list[Callable]] = {}
         self.notices: list[Notice] = []
+        self.during_restore: list[Callable] = []  # one a second while the next restore waits (restore_s)
+        self.on_release: list[Callable] = []  # run once, as the survivors of a failed attempt leave
         self.committed = 0
         self.killed: list[FakeActor] = []
         self.releases: list[tuple] = []

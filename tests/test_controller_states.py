@@ -193,6 +193,21 @@ def test_a_worker_that_dies_while_leaving_the_failed_attempt_is_named_and_replac
     assert result["status"] == "finished" and result["world_size"] == 4
 
 
+def test_a_worker_that_freezes_while_leaving_the_failed_attempt_is_named_as_a_hang(tmp_path):
+    # Found by the overlap chaos run: a process SIGSTOPped while the survivors left a failed
+    # attempt was killed after the release timeout without a word.
+    def kill_then_freeze_while_leaving(group):
+        kill_rank(1)(group)
+        group.cluster.on_release = [freeze_rank(0)]
+
+    spec = _spec(tmp_path, every=2, restart_while_warming=False)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, kill_then_freeze_while_leaving)])
+    (hang,) = _timeline(c).of(ev.HangDetected)
+    assert hang.ranks == [0] and hang.phases == {"0": "leaving"} and hang.timeout_s > 0, hang
+    assert _timeline(c).of(ev.Restarted)[0].reused_workers == 2, "the frozen leaver is not reused"
+    assert result["status"] == "finished" and result["world_size"] == 4
+
+
 class _InlineExecutor:
     """Runs each submitted call at once (the recorder's background writes, under a fake clock)."""
 
@@ -341,6 +356,44 @@ def test_a_spot_notice_without_time_restores_the_last_committed_checkpoint(tmp_p
     assert restart.from_step == 10 and restart.world_size == 2 and restart.lost_steps >= 2
     assert not [e for e in _timeline(c).of(ev.CheckpointCommitted) if e.reason == "stop"], "no time to save"
     assert result["status"] == "finished" and result["steps_completed"] == 20
+
+
+def test_a_spot_notice_during_a_restart_leaves_its_node_out_of_the_placement(tmp_path):
+    # Found by the overlap chaos run: a second node's notice, 0.1 s after a first notice
+    # had stopped the attempt, was never read (notices were polled only while training,
+    # and Ray forgets a drained node once it is gone), and the restart placed ranks there.
+    def kill_then_notice(group):
+        kill_rank(1)(group)
+        group.cluster.on_release = [notice("b", seconds_left=60)]  # while the survivors leave
+
+    spec = _spec(tmp_path, min_workers=2, every=2, restart_while_warming=False)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2, "c": 2}, script=[(4, kill_then_notice)], watch=True)
+    (n,) = _timeline(c).of(ev.PreemptionNotice)
+    assert n.action == "excluded_from_placement" and n.node_id == "b", n
+    assert "while the run was restarting" in n.reason
+    restarted = _timeline(c).of(ev.Restarted)[0]
+    assert n.time <= restarted.time
+    assert "b" not in _timeline(c).of(ev.PlanChosen)[-1].rank_to_node, "the noticed node gets no ranks"
+    assert all(not a.alive for a in cluster.actors.values() if a.node == "b"), "its warm workers are let go"
+    assert result["status"] == "finished" and result["steps_completed"] == 8
+
+
+def test_a_spot_notice_while_the_attempt_restores_is_named_even_when_its_node_goes_first(tmp_path):
+    # A notice that lands while the new attempt's ranks restore is kept for the attempt:
+    # Ray forgets a drained node once it is gone, so a notice read only at the first poll
+    # would be lost when the node goes during the restore.
+    def kill_then_notice_during_restore(group):
+        kill_rank(1)(group)
+        group.cluster.restore_s = 3.0
+        group.cluster.during_restore = [notice("b", seconds_left=1.5), lose_node("b")]
+
+    spec = _spec(tmp_path, min_workers=2, every=2, restart_while_warming=False)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, kill_then_notice_during_restore)], watch=True)
+    (n,) = _timeline(c).of(ev.PreemptionNotice)
+    assert n.node_id == "b" and n.time >= _timeline(c).of(ev.Restarted)[0].time, n
+    assert [e.node_id for e in _timeline(c).of(ev.NodeLost)] == ["b"]
+    assert set(_timeline(c).of(ev.PlanChosen)[-1].rank_to_node) == {"a"}
+    assert result["status"] == "finished" and result["steps_completed"] == 8
 
 
 def test_the_run_grows_back_when_capacity_returns(tmp_path):

@@ -34,6 +34,7 @@ class RunContext:
         self.policy = FailurePolicy(spec)
         self.cadence = CheckpointCadence(spec, clock) if spec.checkpoint.auto_interval else None
         self.excluded: set[str] = set()  # nodes with a preemption notice: about to vanish
+        self.pending_notices: list = []  # seen while an attempt started; its first poll acts on them
         self.unreachable = UnreachableNodes(cluster)  # frozen nodes Ray still lists
         self.stop_requested = threading.Event()
         self.stop_reason = ""

@@ -1,9 +1,13 @@
-"""What a spot-preemption notice means for the running attempt.
+"""What a spot-preemption notice means for the run.
 
-With time for a step, an emergency checkpoint and a margin, the run stops at the next step
-boundary (the stop leaves a checkpoint) while replacements warm; with less, the node's
-ranks count as lost now and the restart restores the last committed checkpoint. A notice
-for a node without workers only excludes it from placement.
+While an attempt trains: with time for a step, an emergency checkpoint and a margin, the
+run stops at the next step boundary (the stop leaves a checkpoint) while replacements
+warm; with less, the node's ranks count as lost now and the restart restores the last
+committed checkpoint. A notice for a node without workers only excludes it from placement.
+
+Between attempts (a restart under way) nothing trains, so nothing can be saved: the node
+is left out of the next placement and the notice is named as such. Notices that arrive
+while a new attempt starts are kept for its first poll, which acts on them as above.
 """
 
 from __future__ import annotations
@@ -12,13 +16,46 @@ from typing import Optional
 
 from rayflex.control.warming import warm_standbys
 from rayflex.faults.detector import Fault
+from rayflex.faults.preemption import Notice
 from rayflex.telemetry import events as ev
+
+
+def take_notices(ctx) -> list[Notice]:
+    """Notices not acted on yet: those kept while an attempt started, then new ones."""
+    kept, ctx.pending_notices = ctx.pending_notices, []
+    return kept + (ctx.watcher.poll() if ctx.watcher is not None else [])
+
+
+def keep_notices_for_the_attempt(ctx) -> None:
+    """While the ranks of a new attempt start and restore: a notice is kept for the
+    attempt's first poll (the watcher reports a node once, and Ray forgets a drained node
+    once it is gone); its node is excluded now, so no growth plans on it meanwhile."""
+    if ctx.watcher is None:
+        return
+    for notice in ctx.watcher.poll():
+        ctx.excluded.add(notice.node_id)
+        ctx.pending_notices.append(notice)
+
+
+def exclude_noticed_nodes(ctx) -> None:
+    """Before a placement, no attempt running: every notice not acted on leaves its node
+    out of the placement, named (the restart restores the last committed checkpoint; there
+    is no running attempt to save)."""
+    for notice in take_notices(ctx):
+        ctx.excluded.add(notice.node_id)
+        left = notice.seconds_left(ctx.clock.time())
+        ctx.record(ev.PreemptionNotice(
+            step=ctx.ledger.step, node_id=notice.node_id, deadline=notice.deadline, source=notice.source,
+            seconds_left=left, action="excluded_from_placement",
+            reason=(f"arrived while the run was restarting ({left:.1f}s left): no attempt is training, so "
+                    f"there is nothing to save; node {notice.node_id[:12]} is left out of the next placement "
+                    f"and its warm workers are let go")))
 
 
 def handle_notices(ctx, loop) -> Optional[Fault]:
     """Act on new notices; returns a fault when a node goes before a checkpoint could."""
     group = loop.attempt.group
-    for notice in ctx.watcher.poll():
+    for notice in take_notices(ctx):
         ranks = sorted(r for r, n in group.node_of.items() if n == notice.node_id)
         ctx.excluded.add(notice.node_id)
         left = notice.seconds_left(ctx.clock.time())

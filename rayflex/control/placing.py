@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from rayflex.constants import knob
+from rayflex.control.notices import exclude_noticed_nodes, keep_notices_for_the_attempt
 from rayflex.control.states import Attempt, Finished, Placing, Running
 from rayflex.errors import RayflexError, SetupFailed
 from rayflex.planning.capacity.memory import CapacityError
@@ -22,15 +23,13 @@ log = logging.getLogger(__name__)
 
 def place(ctx, state: Placing):
     t0 = ctx.clock.time()
+    exclude_noticed_nodes(ctx)  # a node noticed while restarting gets no ranks (its survivors are let go)
     survivors = dict(state.survivors)
     world, plan, resolved, placement = _plan(ctx, state, survivors)
     ctx.plan = plan
     group = _start_group(ctx, plan, placement, survivors, world, shrinking=state.workers_up is not None)
     try:
-        # The run directory is still stored while the ranks start and restore: an object
-        # store that goes down meanwhile is named then (storage_unavailable), not once
-        # the restore has ridden it out.
-        infos = group.setup(restore=ctx.spec.checkpoint.resume, while_waiting=ctx.recorder.flush)
+        infos = group.setup(restore=ctx.spec.checkpoint.resume, while_waiting=lambda: _while_starting(ctx))
     except SetupFailed as failure:
         return _setup_failed(ctx, group, placement, failure)
     ctx.record(_plan_event(world, plan, resolved, placement, group,
@@ -73,6 +72,14 @@ def place(ctx, state: Placing):
     if world < ctx.spec.scaling.max_size:
         ctx.request_capacity()
     return Running(Attempt(group=group, plan=plan, detector=detector))
+
+
+def _while_starting(ctx) -> None:
+    """Called back while the ranks start and restore. The run directory is still stored:
+    an object store that goes down meanwhile is named then (storage_unavailable), not once
+    the restore has ridden it out. Spot notices are kept for the attempt's first poll."""
+    ctx.recorder.flush()
+    keep_notices_for_the_attempt(ctx)
 
 
 def _setup_failed(ctx, group, placement, failure: SetupFailed):

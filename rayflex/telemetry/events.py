@@ -248,7 +248,7 @@ class PreemptionNotice(Event):
     ranks: list = field(default_factory=list)
     seconds_left: Optional[float] = None
     needed_s: Optional[float] = None
-    # emergency_checkpoint | restore_last_committed | no_workers
+    # emergency_checkpoint | restore_last_committed | no_workers | excluded_from_placement (between attempts)
     action: str = ""
     reason: str = ""
 

@@ -104,9 +104,11 @@ def _sigstop(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
 
 
 def _preemption(action: str) -> Callable[[dict, list[ev.Event]], Optional[ev.Event]]:
+    """The notice acted on as its length says, or, when it came while the run was already
+    restarting (overlap mode), its node left out of the next placement."""
     def match(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
         return next((e for e in after if isinstance(e, ev.PreemptionNotice) and e.node_id == fault["node_id"]
-                     and e.action == action), None)
+                     and e.action in (action, "excluded_from_placement")), None)
     return match
 
 
