@@ -32,16 +32,20 @@ class SetupFailed(RayflexError):
     node went mid-restart: a spot node preempted, a frozen node declared dead by Ray).
     The controller treats it as a failure of the attempt, not of the run."""
 
-    def __init__(self, phase: str, dead: dict, slow: list, timeout_s: float):
-        self.phase, self.dead, self.slow, self.timeout_s = phase, dict(dead), list(slow), timeout_s
+    def __init__(self, phase: str, dead: dict, slow: list, timeout_s: float, frozen: bool = False):
+        """``slow``: ranks that did not finish the phase within ``timeout_s`` — or, with
+        ``frozen``, that stopped answering liveness pings for ``timeout_s`` (the heartbeat
+        timeout) while the others waited."""
+        self.phase, self.dead, self.slow, self.timeout_s, self.frozen = phase, dict(dead), list(slow), timeout_s, frozen
         parts = [f"rank {r} died ({e})" for r, e in sorted(self.dead.items())]
         if self.slow:
-            parts.append(f"rank{'s' if len(self.slow) > 1 else ''} {', '.join(map(str, self.slow))} did not "
-                         f"answer within {timeout_s:.0f}s")
+            which = f"rank{'s' if len(self.slow) > 1 else ''} {', '.join(map(str, self.slow))}"
+            parts.append(f"{which} stopped answering for {timeout_s:.0f}s (frozen?)" if frozen
+                         else f"{which} did not answer within {timeout_s:.0f}s")
         super().__init__(f"while the attempt started ({phase}): {'; '.join(parts)}")
 
     def __reduce__(self):
-        return (type(self), (self.phase, self.dead, self.slow, self.timeout_s))
+        return (type(self), (self.phase, self.dead, self.slow, self.timeout_s, self.frozen))
 
 
 class PlacementError(RayflexError):

@@ -176,6 +176,30 @@ def test_a_node_that_dies_while_the_restart_starts_is_a_failure_not_the_end_of_t
     assert result["status"] == "finished" and result["steps_completed"] == 8 and result["world_size"] == 2
 
 
+def test_a_rank_frozen_while_the_attempt_restores_is_named_as_a_hang_and_replaced(tmp_path):
+    # Found by the overlap chaos run: a process SIGSTOPped during a restore stalled the
+    # restart for the whole setup timeout (300 s) and was never named. The group now pings
+    # the ranks while they restore; one silent for the heartbeat timeout fails the start.
+    from rayflex.errors import SetupFailed
+
+    def rank_1_freezes_in_the_restore(group):
+        group.actors[1].frozen = True
+        raise SetupFailed("rendezvous, build and restore", {}, [1], 3.0, frozen=True)
+
+    def kill_then_freeze_during_restore(group):
+        kill_rank(3)(group)
+        group.cluster.setup_failures = [rank_1_freezes_in_the_restore]
+
+    spec = _spec(tmp_path, every=2, restart_while_warming=False)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, kill_then_freeze_during_restore)])
+    (hang,) = _timeline(c).of(ev.HangDetected)
+    assert hang.ranks == [1] and hang.phases == {"1": "setup: rendezvous, build and restore"}, hang
+    assert hang.timeout_s == 3.0
+    restarts = _timeline(c).of(ev.Restarted)
+    assert len(restarts) == 1 and "stopped answering for 3s (frozen?)" in restarts[0].reason
+    assert result["status"] == "finished" and result["steps_completed"] == 8 and result["world_size"] == 4
+
+
 def test_a_worker_that_dies_while_leaving_the_failed_attempt_is_named_and_replaced(tmp_path):
     # Found by the overlap chaos run: a second process killed within a second of the first,
     # while the survivors were leaving the failed attempt, was replaced without a word.

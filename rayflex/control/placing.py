@@ -99,6 +99,10 @@ def _setup_failed(ctx, group, placement, failure: SetupFailed):
     alive = ctx.alive_nodes()
     for node in sorted({node_of[r] for r in [*failure.dead, *failure.slow] if node_of.get(r)} - alive):
         ctx.record(ev.NodeLost(step=step, node_id=node, ranks=sorted(r for r, n in node_of.items() if n == node)))
+    hung = sorted(r for r in failure.slow if node_of.get(r) in alive)
+    if hung:  # up in Ray's view, silent to the controller: frozen (or stuck) while the attempt started
+        ctx.record(ev.HangDetected(step=step, ranks=hung, phases={str(r): f"setup: {failure.phase}" for r in hung},
+                                   stalled_s=failure.timeout_s, timeout_s=failure.timeout_s))
     for actor in getattr(group, "actors", []):
         ctx.reservation.vacate(ctx.cluster.actor_id(actor))
         ctx.cluster.kill(actor)

@@ -78,14 +78,21 @@ class RayWorkerGroup:
         while the restore rides it out, not after)."""
         timeout_s = timeout_s or knob("SETUP_TIMEOUT_S")
         t0 = time.time()
-        _gather(self._reconfigured, timeout_s, "reconfigure", ranks=self.reused, while_waiting=while_waiting)
+        # Ranks whose process is up answer liveness pings from another actor thread while
+        # they reconfigure, rendezvous, build and restore: one frozen then (SIGSTOP, a
+        # frozen node) is named within the heartbeat timeout instead of stalling the
+        # restart for the whole setup timeout. (New processes cannot answer until built.)
+        reused = {r: self.actors[r] for r in self.reused}
+        _gather(self._reconfigured, timeout_s, "reconfigure", ranks=self.reused, while_waiting=while_waiting,
+                liveness=reused)
         infos = _gather([a.node_info.remote() for a in self.actors], timeout_s, "start", while_waiting=while_waiting)
         self.spawn_s = time.time() - t0  # process start + imports (0 for reused workers)
         self.node_of = {i["rank"]: i["node_id"] for i in infos}
         self.pids = {i["rank"]: i["pid"] for i in infos}
         master = infos[0]
         refs = [a.setup.remote(master["ip"], master["port"], restore) for a in self.actors]
-        out = _gather(refs, timeout_s, "rendezvous, build and restore", while_waiting=while_waiting)
+        out = _gather(refs, timeout_s, "rendezvous, build and restore", while_waiting=while_waiting,
+                      liveness=dict(enumerate(self.actors)))
         now = time.time()
         self._last_answer = {r: now for r in range(len(self.actors))}
         return out
@@ -209,13 +216,14 @@ class Release:
 
 
 def _gather(refs: list, timeout_s: float, phase: str, ranks: Optional[list] = None,
-            while_waiting: Optional[Callable[[], None]] = None) -> list:
+            while_waiting: Optional[Callable[[], None]] = None, liveness: Optional[dict] = None) -> list:
     """``ray.get`` of one call per rank (``ranks[i]``: the rank of ``refs[i]``; default i).
     Stops at the first rank whose actor died, or at the timeout, and raises
     :class:`SetupFailed` naming the ranks: the others may be waiting on the dead one (a
     rendezvous), so waiting for them would only spend the timeout. A rank that raised
     keeps its error (a bug in the model or config, not a lost node). ``while_waiting``:
-    called between waits of at most a second."""
+    called between waits of at most a second. ``liveness``: rank -> actor pinged about
+    once a second; one silent for ``HEARTBEAT_TIMEOUT_S`` fails the phase as frozen."""
     import ray
     from ray.exceptions import RayActorError
 
@@ -226,11 +234,14 @@ def _gather(refs: list, timeout_s: float, phase: str, ranks: Optional[list] = No
     dead: dict[int, str] = {}
     raised: Optional[BaseException] = None
     pending, deadline = list(refs), time.time() + timeout_s
-    while pending and not dead:
+    pinger = _Pinger(liveness) if liveness else None
+    frozen: list[int] = []
+    while pending and not dead and not frozen:
         left = deadline - time.time()
         if left <= 0:
             break
-        ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0) if while_waiting else left)
+        wait_s = min(left, 1.0) if while_waiting or pinger else left
+        ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
         if while_waiting is not None:
             while_waiting()
         for ref in ready:
@@ -240,11 +251,40 @@ def _gather(refs: list, timeout_s: float, phase: str, ranks: Optional[list] = No
                 dead[rank_of[ref]] = _short_error(e)
             except Exception as e:  # noqa: BLE001 - re-raised below unless a rank died
                 raised = raised or e
+        if pinger is not None and pending and not dead:
+            frozen = pinger.silent()
+    if frozen:
+        raise SetupFailed(phase, {}, frozen, pinger.timeout_s, frozen=True)
     if dead or pending:
         raise SetupFailed(phase, dead, [] if dead else sorted(rank_of[r] for r in pending), timeout_s)
     if raised is not None:
         raise raised
     return [results[ref] for ref in refs]
+
+
+class _Pinger:
+    """Liveness pings (``ping``, answered by another actor thread) while a setup phase
+    runs: :meth:`silent` collects the answers, sends the next round, and names the ranks
+    whose ping has gone unanswered for the heartbeat timeout. A ping that fails (the
+    actor died) counts as an answer: the phase's own call reports the death."""
+
+    def __init__(self, actors: dict):
+        self.actors = actors
+        self.timeout_s = knob("HEARTBEAT_TIMEOUT_S")
+        self.inflight: dict[int, tuple[Any, float]] = {}  # rank -> (ping, sent at)
+
+    def silent(self) -> list[int]:
+        import ray
+
+        if self.inflight:
+            refs = [ref for ref, _ in self.inflight.values()]
+            done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+            self.inflight = {r: (ref, t) for r, (ref, t) in self.inflight.items() if ref not in done}
+        now = time.time()
+        for rank, actor in self.actors.items():
+            if rank not in self.inflight:
+                self.inflight[rank] = (actor.ping.remote(), now)
+        return sorted(r for r, (_, sent) in self.inflight.items() if now - sent > self.timeout_s)
 
 
 def _short_error(e: BaseException) -> str:

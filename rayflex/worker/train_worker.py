@@ -215,6 +215,11 @@ class TrainWorker:
         return {"rank": self.rank, "node_id": self.node_id, "ip": ip, "pid": os.getpid(),
                 "port": free_port() if self.rank == 0 else None}
 
+    def ping(self) -> int:
+        """Liveness while a setup call runs on another actor thread (the controller names
+        a rank frozen mid-setup by its silence)."""
+        return os.getpid()
+
     # ----------------------------------------------------------------- setup
     def setup(self, master_addr: str, master_port: int, restore: bool = True) -> dict[str, Any]:
         """Join the process group, build and shard this rank's stage(s), restore state.
@@ -297,7 +302,9 @@ class TrainWorker:
 
             self.checkpointer = AsyncCheckpointer(self.spec.checkpoint_uri, rank=self.rank,
                                                   group=self.ckpt_group, use_async=self.spec.checkpoint.async_save,
-                                                  keep=self.spec.checkpoint.keep, mesh=self.plan)
+                                                  keep=self.spec.checkpoint.keep, mesh=self.plan,
+                                                  upload=self.spec.checkpoint.upload,
+                                                  upload_threads=self.spec.checkpoint.upload_threads)
             if restore and self.spec.checkpoint.resume:
                 restored = self.checkpointer.load_latest(self._stateful())
         if restored is not None:
