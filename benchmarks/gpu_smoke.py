@@ -120,7 +120,8 @@ def trainer(args, data: str, storage: str, ckpt: str, name: str, steps: int, res
                       run=rf.RunConfig(name=name, storage=storage, steps=steps,
                                        optimizer=rf.OptimizerConfig(lr=3e-4, warmup_steps=2, grad_clip=1.0)),
                       scaling=rf.ScalingConfig(num_workers=1, use_gpu=not args.cpu_smoke),
-                      checkpoint=rf.CheckpointConfig(every_steps=args.every, keep=1, uri=ckpt, resume=resume),
+                      checkpoint=rf.CheckpointConfig(every_steps=args.every, keep=1, uri=ckpt, resume=resume,
+                                                     upload=args.upload, upload_threads=args.upload_threads),
                       **kwargs)
 
 
@@ -166,7 +167,7 @@ def run_in_process(t, timeout_s: float = 600) -> dict:
     return {"status": "finished" if status.state == WorkerState.DONE else f"{status.state}: {status.error}",
             "steps": [(r.step, r.samples * seq, r.step_time_s) for r in status.records],
             "saves": [{k: c.get(k) for k in ("step", "reason", "blocked_s", "total_s", "bytes", "committed",
-                                             "waited_for_previous_s")} for c in status.checkpoints
+                                             "waited_for_previous_s", "upload")} for c in status.checkpoints
                       if c.get("committed")],
             "save_errors": [c["error"] for c in status.checkpoints if c.get("error")],
             "restored_step": (info.get("restored") or {}).get("step"), "setup_s": setup_s,
@@ -229,6 +230,9 @@ def parse_args(argv=None):
                     help="activation checkpointing (when MemoryConfig exists)")
     ap.add_argument("--no-compile", action="store_true", help="do not torch.compile the blocks")
     ap.add_argument("--fp32", action="store_true", help="train in fp32 even where bf16 is available")
+    ap.add_argument("--upload", choices=("auto", "process", "thread"), default="auto",
+                    help="CheckpointConfig.upload: where the checkpoint's bytes are written from")
+    ap.add_argument("--upload-threads", type=int, default=1, help="CheckpointConfig.upload_threads")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s")
     ap.add_argument("--storage", default=None, help="a directory for data, runs and checkpoints (default: a temp dir)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
@@ -299,6 +303,7 @@ def main(argv=None) -> int:
                                                                          "n_layers", "n_heads")}},
         "features": features,
         "workload": {"steps": args.steps, "resume_steps": args.resume_steps, "checkpoint_every": args.every,
+                     "upload": args.upload, "upload_threads": args.upload_threads,
                      "global_batch": args.batch, "tokens_per_step": args.batch * cfg.seq_len, "world_size": 1},
         "tokens_per_s": tokens_per_s, "step_time_s": step_time,
         "mfu": 6 * params * tokens_per_s / flops_peak if tokens_per_s and flops_peak else None,

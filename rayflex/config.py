@@ -301,6 +301,9 @@ class DataConfig:
         _non_negative_int(c, "prefetch_steps", self.prefetch_steps)
 
 
+UPLOAD_MODES = ("auto", "process", "thread")
+
+
 @dataclass(kw_only=True, frozen=True)
 class CheckpointConfig:
     """Asynchronous sharded checkpoints. ``every_steps=0`` disables periodic saves;
@@ -317,6 +320,13 @@ class CheckpointConfig:
     uri: Optional[str] = None
     # Load the latest committed checkpoint of this run on start (resume).
     resume: bool = True
+    # Where an async save's bytes are serialised and written: "process" (an uploader
+    # process per rank reading shared-memory staging: shares no GIL with training; needs
+    # /dev/shm room for one copy of the rank's state), "thread" (a background thread of
+    # the training process), "auto" (process when training on GPU, else thread).
+    upload: str = "auto"
+    # Files each rank writes in parallel per save (more parallel PUTs to an object store).
+    upload_threads: int = 1
 
     @property
     def auto_interval(self) -> bool:
@@ -336,6 +346,10 @@ class CheckpointConfig:
             raise ConfigError(f"{c}.mtbf_prior_s", f"must be a number of seconds > 0, got {self.mtbf_prior_s!r}",
                               "use the mean time between failures you expect of the cluster, e.g. 3600")
         _positive_int(c, "keep", self.keep)
+        if self.upload not in UPLOAD_MODES:
+            raise ConfigError(f"{c}.upload", f"unknown upload mode {self.upload!r}",
+                              f"use one of {', '.join(UPLOAD_MODES)}")
+        _positive_int(c, "upload_threads", self.upload_threads)
         if self.uri is not None:
             check_uri(f"{c}.uri", self.uri)
 

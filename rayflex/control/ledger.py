@@ -141,7 +141,7 @@ class StepLedger:
             self.recorder.record(ev.CheckpointCommitted(step=ck["step"], uri=ck.get("uri", ""),
                                                         blocked_s=ck.get("blocked_s", 0.0),
                                                         total_s=ck.get("total_s", 0.0), bytes=ck.get("bytes", 0),
-                                                        reason=ck.get("reason", "")))
+                                                        reason=ck.get("reason", ""), upload=ck.get("upload", "")))
         elif ck.get("error"):
             self.recorder.record(ev.CheckpointFailed(step=ck.get("step"), reason=ck["error"]))
 

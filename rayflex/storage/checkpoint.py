@@ -145,10 +145,13 @@ class HostStaging:
     DCP writes the same shards, with the same keys, as from the live tensors.
     """
 
-    def __init__(self, state: TrainState, *, pin: Optional[bool] = None):
+    def __init__(self, state: TrainState, *, pin: Optional[bool] = None, shared: Optional[bool] = False):
         """``pin``: page-locked buffers (fast, asynchronous device-to-host copies); None
         pins exactly when a live tensor is on CUDA (a CPU run on a GPU host pins nothing
-        and never initializes CUDA)."""
+        and never initializes CUDA). ``shared``: the buffers are views of one
+        shared-memory block (``upload_process.SharedBlock``) an uploader process reads; None:
+        shared exactly when pinned. Without room in /dev/shm they stay private (a warning
+        and ``shared_fallback`` say why)."""
         from torch.distributed.tensor import DTensor
 
         self._key = state.identity()
@@ -158,27 +161,35 @@ class HostStaging:
         self._pin = pin
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (host buffer, live local tensor)
         self.nbytes = 0
+        self.block = None
+        self.shared_fallback = ""  # why buffers meant to be shared are private
+        if shared is None:  # auto: an uploader process where staging is pinned (GPU training)
+            shared = pin
+        if shared:
+            from rayflex.storage.upload_process import shm_room_for
+
+            shared, self.shared_fallback = shm_room_for(sum(t.numel() * t.element_size() for t in _tensors(live)))
+            if not shared:
+                log.warning("checkpoint uploads stay in the training process: %s", self.shared_fallback)
+        if shared:
+            from rayflex.storage.upload_process import SharedBlock
+
+            specs: list = []
+            _walk(live, lambda t: specs.append((tuple(_local(t).shape), t.dtype)))
+            self.block = SharedBlock(specs, pin=pin)
 
         def host_copy(obj):
+            local = _local(obj)
+            buf = (self.block.take() if self.block is not None
+                   else torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin))
+            self._pairs.append((buf, local))
+            self.nbytes += buf.numel() * buf.element_size()
             if isinstance(obj, DTensor):
-                local = obj._local_tensor
-                buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
-                self._pairs.append((buf, local))
-                self.nbytes += buf.numel() * buf.element_size()
                 return DTensor.from_local(buf, obj.device_mesh, obj.placements, run_check=False,
                                           shape=obj.shape, stride=obj.stride())
-            if isinstance(obj, torch.Tensor):
-                buf = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=pin)
-                self._pairs.append((buf, obj))
-                self.nbytes += buf.numel() * buf.element_size()
-                return buf
-            if isinstance(obj, dict):
-                return {k: host_copy(v) for k, v in obj.items()}
-            if isinstance(obj, list):
-                return [host_copy(v) for v in obj]
-            return obj
+            return buf
 
-        self._staged = host_copy(live)
+        self._staged = _walk(live, host_copy)
         self._scalars = state.scalar_refs()
 
     def matches(self, state: TrainState) -> bool:
@@ -197,11 +208,23 @@ class HostStaging:
             optim[key] = group[field_name]
         return self._staged
 
+    def close(self) -> None:
+        """Unpin a shared block (its memory goes once the uploader maps the next one)."""
+        if self.block is not None:
+            self.block.close()
+
 
 class AsyncCheckpointer:
     def __init__(self, root: str, *, rank: int, group=None, use_async: bool = True, keep: int = 3,
-                 mesh: Any = None):
+                 mesh: Any = None, upload: str = "auto", upload_threads: int = 1):
+        """``upload``: where an asynchronous save's bytes are serialised and written —
+        ``"process"`` (an uploader process reading shared staging buffers: no GIL shared
+        with training), ``"thread"`` (a background thread of the training process), or
+        ``"auto"`` (process when training on GPU). ``upload_threads``: files written in
+        parallel per rank."""
         self.root = root.rstrip("/")
+        self.upload = upload
+        self.upload_threads = upload_threads
         self.rank = rank
         self.group = group
         self.use_async = use_async
@@ -235,7 +258,10 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         if self.use_async:
             if self._staging is None or not self._staging.matches(state):
-                self._staging = HostStaging(state)
+                if self._staging is not None:
+                    self._staging.close()
+                shared = {"process": True, "thread": False}.get(self.upload)  # auto: None
+                self._staging = HostStaging(state, shared=shared)
             tensors = self._staging.stage()
         else:
             tensors = state.tensor_state()
@@ -244,7 +270,15 @@ class AsyncCheckpointer:
         # The same filesystem options as the rest of rayflex (endpoint, region, timeouts):
         # a dead endpoint fails the upload after bounded retries instead of hanging it.
         # Object-store directories are prefixes: the writer never makes (or creates) a bucket.
-        writer = CheckpointWriter(path, single_file_per_rank=True, sync_files=False, **fsspec_kwargs(path))
+        options = dict(single_file_per_rank=True, sync_files=False, thread_count=self.upload_threads,
+                       **fsspec_kwargs(path))
+        block = self._staging.block if self.use_async else None
+        if block is not None:
+            from rayflex.storage.upload_process import process_upload_writer
+
+            writer = process_upload_writer(path, block, **options)
+        else:
+            writer = CheckpointWriter(path, **options)
         _maybe_slow_upload(writer, step)
         group = self.group
         if self.use_async:
@@ -263,7 +297,8 @@ class AsyncCheckpointer:
         nbytes = self._staging.nbytes if self.use_async else sum(t.numel() * t.element_size()
                                                                  for t in _tensors(tensors))
         report = {"step": step, "reason": reason, "blocked_s": blocked, "bytes": nbytes, "uri": path,
-                  "state_dict_s": t_sd - t0, "waited_for_previous_s": waited}
+                  "state_dict_s": t_sd - t0, "waited_for_previous_s": waited,
+                  "upload": "process" if block is not None else ("thread" if self.use_async else "sync")}
         self._inflight = self._finisher.submit(self._finish, upload, report, extra, time.time())
         if not self.use_async:
             reports += self.wait()
@@ -428,6 +463,23 @@ def _write_bytes(uri: str, data: bytes) -> None:
 def _read_bytes(uri: str) -> bytes:
     fs, path = resolve(uri)
     return with_retries(lambda: fs.cat_file(path), what=f"read {uri}")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _walk(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with every tensor (DTensor included) replaced by ``fn(tensor)``, in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _walk(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_walk(v, fn) for v in obj]
+    return obj
 
 
 def _tensors(obj: Any):

@@ -128,6 +128,7 @@ class CheckpointCommitted(Event):
     total_s: float = 0.0
     bytes: int = 0
     reason: str = "periodic"
+    upload: str = ""  # process | thread | sync: where the bytes were written from (CheckpointConfig.upload)
 
 
 @dataclass(frozen=True, kw_only=True)

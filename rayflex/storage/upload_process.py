@@ -1,0 +1,307 @@
+"""Checkpoint uploads from a separate process, off the training process's GIL.
+
+A save stages each tensor into host buffers on the training thread (one copy per tensor,
+as with thread uploads); here those buffers are views of one shared-memory block. DCP
+still plans the save in the training process (the plan is agreed over the checkpoint
+group), but the bytes are written by an uploader process that maps the same block: it
+serialises each shard and writes it through fsspec (file://, s3://, gs://, az://) while
+the training process only waits on a pipe, holding no lock training needs.
+
+The uploader runs at a lower CPU priority (``RAYFLEX_UPLOAD_NICE``), never touches a GPU
+(``CUDA_VISIBLE_DEVICES`` is emptied before it imports torch) and has no process group,
+so it outlives attempts: a restarted or resized mesh only shares its new block. Commit
+is unchanged: DCP's ``.metadata`` is written once every rank's uploader has answered,
+and rank 0 writes the marker after it.
+
+One uploader per training process (:func:`uploader`); one block per attempt's staging
+(:class:`SharedBlock`), sized once and reused by every save of the attempt.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import threading
+import traceback
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64  # bytes: every view starts aligned for any dtype (and for vectorised copies)
+SHM_DIR = "/dev/shm"
+
+
+# ----------------------------------------------------------------- the staging block
+class SharedBlock:
+    """One shared-memory byte block carved into the staging buffers of a save. On a GPU
+    host it is page-locked (``cudaHostRegister``) so device-to-host copies stay
+    asynchronous, as with pinned buffers."""
+
+    _next_key = 0
+
+    def __init__(self, specs: list[tuple[tuple, Any]], *, pin: bool):
+        """``specs``: (shape, dtype) of each buffer, in the order :meth:`take` hands them out."""
+        import torch
+
+        offsets, total = [], 0
+        for shape, dtype in specs:
+            offsets.append(total)
+            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            total += -(-nbytes // ALIGN) * ALIGN
+        self.nbytes = total
+        self.block = torch.empty(max(total, ALIGN), dtype=torch.uint8).share_memory_()
+        self._views = [self.block[o:o + _numel(s) * torch.empty((), dtype=d).element_size()].view(d).view(s)
+                       for o, (s, d) in zip(offsets, specs)]
+        self._next = 0
+        self._registered = False
+        if pin:
+            self._register()
+        SharedBlock._next_key += 1
+        self.key = (os.getpid(), SharedBlock._next_key)
+
+    def take(self):
+        """The next buffer, in the order of ``specs``."""
+        view = self._views[self._next]
+        self._next += 1
+        return view
+
+    def locate(self, tensor) -> Optional[tuple[int, int]]:
+        """(byte offset, byte length) of ``tensor`` in the block, None when it is not a
+        contiguous view of it."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() \
+                or tensor.untyped_storage().data_ptr() != self.block.untyped_storage().data_ptr():
+            return None
+        return tensor.storage_offset() * tensor.element_size(), tensor.numel() * tensor.element_size()
+
+    def _register(self) -> None:
+        import torch
+
+        err = torch.cuda.cudart().cudaHostRegister(self.block.data_ptr(), self.block.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of a {self.block.numel()}-byte shared block failed ({err})")
+        self._registered = True
+
+    def close(self) -> None:
+        """Unpin (the memory is freed once the uploader drops its mapping too)."""
+        if self._registered:
+            import torch
+
+            torch.cuda.synchronize()  # no copy into the block may still be in flight
+            torch.cuda.cudart().cudaHostUnregister(self.block.data_ptr())
+            self._registered = False
+
+
+def shm_room_for(nbytes: int, directory: str = SHM_DIR) -> tuple[bool, str]:
+    """Whether ``directory`` (where torch puts shared memory) can hold ``nbytes`` with a
+    10% margin: a full /dev/shm kills the process with SIGBUS on first touch instead of
+    failing an allocation, so it is checked first. (ok, why not)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError as e:
+        return False, f"{directory} unavailable ({e})"
+    free = st.f_bavail * st.f_frsize
+    if free < nbytes * 1.1:
+        return False, (f"{directory} has {free / 2**30:.2f} GiB free, a staging block needs {nbytes / 2**30:.2f} GiB "
+                       f"(+10%); give the container more shared memory (docker --shm-size, a Kubernetes "
+                       f"emptyDir with medium: Memory) or use CheckpointConfig(upload='thread')")
+    return True, ""
+
+
+# ----------------------------------------------------------------- the uploader process
+class UploadProcess:
+    """A spawned child that writes DCP save plans from shared blocks; one request at a time."""
+
+    def __init__(self, nice: int = 0):
+        import multiprocessing as mp
+
+        import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor reductions
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, nice), daemon=True, name="rayflex-ckpt-uploader")
+        self.process.start()
+        child.close()
+        self._lock = threading.Lock()
+        self._shared_key = None
+        self._call(("ping",))
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def write(self, block: SharedBlock, request: dict) -> list:
+        """Write one rank's share of a save (``request``: see :class:`ProcessUploadWriter`);
+        the WriteResults DCP gathers for ``.metadata``."""
+        with self._lock:
+            if self._shared_key != block.key:
+                self._call(("share", block.key, block.block))
+                self._shared_key = block.key
+            return self._call(("write", block.key, request))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        try:
+            with self._lock:
+                self._conn.send(("exit",))
+        except (OSError, ValueError):
+            pass
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+        self._conn.close()
+
+    def _call(self, message: tuple):
+        try:
+            self._conn.send(message)
+            status, value = self._conn.recv()
+        except (EOFError, OSError) as e:
+            code = self.process.exitcode
+            raise RuntimeError(f"the checkpoint uploader process (pid {self.process.pid}) is gone "
+                               f"(exit code {code}): {type(e).__name__}: {e}") from None
+        if status == "error":
+            raise RuntimeError(f"checkpoint upload failed in the uploader process: {value}")
+        return value
+
+
+_UPLOADER: Optional[UploadProcess] = None
+_UPLOADER_LOCK = threading.Lock()
+
+
+def uploader() -> UploadProcess:
+    """This process's uploader, started on first use and again if it died."""
+    global _UPLOADER
+    from rayflex.constants import knob
+
+    with _UPLOADER_LOCK:
+        if _UPLOADER is None or not _UPLOADER.alive:
+            if _UPLOADER is not None:
+                log.warning("checkpoint uploader (pid %s) died (exit code %s); starting a new one",
+                            _UPLOADER.process.pid, _UPLOADER.process.exitcode)
+            _UPLOADER = UploadProcess(nice=int(knob("UPLOAD_NICE")))
+        return _UPLOADER
+
+
+def stop_uploader() -> None:
+    global _UPLOADER
+    with _UPLOADER_LOCK:
+        if _UPLOADER is not None:
+            _UPLOADER.close()
+            _UPLOADER = None
+
+
+# ----------------------------------------------------------------- the DCP writer
+def process_upload_writer(path: str, block: SharedBlock, **writer_kwargs):
+    """A DCP storage writer for ``path`` whose ``write_data`` runs in the uploader process.
+    ``writer_kwargs``: the :class:`~rayflex.storage.dcp_io.CheckpointWriter` options
+    (``single_file_per_rank``, ``thread_count``, fsspec options...), used on both sides."""
+    from rayflex.storage.dcp_io import CheckpointWriter
+
+    class ProcessUploadWriter(CheckpointWriter):
+        def write_data(self, plan, planner):
+            from torch.distributed.checkpoint.planner import WriteItemType
+            from torch.futures import Future
+
+            tensors, blobs = {}, {}
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    blobs[item.index] = data.getvalue()
+                    continue
+                where = block.locate(data)
+                if where is None:  # not staged in the block (never for rayflex's own state): its bytes travel
+                    data = data.detach().cpu().contiguous()
+                    tensors[item.index] = ("bytes", data.view(-1).view(_u8()).numpy().tobytes(), data.dtype,
+                                           tuple(data.shape))
+                else:
+                    tensors[item.index] = ("block", *where, data.dtype, tuple(data.shape))
+            request = {"path": path, "writer_kwargs": writer_kwargs, "plan": plan, "tensors": tensors,
+                       "blobs": blobs}
+            results = uploader().write(block, request)
+            future: Future = Future()
+            future.set_result(results)
+            return future
+
+    return ProcessUploadWriter(path, **writer_kwargs)
+
+
+# ----------------------------------------------------------------- the child
+def _serve(conn, nice: int) -> None:
+    """The uploader's loop: share / write / exit requests until the parent goes."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch: no CUDA context in the uploader
+    if nice and hasattr(os, "nice"):
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
+    import torch
+
+    torch.set_num_threads(1)
+    blocks: dict = {}
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # the training process is gone
+        kind = message[0]
+        if kind == "exit":
+            conn.send(("ok", None))
+            return
+        try:
+            if kind == "ping":
+                value = os.getpid()
+            elif kind == "share":
+                blocks.clear()  # one attempt's block at a time: the previous one is unmapped
+                blocks[message[1]] = message[2]
+                value = None
+            elif kind == "write":
+                value = _write(blocks[message[1]], message[2])
+            else:
+                raise ValueError(f"unknown request {kind!r}")
+            conn.send(("ok", value))
+        except BaseException as e:  # noqa: BLE001 - reported to the training process, which decides
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"))
+
+
+def _write(block, request: dict) -> list:
+    import torch
+
+    from rayflex.storage.dcp_io import CheckpointWriter
+
+    raw = block.numpy()
+    tensors = {}
+    for index, (kind, *rest) in request["tensors"].items():
+        if kind == "block":
+            offset, length, dtype, shape = rest
+            data = raw[offset:offset + length]
+        else:
+            payload, dtype, shape = rest
+            data, length = bytearray(payload), len(payload)
+        # A tensor whose storage is exactly its bytes: DCP would copy a view of a larger one.
+        t = torch.frombuffer(data, dtype=torch.uint8) if length else torch.empty(0, dtype=torch.uint8)
+        tensors[index] = t.view(dtype).view(shape)
+    blobs = request["blobs"]
+
+    class Resolved:
+        """The one planner call DCP's writer makes: the data of a write item."""
+
+        @staticmethod
+        def resolve_data(item):
+            if item.index in blobs:
+                return io.BytesIO(blobs[item.index])
+            return tensors[item.index]
+
+    writer = CheckpointWriter(request["path"], **request["writer_kwargs"])
+    return writer.write_data(request["plan"], Resolved()).wait()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _u8():
+    import torch
+
+    return torch.uint8
