@@ -24,7 +24,10 @@ def _stop_uploader():
 
 def _save(root: str, state, *, step: int, upload: str) -> dict:
     from rayflex.storage.checkpoint import AsyncCheckpointer
+    from rayflex.storage.upload_process import uploader
 
+    if upload == "process":
+        uploader()  # started and answering: a save never waits for it (it uploads from a thread meanwhile)
     ckpt = AsyncCheckpointer(root, rank=0, use_async=True, keep=3, upload=upload)
     ckpt.save(state, step=step)
     [report] = ckpt.wait(timeout_s=120)
@@ -58,24 +61,36 @@ def test_a_process_upload_writes_the_bytes_a_thread_upload_writes_and_loads_back
     assert all(torch.equal(saved[k][n], loaded[k][n]) for k in saved for n in saved[k])
 
 
-def test_the_uploader_is_restarted_after_it_dies_and_later_saves_commit(tmp_path):
+def test_saves_go_on_while_the_uploader_starts_or_after_it_died(tmp_path):
+    import glob
+
     from rayflex.storage.checkpoint import AsyncCheckpointer
-    from rayflex.storage.upload_process import uploader
+    from rayflex.storage.upload_process import stop_uploader, uploader
 
     root = f"file://{tmp_path}/ckpt"
     state = tiny_state(seed=4)
-    ckpt = AsyncCheckpointer(root, rank=0, use_async=True, keep=3, upload="process")
-    ckpt.save(state, step=1)
-    [first] = ckpt.wait(timeout_s=120)
-    assert first.get("committed") and first["upload"] == "process", first
-    old = uploader().process
-    os.kill(old.pid, signal.SIGKILL)
-    old.join(10)
-    ckpt.save(state, step=2)  # the same staging block, shared again with a new uploader
-    [second] = ckpt.wait(timeout_s=120)
-    assert second.get("committed"), second.get("error")
-    assert uploader().process.pid != old.pid
-    assert _shards(root, 1) == _shards(root, 2), "same state, same bytes"
+    stop_uploader()
+    ckpt = AsyncCheckpointer(root, rank=0, use_async=True, keep=5, upload="process")  # starts one meanwhile
+    reports = []
+
+    def save(step):
+        ckpt.save(state, step=step)
+        [report] = ckpt.wait(timeout_s=120)
+        assert report.get("committed"), report.get("error")
+        reports.append(report["upload"])
+
+    save(1)  # the uploader may still be importing torch: then this save uploads from a thread
+    first = uploader().process  # waits until it answers
+    save(2)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(10)
+    save(3)  # its block died with it: staged anew, uploaded from a thread while a new one starts
+    second = uploader().process
+    save(4)
+    assert reports[1] == reports[3] == "process" and reports[2] == "thread", reports
+    assert second.pid != first.pid
+    assert _shards(root, 1) == _shards(root, 2) == _shards(root, 3) == _shards(root, 4), "same state, same bytes"
+    assert not glob.glob(f"/dev/shm/rayflex-staging-{os.getpid()}-*"), "blocks are unlinked once both map them"
 
 
 def test_without_room_in_dev_shm_a_save_uploads_from_a_thread(tmp_path, monkeypatch, caplog):

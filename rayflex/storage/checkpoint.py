@@ -225,6 +225,10 @@ class AsyncCheckpointer:
         self.root = root.rstrip("/")
         self.upload = upload
         self.upload_threads = upload_threads
+        if use_async and upload == "process":
+            from rayflex.storage.upload_process import prewarm_uploader
+
+            prewarm_uploader()
         self.rank = rank
         self.group = group
         self.use_async = use_async
@@ -257,6 +261,13 @@ class AsyncCheckpointer:
         # attempt loaded its checkpoint (clear_after), so the step directory is fresh.
         t0 = time.perf_counter()
         if self.use_async:
+            if self._staging is not None and self._staging.block is not None:
+                from rayflex.storage.upload_process import can_write
+
+                if not can_write(self._staging.block):  # its uploader died: a new block for a new one
+                    log.warning("checkpoint uploader gone: staging the state into a new shared block")
+                    self._staging.close()
+                    self._staging = None
             if self._staging is None or not self._staging.matches(state):
                 if self._staging is not None:
                     self._staging.close()
@@ -274,10 +285,14 @@ class AsyncCheckpointer:
                        **fsspec_kwargs(path))
         block = self._staging.block if self.use_async else None
         if block is not None:
-            from rayflex.storage.upload_process import process_upload_writer
+            from rayflex.storage import upload_process
 
-            writer = process_upload_writer(path, block, **options)
-        else:
+            if upload_process.ready():
+                writer = upload_process.process_upload_writer(path, block, **options)
+            else:  # still starting (or died): this save uploads from a thread, the next from it
+                upload_process.prewarm_uploader()
+                block = None
+        if block is None:
             writer = CheckpointWriter(path, **options)
         _maybe_slow_upload(writer, step)
         group = self.group

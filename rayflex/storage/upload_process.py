@@ -13,15 +13,21 @@ so it outlives attempts: a restarted or resized mesh only shares its new block. 
 is unchanged: DCP's ``.metadata`` is written once every rank's uploader has answered,
 and rank 0 writes the marker after it.
 
-One uploader per training process (:func:`uploader`); one block per attempt's staging
-(:class:`SharedBlock`), sized once and reused by every save of the attempt.
+One uploader per training process (:func:`uploader`), a plain ``python -m`` child on a
+socket pair (not a multiprocessing spawn: that would re-run the parent's main module —
+Ray's worker script, a user's unguarded notebook code); one block per attempt's staging
+(:class:`SharedBlock`), a file in /dev/shm both map by name, unlinked once both have it.
 """
 
 from __future__ import annotations
 
+import glob
 import io
 import logging
 import os
+import socket
+import subprocess
+import sys
 import threading
 import traceback
 from typing import Any, Optional
@@ -50,15 +56,18 @@ class SharedBlock:
             nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
             total += -(-nbytes // ALIGN) * ALIGN
         self.nbytes = total
-        self.block = torch.empty(max(total, ALIGN), dtype=torch.uint8).share_memory_()
+        SharedBlock._next_key += 1
+        self.key = (os.getpid(), SharedBlock._next_key)
+        self.path = _block_path(*self.key)
+        _sweep_stale_blocks()
+        self.block = torch.from_file(self.path, shared=True, size=max(total, ALIGN), dtype=torch.uint8)
+        self.linked = True
         self._views = [self.block[o:o + _numel(s) * torch.empty((), dtype=d).element_size()].view(d).view(s)
                        for o, (s, d) in zip(offsets, specs)]
         self._next = 0
         self._registered = False
         if pin:
             self._register()
-        SharedBlock._next_key += 1
-        self.key = (os.getpid(), SharedBlock._next_key)
 
     def take(self):
         """The next buffer, in the order of ``specs``."""
@@ -82,14 +91,45 @@ class SharedBlock:
             raise RuntimeError(f"cudaHostRegister of a {self.block.numel()}-byte shared block failed ({err})")
         self._registered = True
 
+    def unlink(self) -> None:
+        """Remove the block's name (both processes keep their mappings): its memory goes
+        back with the last mapping, even if a process is killed."""
+        if self.linked:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.linked = False
+
     def close(self) -> None:
-        """Unpin (the memory is freed once the uploader drops its mapping too)."""
+        """Unpin and unlink (the memory is freed once the uploader drops its mapping too)."""
+        self.unlink()
         if self._registered:
             import torch
 
             torch.cuda.synchronize()  # no copy into the block may still be in flight
             torch.cuda.cudart().cudaHostUnregister(self.block.data_ptr())
             self._registered = False
+
+
+def _block_path(pid: int, n: int) -> str:
+    return os.path.join(SHM_DIR, f"rayflex-staging-{pid}-{n}")
+
+
+def _sweep_stale_blocks() -> None:
+    """Remove blocks whose process is gone before they were unlinked (killed between
+    creating a block and the uploader mapping it): /dev/shm is memory."""
+    for path in glob.glob(os.path.join(SHM_DIR, "rayflex-staging-*")):
+        try:
+            pid = int(os.path.basename(path).split("-")[2])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        except (ValueError, IndexError, PermissionError):
+            continue
 
 
 def shm_room_for(nbytes: int, directory: str = SHM_DIR) -> tuple[bool, str]:
@@ -110,33 +150,38 @@ def shm_room_for(nbytes: int, directory: str = SHM_DIR) -> tuple[bool, str]:
 
 # ----------------------------------------------------------------- the uploader process
 class UploadProcess:
-    """A spawned child that writes DCP save plans from shared blocks; one request at a time."""
+    """A ``python -m rayflex.storage.upload_process`` child that writes DCP save plans from
+    shared blocks; one request at a time, over a socket pair."""
 
     def __init__(self, nice: int = 0):
-        import multiprocessing as mp
+        from multiprocessing.connection import Connection
 
-        import torch.multiprocessing  # noqa: F401 - registers the shared-memory tensor reductions
-
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, nice), daemon=True, name="rayflex-ckpt-uploader")
-        self.process.start()
+        parent, child = socket.socketpair()
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES="",  # no CUDA context in the uploader
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # what this process imports
+        self.process = subprocess.Popen([sys.executable, "-m", "rayflex.storage.upload_process",
+                                         str(child.fileno()), str(int(nice))],
+                                        pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
         child.close()
+        self._conn = Connection(parent.detach())
         self._lock = threading.Lock()
         self._shared_key = None
         self._call(("ping",))
 
     @property
     def alive(self) -> bool:
-        return self.process.is_alive()
+        return self.process.poll() is None
 
     def write(self, block: SharedBlock, request: dict) -> list:
-        """Write one rank's share of a save (``request``: see :class:`ProcessUploadWriter`);
+        """Write one rank's share of a save (``request``: see ``process_upload_writer``);
         the WriteResults DCP gathers for ``.metadata``."""
         with self._lock:
             if self._shared_key != block.key:
-                self._call(("share", block.key, block.block))
+                if not block.linked:
+                    raise RuntimeError("the staging block was unlinked before this uploader mapped it")
+                self._call(("share", block.key, block.path, block.block.numel()))
                 self._shared_key = block.key
+                block.unlink()  # both map it now: nothing is left in /dev/shm if either dies
             return self._call(("write", block.key, request))
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -145,9 +190,11 @@ class UploadProcess:
                 self._conn.send(("exit",))
         except (OSError, ValueError):
             pass
-        self.process.join(timeout_s)
-        if self.process.is_alive():
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
             self.process.kill()
+            self.process.wait()
         self._conn.close()
 
     def _call(self, message: tuple):
@@ -155,9 +202,8 @@ class UploadProcess:
             self._conn.send(message)
             status, value = self._conn.recv()
         except (EOFError, OSError) as e:
-            code = self.process.exitcode
             raise RuntimeError(f"the checkpoint uploader process (pid {self.process.pid}) is gone "
-                               f"(exit code {code}): {type(e).__name__}: {e}") from None
+                               f"(exit code {self.process.poll()}): {type(e).__name__}: {e}") from None
         if status == "error":
             raise RuntimeError(f"checkpoint upload failed in the uploader process: {value}")
         return value
@@ -165,6 +211,7 @@ class UploadProcess:
 
 _UPLOADER: Optional[UploadProcess] = None
 _UPLOADER_LOCK = threading.Lock()
+_STARTING = threading.Event()  # a background start is under way (it holds the lock meanwhile)
 
 
 def uploader() -> UploadProcess:
@@ -176,9 +223,44 @@ def uploader() -> UploadProcess:
         if _UPLOADER is None or not _UPLOADER.alive:
             if _UPLOADER is not None:
                 log.warning("checkpoint uploader (pid %s) died (exit code %s); starting a new one",
-                            _UPLOADER.process.pid, _UPLOADER.process.exitcode)
+                            _UPLOADER.process.pid, _UPLOADER.process.poll())
             _UPLOADER = UploadProcess(nice=int(knob("UPLOAD_NICE")))
         return _UPLOADER
+
+
+def ready() -> bool:
+    """This process's uploader is up and answering (never blocks: a save that finds it
+    still starting uploads from a thread instead of waiting seconds for its imports)."""
+    current = _UPLOADER  # read without the lock, which a start holds for seconds
+    return current is not None and not _STARTING.is_set() and current.alive
+
+
+def can_write(block: SharedBlock) -> bool:
+    """Whether an upload from ``block`` can go ahead: the live uploader maps it, or it
+    still has its name for a new uploader to map (an uploader that died took the only
+    other mapping of an unlinked block: its staging must be made again)."""
+    with _UPLOADER_LOCK:
+        live = _UPLOADER is not None and _UPLOADER.alive and _UPLOADER._shared_key == block.key
+    return live or block.linked
+
+
+def prewarm_uploader() -> None:
+    """Start this process's uploader in the background, once (Python and torch imports
+    take seconds, many more beside busy training processes): called when a worker starts,
+    so its imports overlap the rendezvous and the build."""
+    if ready() or _STARTING.is_set():
+        return
+    _STARTING.set()
+    threading.Thread(target=_prewarm, name="rayflex-uploader-start", daemon=True).start()
+
+
+def _prewarm() -> None:
+    try:
+        uploader()
+    except Exception as e:  # noqa: BLE001 - the next save tries again and reports why
+        log.warning("could not start the checkpoint uploader process: %s", e)
+    finally:
+        _STARTING.clear()
 
 
 def stop_uploader() -> None:
@@ -228,14 +310,18 @@ def process_upload_writer(path: str, block: SharedBlock, **writer_kwargs):
 def _serve(conn, nice: int) -> None:
     """The uploader's loop: share / write / exit requests until the parent goes."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch: no CUDA context in the uploader
+    import torch
+
+    import rayflex.storage.dcp_io  # noqa: F401 - DCP and fsspec: imported before the first save needs them
+
+    torch.set_num_threads(1)
+    # Lowered once ready: the imports above are what a first save waits for, and at a low
+    # priority beside busy training processes they would take many times longer.
     if nice and hasattr(os, "nice"):
         try:
             os.nice(nice)
         except OSError:
             pass
-    import torch
-
-    torch.set_num_threads(1)
     blocks: dict = {}
     while True:
         try:
@@ -251,7 +337,8 @@ def _serve(conn, nice: int) -> None:
                 value = os.getpid()
             elif kind == "share":
                 blocks.clear()  # one attempt's block at a time: the previous one is unmapped
-                blocks[message[1]] = message[2]
+                _, key, path, size = message
+                blocks[key] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
                 value = None
             elif kind == "write":
                 value = _write(blocks[message[1]], message[2])
@@ -305,3 +392,9 @@ def _u8():
     import torch
 
     return torch.uint8
+
+
+if __name__ == "__main__":  # python -m rayflex.storage.upload_process FD NICE (UploadProcess starts it)
+    from multiprocessing.connection import Connection
+
+    _serve(Connection(int(sys.argv[1])), int(sys.argv[2]))

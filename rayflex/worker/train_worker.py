@@ -158,6 +158,11 @@ class TrainWorker:
         self._thread: Optional[threading.Thread] = None
         self.reconfigure(rank, plan)
         _freeze_long_lived()
+        if spec.checkpoint.async_save and (spec.checkpoint.every_steps or spec.checkpoint.resume) \
+                and self._upload_mode() == "process":
+            from rayflex.storage.upload_process import prewarm_uploader
+
+            prewarm_uploader()  # its imports overlap the rendezvous and build, not the first save
 
 
     def reconfigure(self, rank: int, plan: MeshPlan) -> None:
@@ -214,6 +219,14 @@ class TrainWorker:
                 ip = "127.0.0.1"
         return {"rank": self.rank, "node_id": self.node_id, "ip": ip, "pid": os.getpid(),
                 "port": free_port() if self.rank == 0 else None}
+
+    def _upload_mode(self) -> str:
+        """CheckpointConfig.upload with "auto" decided: an uploader process when training
+        on GPU (its staging is pinned, its state large, its host cores otherwise idle)."""
+        mode = self.spec.checkpoint.upload
+        if mode == "auto":
+            return "process" if self.device.type == "cuda" else "thread"
+        return mode
 
     def ping(self) -> int:
         """Liveness while a setup call runs on another actor thread (the controller names
@@ -303,7 +316,7 @@ class TrainWorker:
             self.checkpointer = AsyncCheckpointer(self.spec.checkpoint_uri, rank=self.rank,
                                                   group=self.ckpt_group, use_async=self.spec.checkpoint.async_save,
                                                   keep=self.spec.checkpoint.keep, mesh=self.plan,
-                                                  upload=self.spec.checkpoint.upload,
+                                                  upload=self._upload_mode(),
                                                   upload_threads=self.spec.checkpoint.upload_threads)
             if restore and self.spec.checkpoint.resume:
                 restored = self.checkpointer.load_latest(self._stateful())
