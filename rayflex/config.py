@@ -323,7 +323,7 @@ class CheckpointConfig:
     # Where an async save's bytes are serialised and written: "process" (an uploader
     # process per rank reading shared-memory staging: shares no GIL with training; needs
     # /dev/shm room for one copy of the rank's state), "thread" (a background thread of
-    # the training process), "auto" (process when training on GPU, else thread).
+    # the training process), "auto" (thread until the process path is measured on GPU).
     upload: str = "auto"
     # Files each rank writes in parallel per save (more parallel PUTs to an object store).
     upload_threads: int = 1

@@ -402,6 +402,22 @@ def test_a_spot_notice_during_a_restart_leaves_its_node_out_of_the_placement(tmp
     assert result["status"] == "finished" and result["steps_completed"] == 8
 
 
+def test_two_notices_in_one_poll_are_both_acted_on(tmp_path):
+    # Found by the overlap chaos run: a short notice and, 0.1 s later, a long one for another
+    # node were read in the same poll; the short one restarted the run and the long one was
+    # dropped (never named, its node only skipped because Ray listed it as draining).
+    def two_notices(group):
+        notice("b", seconds_left=1)(group)
+        notice("c", seconds_left=60)(group)
+
+    spec = _spec(tmp_path, min_workers=2, every=2, restart_while_warming=False, emergency_margin_s=1.0)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2, "c": 2, "d": 2}, script=[(4, two_notices)], watch=True)
+    got = {n.node_id: n.action for n in _timeline(c).of(ev.PreemptionNotice)}
+    assert got == {"b": "restore_last_committed", "c": "excluded_from_placement"}, got
+    assert not {"b", "c"} & set(_timeline(c).of(ev.PlanChosen)[-1].rank_to_node)
+    assert result["status"] == "finished" and result["steps_completed"] == 8
+
+
 def test_a_spot_notice_while_the_attempt_restores_is_named_even_when_its_node_goes_first(tmp_path):
     # A notice that lands while the new attempt's ranks restore is kept for the attempt:
     # Ray forgets a drained node once it is gone, so a notice read only at the first poll

@@ -271,8 +271,7 @@ class AsyncCheckpointer:
             if self._staging is None or not self._staging.matches(state):
                 if self._staging is not None:
                     self._staging.close()
-                shared = {"process": True, "thread": False}.get(self.upload)  # auto: None
-                self._staging = HostStaging(state, shared=shared)
+                self._staging = HostStaging(state, shared=self.upload == "process")
             tensors = self._staging.stage()
         else:
             tensors = state.tensor_state()
@@ -333,6 +332,12 @@ class AsyncCheckpointer:
             report["error"] = f"{type(e).__name__}: {e}"
         report["total_s"] = time.time() - started
         return report
+
+    def close(self) -> None:
+        """Let go of the staging buffers (unpinning a shared block): the attempt is over."""
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
 
     def busy(self) -> bool:
         """A save is still being written or committed."""

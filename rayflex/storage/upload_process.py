@@ -84,12 +84,20 @@ class SharedBlock:
         return tensor.storage_offset() * tensor.element_size(), tensor.numel() * tensor.element_size()
 
     def _register(self) -> None:
+        """Page-lock the block for asynchronous device-to-host copies. Without it (a
+        driver that refuses shared mappings) copies are synchronous but still correct."""
         import torch
 
-        err = torch.cuda.cudart().cudaHostRegister(self.block.data_ptr(), self.block.numel(), 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of a {self.block.numel()}-byte shared block failed ({err})")
-        self._registered = True
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(self.block.data_ptr(), self.block.numel(), 0)
+            ok = int(err) == 0
+        except Exception as e:  # noqa: BLE001 - an API this torch lacks: unpinned, as above
+            ok, err = False, e
+        if ok:
+            self._registered = True
+        else:
+            log.warning("could not page-lock the %d-byte staging block (%s): device-to-host copies into it "
+                        "are synchronous", self.block.numel(), err)
 
     def unlink(self) -> None:
         """Remove the block's name (both processes keep their mappings): its memory goes
@@ -101,10 +109,19 @@ class SharedBlock:
                 pass
             self.linked = False
 
+    def __del__(self):
+        # Unpin before the mapping goes: a freed mapping left registered makes the next
+        # block mapped at the same address fail to register ("resource already mapped",
+        # seen on an H200 when a second run started in the same process).
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
     def close(self) -> None:
         """Unpin and unlink (the memory is freed once the uploader drops its mapping too)."""
         self.unlink()
-        if self._registered:
+        if getattr(self, "_registered", False):
             import torch
 
             torch.cuda.synchronize()  # no copy into the block may still be in flight
