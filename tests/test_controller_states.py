@@ -418,6 +418,19 @@ def test_two_notices_in_one_poll_are_both_acted_on(tmp_path):
     assert result["status"] == "finished" and result["steps_completed"] == 8
 
 
+def test_a_short_notice_during_an_emergency_checkpoint_restores_the_last_commit(tmp_path):
+    # Found by the overlap chaos run: a 1 s notice that came while another node's emergency
+    # checkpoint was under way was said to "join" it, though its node went long before
+    # that collective save could finish.
+    spec = _spec(tmp_path, min_workers=2, every=2, restart_while_warming=False, emergency_margin_s=1.0)
+    c, cluster, result = _run(spec, {"a": 2, "b": 1, "c": 1, "d": 2},
+                              script=[(3, notice("b", seconds_left=60)), (3, notice("c", seconds_left=0.5))],
+                              watch=True)
+    got = [(n.node_id, n.action) for n in _timeline(c).of(ev.PreemptionNotice)]
+    assert ("c", "restore_last_committed") in got and ("b", "emergency_checkpoint") in got, got
+    assert result["status"] == "finished" and result["steps_completed"] == 8
+
+
 def test_a_spot_notice_while_the_attempt_restores_is_named_even_when_its_node_goes_first(tmp_path):
     # A notice that lands while the new attempt's ranks restore is kept for the attempt:
     # Ray forgets a drained node once it is gone, so a notice read only at the first poll

@@ -68,7 +68,7 @@ def handle_notices(ctx, loop) -> Optional[Fault]:
         if not ranks:
             ctx.record(ev.PreemptionNotice(**base, action="no_workers",
                                            reason="no worker on the node; it is excluded from placement"))
-        elif loop.preempting is not None:
+        elif loop.preempting is not None and left >= needed:
             ctx.record(ev.PreemptionNotice(**base, action="emergency_checkpoint",
                                            reason="joins the emergency checkpoint already under way"))
         elif left >= needed:
@@ -79,7 +79,7 @@ def handle_notices(ctx, loop) -> Optional[Fault]:
             loop.grow_to = None  # the restart after the checkpoint picks the size
             group.broadcast("request_stop", "preemption")
             warm_standbys(ctx, ctx.best_size())  # the node's replacements start during the checkpoint
-        else:
+        else:  # too short, also beside an emergency checkpoint under way: that save cannot finish before the node goes
             why = (f"only {left:.1f}s left, an emergency checkpoint needs {needed:.1f}s: restoring the last "
                    f"committed checkpoint (step {ctx.ledger.committed_step}) without node {notice.node_id[:12]}")
             ctx.record(ev.PreemptionNotice(**base, action="restore_last_committed", reason=why))
