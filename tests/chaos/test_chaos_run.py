@@ -3,8 +3,11 @@ every invariant of rayflex.testing.chaos (all steps finished, committed checkpoi
 step's samples exactly once, final parameters bitwise equal to a fault-free replay at the
 same restart steps and world sizes, every fault detected in time).
 
-CI runs one short seed (each kind once); the long ones (12 faults, 3 seeds) are `slow`
-and are what `python -m rayflex.testing.chaos --seed 1 2 3` runs for benchmarks/results/chaos.json.
+CI runs one short seed in overlap mode (each kind once, every second fault while the run
+recovers from the one before); the long ones are `slow` and are what
+`python -m rayflex.chaos --seed 1 2 3` (benchmarks/results/chaos.json) and
+`python -m rayflex.chaos --mode overlap --seed 1 2 3 --faults 16`
+(benchmarks/results/chaos_overlap.json) run.
 """
 
 import json
@@ -26,9 +29,12 @@ def _assert_passed(report):
 
 
 @pytest.mark.timeout(1200)
-def test_chaos_short_seed(tmp_path):
+def test_chaos_short_overlap_seed(tmp_path):
     # Every kind, each detected and recovered from, in less of the suite's time than the
-    # long seeds: 2 workers on 3 one-CPU nodes, so every node fault hits a rank and a spare
+    # long seeds, in overlap mode: seed 0 puts a node loss in the release of a spot
+    # restart, a SIGSTOP inside an object-store outage, a long notice in the placement after
+    # a killed process and a raise in the first step after a restart from a corrupt
+    # checkpoint. 2 workers on 3 one-CPU nodes, so every node fault hits a rank and a spare
     # node takes it over (4 workers on 4 two-CPU nodes), an 8 s spot notice (15 s), a 9 s outage
     # (12 s: still longer than a save's retries ride out), replacement nodes after 1 s (2 s),
     # 6 steps between faults (10; a commit since the last restart is still required), and
@@ -37,9 +43,10 @@ def test_chaos_short_seed(tmp_path):
     # shrinking and growing stay covered in CI by test_elastic_node_loss and test_elastic_cluster).
     timing = FaultTiming(long_notice_s=8.0, s3_down_s=9.0, node_return_s=1.0, min_steps_between=6)
     report = run_chaos(ChaosConfig(seed=0, faults=8, workers=2, nodes=3, cpus_per_node=1, timing=timing,
-                                    workdir=str(tmp_path), restart_while_warming=False))
-    print(json.dumps({k: report[k] for k in ("run_s", "wall_s", "steps", "restarts", "world_sizes")}))
+                                    workdir=str(tmp_path), restart_while_warming=False, mode="overlap"))
+    print(json.dumps({k: report[k] for k in ("run_s", "wall_s", "steps", "restarts", "world_sizes", "overlapped")}))
     _assert_passed(report)
+    assert report["overlapped"]["landed_in_window"] >= 2, report["overlapped"]
 
 
 @pytest.mark.slow
