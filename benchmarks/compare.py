@@ -1,6 +1,6 @@
 """rayflex vs Ray Train ``TorchTrainer`` vs plain ``torchrun``, side by side, in one invocation.
 
-    python benchmarks/compare.py [--steps 40] [--every 10] [--fault-at 15]
+    python benchmarks/compare.py [--steps 40] [--every 10] [--fault-at 15] [--rounds 5]
                                  [--systems rayflex,ray_train,torchrun] [--skip-recovery] [--markdown]
                                  [--torchrun-nice 15] [--keep-dir]
 
@@ -17,8 +17,11 @@ gloo, one torch thread each), step count and checkpoint interval, trained by:
   save every ``--every`` steps that resumes from the newest complete one.
 
 rayflex and Ray Train run on one loopback ``ray.cluster_utils.Cluster`` (recovery.py's: 3 nodes x
-2 CPUs on 127.0.0.1, started before their runs, so its start is not in their time to first step);
-torchrun runs first, with no Ray processes around. Per system, a clean run measures:
+2 CPUs on 127.0.0.1, started before the runs, so its start is not in their time to first step;
+idle, it costs ~0.07 CPU/s while torchrun runs). The clean runs alternate in ``--rounds``
+rounds (rayflex, Ray Train, torchrun, rayflex, ...), so a slow minute of a shared machine
+hits every system; each figure is the median over rounds, with its spread (min, max) and,
+per ratio to rayflex, the spread of the round-by-round ratios. Per system, a clean run measures:
 
 * ``tokens_per_s``: global_batch x seq_len over the median wall-clock gap between consecutive
   finished steps, skipping the first 2 steps and the gaps that contain a checkpoint save
@@ -94,6 +97,35 @@ def summarize(times: dict[int, float], ckpt_gaps: set[int], t_launch: float) -> 
             "time_to_first_step_s": times[min(times)] - t_launch if times else None,
             "checkpoint_step_excess_s": with_ckpt - plain if plain and with_ckpt is not None else None,
             "steps_completed": max(times) if times else 0}
+
+
+ROUND_KEYS = ("tokens_per_s", "median_step_s", "tokens_per_s_with_checkpoints", "time_to_first_step_s",
+              "checkpoint_blocked_s", "checkpoint_step_excess_s", "final_loss")
+
+
+def over_rounds(runs: list[dict]) -> dict:
+    """One system's clean runs: each figure's median over the rounds, its (min, max), and the runs."""
+    ok = [r for r in runs if "error" not in r]
+    out: dict = {"rounds": runs, "spread": {}}
+    if not ok:
+        return {**out, "error": runs[0].get("error") if runs else "no run"}
+    for key in ROUND_KEYS:
+        values = [r[key] for r in ok if isinstance(r.get(key), (int, float))]
+        if values:
+            out[key] = statistics.median(values)
+            out["spread"][key] = [min(values), max(values)]
+    return out
+
+
+def paired_ratios(runs: list[dict], base_runs: list[dict]) -> dict:
+    """Round by round, the system's figure over rayflex's in the same round: median, min, max."""
+    out = {}
+    for key in ROUND_KEYS:
+        values = [a[key] / b[key] for a, b in zip(runs, base_runs)
+                  if isinstance(a.get(key), (int, float)) and isinstance(b.get(key), (int, float)) and b[key]]
+        if values:
+            out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
 
 
 def save_gaps(steps: int, every: int, *, after: bool) -> set[int]:
@@ -284,6 +316,7 @@ def main() -> None:
     ap.add_argument("--fault-at", type=int, default=None,
                     help="kill rank 1 after this step (default: every + every // 2)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of clean runs")
     ap.add_argument("--skip-recovery", action="store_true", help="only the clean runs")
     ap.add_argument("--torchrun-nice", type=int, default=15,
                     help="niceness of the torchrun tree; 15 = Ray's default worker niceness, which the "
@@ -320,28 +353,32 @@ def main() -> None:
         log(f"{system} {what}: " + json.dumps(r, default=float)[:1500])
         return r
 
+    load_before = os.getloadavg()
+    rounds: dict[str, list] = {s: [] for s in systems}
     try:
-        if "torchrun" in systems:  # first, with no Ray processes on the machine
-            results["torchrun"] = attempt("torchrun", "clean run", lambda: torchrun(data, tmp, "tr-clean", args,
-                                                                                     fault=False))
-            if not args.skip_recovery:
-                recov["torchrun"] = attempt("torchrun", "kill rank 1", lambda: torchrun(data, tmp, "tr-kill", args,
-                                                                                         fault=True))
         ray_systems = [s for s in ("rayflex", "ray_train") if s in systems]
+        rf_storage, rt_storage = f"file://{tmp}/rayflex", f"{tmp}/raytrain"
+        os.makedirs(rt_storage, exist_ok=True)
         if ray_systems:
             t0 = time.time()
             lc = recovery.LoopbackCluster(nodes=3, cpus=2)
             cluster_start_s = time.time() - t0
-            rf_storage, rt_storage = f"file://{tmp}/rayflex", f"{tmp}/raytrain"
-            os.makedirs(rt_storage, exist_ok=True)
-            clean = {"rayflex": lambda: rayflex_clean(data, rf_storage, "rf-clean", args),
-                     "ray_train": lambda: ray_train_clean(data, rt_storage, "rt-clean", args)}
+        clean = {"rayflex": lambda r: rayflex_clean(data, rf_storage, f"rf-clean-{r}", args),
+                 "ray_train": lambda r: ray_train_clean(data, rt_storage, f"rt-clean-{r}", args),
+                 "torchrun": lambda r: torchrun(data, tmp, f"tr-clean-{r}", args, fault=False)}
+        for r in range(args.rounds):
+            for system in systems:
+                got = attempt(system, f"clean run, round {r + 1}/{args.rounds}", lambda: clean[system](r))
+                if system in ray_systems:
+                    got["after_run"] = lc.settle()
+                rounds[system].append(got)
+        if not args.skip_recovery:
+            if "torchrun" in systems:
+                recov["torchrun"] = attempt("torchrun", "kill rank 1", lambda: torchrun(data, tmp, "tr-kill", args,
+                                                                                         fault=True))
             kill = {"rayflex": lambda: recovery.run_rayflex(lc, "kill_actor", data, rf_storage, "rf-kill", args),
                     "ray_train": lambda: recovery.run_ray_train(lc, "kill_actor", data, rt_storage, "rt-kill", args)}
             for system in ray_systems:
-                results[system] = attempt(system, "clean run", clean[system])
-                results[system]["after_run"] = lc.settle()
-            for system in ([] if args.skip_recovery else ray_systems):
                 recov[system] = attempt(system, "kill rank 1", kill[system])
                 recov[system]["after_run"] = lc.settle()
     finally:
@@ -354,18 +391,21 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
     for system in systems:
+        results[system] = over_rounds(rounds[system])
+    for system in systems:
         r, k = results[system], recov[system]
         if k is not None:
             r["recovery_s"] = k.get("fault_to_kept_resumed_step_s")
             r["steps_lost"] = k.get("steps_lost")
             r["recovery"] = k
-    ratios = {}
+    ratios, ratio_spread = {}, {}
     if "rayflex" in systems:
         base = results["rayflex"]
         for system in systems:
             ratios[system] = {key: (results[system].get(key) / base[key]
                                     if isinstance(results[system].get(key), (int, float)) and base.get(key) else None)
                               for key, _, _ in METRICS if key not in ("steps_lost",)}
+            ratio_spread[system] = paired_ratios(rounds[system], rounds["rayflex"])
     command = shlex.join(["python", os.path.relpath(os.path.abspath(sys.argv[0])), *sys.argv[1:]])
     emit({"benchmark": "compare", "machine": machine(), "command": command,
           "workload": {"model": "gpt-4x128-v256", "gpt": GPT, "seq_len": SEQ, "global_batch": BATCH,
@@ -380,8 +420,10 @@ def main() -> None:
                        "ray_cluster": "ray.cluster_utils.Cluster on 127.0.0.1, 3 nodes x 2 CPUs "
                                       "(rayflex and ray_train; started before their runs)",
                        "ray_cluster_start_s": cluster_start_s,
-                       "run_order": "torchrun clean, torchrun kill (no Ray running); then on the Ray cluster "
-                                    "the clean runs (rayflex first, on the fresh cluster), then the kill runs",
+                       "rounds": args.rounds,
+                       "run_order": f"{args.rounds} rounds of clean runs ({', '.join(systems)}), the Ray cluster "
+                                    "up throughout; then the kill runs (torchrun, rayflex, Ray Train)",
+                       "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
                        "rayflex": {"scaling": {"num_workers": WORKERS, "min_workers": 2, "max_workers": WORKERS},
                                    "checkpoint": "async sharded DCP, keep 2", "max_failures": 3},
                        "ray_train": {"train_loop": "recovery._rt_train_loop (fully_shard, sync dcp.save + "
@@ -390,7 +432,8 @@ def main() -> None:
                        "torchrun": {"command": torchrun_command(args.torchrun_nice),
                                     "env": TORCHRUN_ENV, "checkpoint": "sync dcp.save to a local dir, keep 2"},
                        "wall_s": time.time() - t_start},
-          "results": results, "ratios_vs_rayflex": ratios}, out=args.out)
+          "results": results, "ratios_vs_rayflex": ratios,
+          "ratios_vs_rayflex_by_round": ratio_spread}, out=args.out)
     if args.markdown:
         print(markdown({s: results[s] for s in systems}, ratios), file=sys.stderr)
 

@@ -371,3 +371,21 @@ def test_overlap_mode_injects_the_second_fault_in_its_window_or_says_it_missed_i
         second = injector.injected[1].detail["overlap"]
         assert (second["window"], second["overlapped"]) == (window, overlapped), second
         assert second["phase"] == (window if overlapped else "running")
+
+
+def test_a_corrupted_step_committed_again_after_the_corruption_is_accepted(tmp_path):
+    # Found by the CI overlap seed: step 85 was corrupted, skipped and quarantined at the
+    # restore, then trained again and committed anew; the check took the new, verifying
+    # checkpoint for the corrupted one.
+    import time
+
+    from checkpoint_helpers import save_committed, tiny_state
+    from rayflex.testing.chaos import invariants as inv
+
+    root = f"file://{tmp_path}/ckpt"
+    before = time.time() - 5
+    save_committed(root, tiny_state(), step=3)
+    ok, detail = inv.checkpoints_verify(root, {3: before})
+    assert ok and "re-committed after their corruption: [3]" in detail, detail
+    ok, detail = inv.checkpoints_verify(root, {3: time.time() + 5})
+    assert not ok and "corrupted still committed: [3]" in detail, detail

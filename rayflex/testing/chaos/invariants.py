@@ -25,8 +25,12 @@ def all_steps_finished(result, steps: int, *, stopped: bool = False) -> tuple[bo
                f"metrics steps {'1..%d once each' % steps if got == list(range(1, steps + 1)) else 'NOT 1..%d' % steps}"
 
 
-def checkpoints_verify(root: str, corrupted: set[int]) -> tuple[bool, str]:
-    """Every committed checkpoint verifies; the ones the run corrupted are no longer committed."""
+def checkpoints_verify(root: str, corrupted: dict[int, float]) -> tuple[bool, str]:
+    """Every committed checkpoint verifies; the ones the run corrupted (step -> when) are no
+    longer committed — unless the run trained that step again and committed it anew after
+    the corruption (an overlap run that went back past it), which then verifies too."""
+    from datetime import datetime
+
     from rayflex.errors import CheckpointError
     from rayflex.storage import manifest as mf
 
@@ -37,9 +41,13 @@ def checkpoints_verify(root: str, corrupted: set[int]) -> tuple[bool, str]:
             mf.verify(root, step, deep=True)
         except CheckpointError as e:
             bad.append(f"step {step}: {e}")
-    still = sorted(corrupted & set(committed))
+    still, again = [], []
+    for step in sorted(set(corrupted) & set(committed)):
+        made = datetime.fromisoformat(mf.read_manifest(root, step).created_at).timestamp()
+        (again if made > corrupted[step] else still).append(step)
     ok = bool(committed) and not bad and not still
-    return ok, (f"{len(committed)} committed ({committed}) all verify" if ok else
+    anew = f"; re-committed after their corruption: {again}" if again else ""
+    return ok, (f"{len(committed)} committed ({committed}) all verify{anew}" if ok else
                 f"failed: {bad[:3]} corrupted still committed: {still}")
 
 

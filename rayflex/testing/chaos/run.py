@@ -233,7 +233,7 @@ def run_chaos(cfg: ChaosConfig) -> dict:
         checks["every_fault_injected"] = {"ok": ok, "detail": detail}
         ok, detail = inv.all_steps_finished(result, last, stopped=stopped)
         checks["finished_every_step"] = {"ok": ok, "detail": detail}
-        corrupted = {f["detail"]["step"] for f in faults if f["kind"] == "corrupt_checkpoint"}
+        corrupted = {f["detail"]["step"]: f["time"] for f in faults if f["kind"] == "corrupt_checkpoint"}
         ok, detail = inv.checkpoints_verify(root, corrupted)
         checks["committed_checkpoints_verify"] = {"ok": ok, "detail": detail}
         sampler = TokenDataset(data_uri).sampler(spec.data)
