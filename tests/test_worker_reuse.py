@@ -66,6 +66,9 @@ class _Upload:
     def settle(self, timeout_s: float) -> None:
         self.waited.append(timeout_s)
 
+    def close(self) -> None:  # the attempt is over: its staging buffers go
+        self.closed = True
+
 
 @pytest.mark.parametrize("running", [True, False])
 def test_a_process_still_uploading_is_not_offered_for_reuse(dataset_uri, running):
@@ -91,3 +94,5 @@ def test_a_process_still_uploading_is_not_offered_for_reuse(dataset_uri, running
     assert worker.release(timeout_s=2.0, checkpoint_grace_s=0.0, abort=True) is (not running)
     assert max(upload.waited) >= 1.0
     assert (worker._state == WorkerState.RELEASED) is (not running)
+    if not running:
+        assert upload.closed, "a clean release lets go of the attempt's staging buffers"
