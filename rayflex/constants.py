@@ -79,6 +79,10 @@ _DEFAULTS: dict[str, float] = {
     # and while it waits for resources, how often it looks again.
     "NODES_REFRESH_S": 0.5,
     "NOTICE_POLL_S": 0.5,
+    # Activation memory (bytes saved for backward) is measured on the first steps of each
+    # attempt and every this many steps after: the autograd hooks cost ~9% of a small
+    # model's forward-backward on CPU (benchmarks/compare.py), and the peak repeats.
+    "ACTIVATION_PROBE_EVERY": 100.0,
     "CAPACITY_CHECK_S": 2.0,
     "RUNDIR_FLUSH_S": 1.0,
     "RESOURCE_POLL_S": 1.0,

@@ -33,7 +33,7 @@ class StepRecord:
     samples: int
     # Peak bytes autograd held for backward during the step, and (pipelines) seconds spent
     # blocked on neighbouring stages vs the whole forward/backward.
-    activation_peak_bytes: int = 0
+    activation_peak_bytes: int = 0  # 0 on steps not measured (constants ACTIVATION_PROBE_EVERY)
     pipeline_wait_s: float = 0.0
     forward_backward_s: float = 0.0
     pp_index: int = 0

@@ -8,6 +8,7 @@ each step, so ranks agree on the step boundary where it happens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -376,6 +377,7 @@ class TrainWorker:
     def _loop(self, end_step: int) -> None:
         try:
             stop_agreed = False
+            self._probe_until = self._step + 2  # activation memory: the attempt's first steps, then sampled
             while self._step < end_step and not stop_agreed:
                 step = self._step + 1
                 if self.fail_at is not None and self.fail_at.due(step):
@@ -451,8 +453,11 @@ class TrainWorker:
             o.zero_grad(set_to_none=True)
         loss_fn = self.spec.model.loss_fn
         self.activations.reset_peak()
+        probe_every = int(knob("ACTIVATION_PROBE_EVERY"))
+        measure = step <= getattr(self, "_probe_until", step) or (probe_every > 0 and step % probe_every == 0)
         t_fb = time.perf_counter()
-        with self.activations.track(), pipeline_wait_timer(self.schedule is not None) as waits:
+        with (self.activations.track() if measure else contextlib.nullcontext()), \
+                pipeline_wait_timer(self.schedule is not None) as waits:
             loss_contrib = self._forward_backward(x, y, loss_fn)
         if self._tp_summed:
             from rayflex.models.tp_plan import sum_replicated_grads
