@@ -63,7 +63,7 @@ chaos-overlap: venv
 
 # rayflex vs Ray Train vs torchrun on the same workload (the README's comparison table).
 compare: venv
-	$(PY) benchmarks/compare.py --markdown --out benchmarks/results/compare.json
+	$(PY) benchmarks/compare.py --rounds 5 --markdown --out benchmarks/results/compare.json
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache
