@@ -51,27 +51,12 @@ def test_a_rank_frozen_during_setup_fails_the_phase_within_the_heartbeat_timeout
         with pytest.raises(SetupFailed) as failed:
             _gather(refs, 120, "rendezvous, build and restore", liveness=dict(enumerate(actors)))
         took = time.time() - t0
+        # Rank 0 is still in its 60 s setup too, past the heartbeat timeout: it answers its
+        # pings, so only the frozen rank is named.
         assert failed.value.frozen and failed.value.slow == [1] and failed.value.dead == {}
         assert "rank 1 stopped answering for 2s (frozen?)" in str(failed.value)
         assert took < 15, f"named after {took:.1f}s, not within the heartbeat timeout"
     finally:
         os.kill(pids[1], signal.SIGCONT)
-        for a in actors:
-            ray.kill(a)
-
-
-def test_ranks_that_answer_pings_are_waited_for(two_node_cluster, monkeypatch):
-    import ray
-
-    from rayflex.group.worker_group import _gather
-
-    monkeypatch.setenv("RAYFLEX_HEARTBEAT_TIMEOUT_S", "1")
-    cls = _slow_setup_actor()
-    actors = [cls.remote(), cls.remote()]
-    try:
-        pids = ray.get([a.pid.remote() for a in actors])
-        # Setup outlasts the heartbeat timeout three times over: live ranks are not frozen.
-        assert _gather([a.setup.remote(3) for a in actors], 60, "restore", liveness=dict(enumerate(actors))) == pids
-    finally:
         for a in actors:
             ray.kill(a)

@@ -5,7 +5,7 @@ as with thread uploads); here those buffers are views of one shared-memory block
 still plans the save in the training process (the plan is agreed over the checkpoint
 group), but the bytes are written by an uploader process that maps the same block: it
 serialises each shard and writes it through fsspec (file://, s3://, gs://, az://) while
-the training process only waits on a pipe, holding no lock training needs.
+the training process only waits on a socket, holding no lock training needs.
 
 The uploader runs at a lower CPU priority (``RAYFLEX_UPLOAD_NICE``), never touches a GPU
 (``CUDA_VISIBLE_DEVICES`` is emptied before it imports torch) and has no process group,
