@@ -96,14 +96,12 @@ def run(data: str, storage: str, name: str, steps: int, mode: str) -> dict:
 def slowdown_around(metrics: list[dict], save: dict) -> float:
     """What a save cost training: its blocked time plus, for every step that started before
     its upload ended, the step's time over the run's median step (steps 1-2 left out)."""
+    from rayflex.control.ledger import steps_excess_s
+
     lines = {x["step"]: x for x in metrics}
     median = statistics.median(x["step_time_s"] for x in metrics if x["step"] > 2)
     ended = lines[save["step"]]["time"] + save["blocked_s"] + save["total_s"]
-    excess, s = 0.0, save["step"] + 1
-    while s in lines and lines[s]["time"] - lines[s]["step_time_s"] < ended:
-        excess += max(0.0, lines[s]["step_time_s"] - median)
-        s += 1
-    return save["blocked_s"] + excess
+    return save["blocked_s"] + steps_excess_s(lines, save["step"] + 1, ended, median)
 
 
 def _spread(values: list[float]) -> dict:

@@ -79,12 +79,8 @@ class StepLedger:
         median = statistics.median(m["step_time_s"] for m in recent[-50:])
         costs = []
         for step, blocked, total in self._saves[-5:]:
-            slowdown, ended = 0.0, lines.get(step, {}).get("time")
-            s = step + 1
-            while ended is not None and s in lines and lines[s]["time"] - lines[s]["step_time_s"] < ended + total:
-                slowdown += max(0.0, lines[s]["step_time_s"] - median)
-                s += 1
-            costs.append(blocked + slowdown)
+            ended = lines.get(step, {}).get("time")
+            costs.append(blocked + (0.0 if ended is None else steps_excess_s(lines, step + 1, ended + total, median)))
         return costs
 
     def emergency_notice_s(self, margin_s: float) -> float:
@@ -177,3 +173,14 @@ class StepLedger:
             self._metrics.append(line)
         self.recorder.add_metrics(line)
         self.step = self.recorder.step = r0.step
+
+
+def steps_excess_s(lines: dict[int, dict], first: int, until: float, median: float) -> float:
+    """How much longer than ``median`` the steps from ``first`` on that started before
+    ``until`` took (``lines``: step -> its metrics line, with ``time`` at its end and
+    ``step_time_s``): what an upload in flight until then cost training."""
+    excess, s = 0.0, first
+    while s in lines and lines[s]["time"] - lines[s]["step_time_s"] < until:
+        excess += max(0.0, lines[s]["step_time_s"] - median)
+        s += 1
+    return excess

@@ -145,13 +145,12 @@ class HostStaging:
     DCP writes the same shards, with the same keys, as from the live tensors.
     """
 
-    def __init__(self, state: TrainState, *, pin: Optional[bool] = None, shared: Optional[bool] = False):
+    def __init__(self, state: TrainState, *, pin: Optional[bool] = None, shared: bool = False):
         """``pin``: page-locked buffers (fast, asynchronous device-to-host copies); None
         pins exactly when a live tensor is on CUDA (a CPU run on a GPU host pins nothing
         and never initializes CUDA). ``shared``: the buffers are views of one
-        shared-memory block (``upload_process.SharedBlock``) an uploader process reads; None:
-        shared exactly when pinned. Without room in /dev/shm they stay private (a warning
-        and ``shared_fallback`` say why)."""
+        shared-memory block (``upload_process.SharedBlock``) an uploader process reads;
+        without room in /dev/shm they stay private (a warning and ``shared_fallback`` say why)."""
         from torch.distributed.tensor import DTensor
 
         self._key = state.identity()
@@ -163,20 +162,16 @@ class HostStaging:
         self.nbytes = 0
         self.block = None
         self.shared_fallback = ""  # why buffers meant to be shared are private
-        if shared is None:  # auto: an uploader process where staging is pinned (GPU training)
-            shared = pin
         if shared:
-            from rayflex.storage.upload_process import shm_room_for
+            from rayflex.storage.upload_process import SharedBlock, shm_room_for
 
-            shared, self.shared_fallback = shm_room_for(sum(t.numel() * t.element_size() for t in _tensors(live)))
-            if not shared:
-                log.warning("checkpoint uploads stay in the training process: %s", self.shared_fallback)
-        if shared:
-            from rayflex.storage.upload_process import SharedBlock
-
-            specs: list = []
+            specs: list = []  # (shape, dtype) of each buffer, in the order host_copy takes them
             _walk(live, lambda t: specs.append((tuple(_local(t).shape), t.dtype)))
-            self.block = SharedBlock(specs, pin=pin)
+            fits, self.shared_fallback = shm_room_for(SharedBlock.size_of(specs))
+            if fits:
+                self.block = SharedBlock(specs, pin=pin)
+            else:
+                log.warning("checkpoint uploads stay in the training process: %s", self.shared_fallback)
 
         def host_copy(obj):
             local = _local(obj)
@@ -220,8 +215,8 @@ class AsyncCheckpointer:
         """``upload``: where an asynchronous save's bytes are serialised and written —
         ``"process"`` (an uploader process reading shared staging buffers: no GIL shared
         with training), ``"thread"`` (a background thread of the training process), or
-        ``"auto"`` (process when training on GPU). ``upload_threads``: files written in
-        parallel per rank."""
+        ``"auto"`` (a thread, until the process path is measured on GPU). ``upload_threads``:
+        files written in parallel per rank."""
         self.root = root.rstrip("/")
         self.upload = upload
         self.upload_threads = upload_threads

@@ -24,6 +24,7 @@ from __future__ import annotations
 import glob
 import io
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -46,15 +47,24 @@ class SharedBlock:
 
     _next_key = 0
 
+    @staticmethod
+    def layout(specs: list[tuple[tuple, Any]]) -> tuple[list[int], int]:
+        """(byte offset of each buffer, the block's size): each buffer starts ALIGN-aligned."""
+        offsets, total = [], 0
+        for shape, dtype in specs:
+            offsets.append(total)
+            total += -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
+        return offsets, total
+
+    @classmethod
+    def size_of(cls, specs: list[tuple[tuple, Any]]) -> int:
+        return cls.layout(specs)[1]
+
     def __init__(self, specs: list[tuple[tuple, Any]], *, pin: bool):
         """``specs``: (shape, dtype) of each buffer, in the order :meth:`take` hands them out."""
         import torch
 
-        offsets, total = [], 0
-        for shape, dtype in specs:
-            offsets.append(total)
-            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-            total += -(-nbytes // ALIGN) * ALIGN
+        offsets, total = self.layout(specs)
         self.nbytes = total
         SharedBlock._next_key += 1
         self.key = (os.getpid(), SharedBlock._next_key)
@@ -62,8 +72,7 @@ class SharedBlock:
         _sweep_stale_blocks()
         self.block = torch.from_file(self.path, shared=True, size=max(total, ALIGN), dtype=torch.uint8)
         self.linked = True
-        self._views = [self.block[o:o + _numel(s) * torch.empty((), dtype=d).element_size()].view(d).view(s)
-                       for o, (s, d) in zip(offsets, specs)]
+        self._views = [self.block[o:o + math.prod(s) * d.itemsize].view(d).view(s) for o, (s, d) in zip(offsets, specs)]
         self._next = 0
         self._registered = False
         if pin:
@@ -297,6 +306,7 @@ def process_upload_writer(path: str, block: SharedBlock, **writer_kwargs):
 
     class ProcessUploadWriter(CheckpointWriter):
         def write_data(self, plan, planner):
+            import torch
             from torch.distributed.checkpoint.planner import WriteItemType
             from torch.futures import Future
 
@@ -309,7 +319,7 @@ def process_upload_writer(path: str, block: SharedBlock, **writer_kwargs):
                 where = block.locate(data)
                 if where is None:  # not staged in the block (never for rayflex's own state): its bytes travel
                     data = data.detach().cpu().contiguous()
-                    tensors[item.index] = ("bytes", data.view(-1).view(_u8()).numpy().tobytes(), data.dtype,
+                    tensors[item.index] = ("bytes", data.view(-1).view(torch.uint8).numpy().tobytes(), data.dtype,
                                            tuple(data.shape))
                 else:
                     tensors[item.index] = ("block", *where, data.dtype, tuple(data.shape))
@@ -396,19 +406,6 @@ def _write(block, request: dict) -> list:
 
     writer = CheckpointWriter(request["path"], **request["writer_kwargs"])
     return writer.write_data(request["plan"], Resolved()).wait()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def _u8():
-    import torch
-
-    return torch.uint8
 
 
 if __name__ == "__main__":  # python -m rayflex.storage.upload_process FD NICE (UploadProcess starts it)

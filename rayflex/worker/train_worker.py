@@ -160,7 +160,7 @@ class TrainWorker:
         self.reconfigure(rank, plan)
         _freeze_long_lived()
         if spec.checkpoint.async_save and (spec.checkpoint.every_steps or spec.checkpoint.resume) \
-                and self._upload_mode() == "process":
+                and spec.checkpoint.upload == "process":
             from rayflex.storage.upload_process import prewarm_uploader
 
             prewarm_uploader()  # its imports overlap the rendezvous and build, not the first save
@@ -220,13 +220,6 @@ class TrainWorker:
                 ip = "127.0.0.1"
         return {"rank": self.rank, "node_id": self.node_id, "ip": ip, "pid": os.getpid(),
                 "port": free_port() if self.rank == 0 else None}
-
-    def _upload_mode(self) -> str:
-        """CheckpointConfig.upload with "auto" decided: a thread for now. The uploader
-        process is measured on CPU only: its first H200 run found the unpin-before-unmap
-        bug fixed since, and was not measured again (README, "Checkpoints")."""
-        mode = self.spec.checkpoint.upload
-        return "thread" if mode == "auto" else mode
 
     def ping(self) -> int:
         """Liveness while a setup call runs on another actor thread (the controller names
@@ -317,7 +310,7 @@ class TrainWorker:
             self.checkpointer = AsyncCheckpointer(self.spec.checkpoint_uri, rank=self.rank,
                                                   group=self.ckpt_group, use_async=self.spec.checkpoint.async_save,
                                                   keep=self.spec.checkpoint.keep, mesh=self.plan,
-                                                  upload=self._upload_mode(),
+                                                  upload=self.spec.checkpoint.upload,
                                                   upload_threads=self.spec.checkpoint.upload_threads)
             if restore and self.spec.checkpoint.resume:
                 restored = self.checkpointer.load_latest(self._stateful())
