@@ -327,6 +327,19 @@ class CheckpointConfig:
     upload: str = "auto"
     # Files each rank writes in parallel per save (more parallel PUTs to an object store).
     upload_threads: int = 1
+    # Keep every saved shard in host memory too: on its own node and on this many other
+    # nodes (another rack when the run has one). A restart then reads what it can from
+    # memory — a dead process from its node's copy, a lost node from a replica — and the
+    # rest from storage. 0: off. Costs (1 + memory_replicas) x the checkpoint's size of
+    # RAM across the cluster, twice while a save is in flight (README "Memory replicas").
+    memory_replicas: int = 0
+    # The most host memory the copies may take on one node, in GB (oldest steps go first;
+    # a file beyond it is not kept). None: a quarter of the node's RAM.
+    memory_budget_gb: Optional[float] = None
+
+    @property
+    def memory_budget_bytes(self) -> Optional[int]:
+        return None if self.memory_budget_gb is None else int(self.memory_budget_gb * 2**30)
 
     @property
     def auto_interval(self) -> bool:
@@ -350,6 +363,17 @@ class CheckpointConfig:
             raise ConfigError(f"{c}.upload", f"unknown upload mode {self.upload!r}",
                               f"use one of {', '.join(UPLOAD_MODES)}")
         _positive_int(c, "upload_threads", self.upload_threads)
+        _non_negative_int(c, "memory_replicas", self.memory_replicas,
+                          "use 0 (off) or the number of other nodes to copy each shard to, e.g. 1")
+        if self.memory_budget_gb is not None and (isinstance(self.memory_budget_gb, bool) or not isinstance(
+                self.memory_budget_gb, (int, float)) or not self.memory_budget_gb > 0):
+            raise ConfigError(f"{c}.memory_budget_gb", f"must be a number of GB > 0, got {self.memory_budget_gb!r}",
+                              "use e.g. 64 (per node), or None for a quarter of each node's RAM")
+        if self.memory_replicas and self.upload == "process":
+            raise ConfigError(f"{c}.upload", "upload='process' cannot keep memory replicas: the uploader "
+                              "process serializes the shards, and the copies are made from those bytes "
+                              "in the training process",
+                              "use upload='auto' or 'thread' with memory_replicas, or memory_replicas=0")
         if self.uri is not None:
             check_uri(f"{c}.uri", self.uri)
 

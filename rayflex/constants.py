@@ -63,6 +63,11 @@ _DEFAULTS: dict[str, float] = {
     "CHECKPOINT_COST_PRIOR_S": 5.0,
     # every_steps="auto": the first save (which measures what a save costs) after this many steps.
     "CHECKPOINT_AUTO_FIRST_STEPS": 5,
+    # Memory replicas (CheckpointConfig.memory_replicas): how long a rank waits for a
+    # keeper's answer (an inventory, an emergency save's confirmed replica), and for the
+    # byte ranges one restore reads from a keeper, before using storage instead.
+    "REPLICA_TIMEOUT_S": 10.0,
+    "REPLICA_READ_TIMEOUT_S": 60.0,
     # CPU niceness of the checkpoint upload thread (0 = as training): uploads take the
     # cycles training leaves idle.
     "UPLOAD_NICE": 10.0,

@@ -103,6 +103,13 @@ class RayCluster:
 
         return StandbyPool(spawn, reservation, actor_id)
 
+    def replica_keepers(self):
+        """The run's memory-replica keepers (one per node, spawned by ``cover``)."""
+        from rayflex.replicas.keepers import KeeperSet
+
+        ckpt = self.spec.checkpoint
+        return KeeperSet(self.spec.run.name, ckpt.memory_replicas, ckpt.memory_budget_bytes)
+
     def preemption_watcher(self) -> Optional[Any]:
         from rayflex.faults import preemption as pre
 

@@ -42,6 +42,7 @@ class RunContext:
         self.reservation: Any = None
         self.standby: Any = None
         self.watcher: Any = None
+        self.keepers: Any = None  # memory replicas' keepers (CheckpointConfig.memory_replicas)
         self.group: Any = None  # the live attempt's workers (status, fault injection, teardown)
         self.plan: Any = None  # the live attempt's mesh
         # layout="auto": the first attempt's tp, which restarts keep while it fits (the node
@@ -108,6 +109,11 @@ class RunContext:
         if self.standby is None:
             self.standby = self.cluster.standby_pool(self.ensure_reservation(), lambda: self.plan)
         return self.standby
+
+    def ensure_keepers(self):
+        if self.keepers is None:
+            self.keepers = self.cluster.replica_keepers()
+        return self.keepers
 
     def workers_per_node(self, node_of: dict[int, str], skip_ranks=()) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -146,7 +146,8 @@ class Controller:
         for what, release in (("worker shutdown", ctx.group and ctx.group.shutdown),
                               ("standby release", ctx.standby and ctx.standby.clear),
                               ("preemption watcher", ctx.watcher and ctx.watcher.close),
-                              ("placement removal", ctx.reservation and ctx.reservation.remove)):
+                              ("placement removal", ctx.reservation and ctx.reservation.remove),
+                              ("replica keepers", ctx.keepers and ctx.keepers.clear)):
             if release:
                 try:
                     release()

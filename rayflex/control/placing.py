@@ -34,6 +34,8 @@ def place(ctx, state: Placing):
         return _setup_failed(ctx, group, placement, failure)
     ctx.record(_plan_event(world, plan, resolved, placement, group,
                            plan.memory_config(ctx.spec.memory).activation_checkpointing))
+    if ctx.spec.checkpoint.memory_replicas:
+        _cover_with_keepers(ctx, group)
     steps = {i["step"] for i in infos}
     if len(steps) != 1:
         raise RayflexError(f"ranks restored different steps {sorted(steps)}; checkpoint is inconsistent")
@@ -45,7 +47,8 @@ def place(ctx, state: Placing):
         ctx.record(ev.CheckpointLoaded(step=step, uri=restored.get("uri", ""), world_size=world,
                                        saved_world_size=restored.get("world_size", 0),
                                        skipped=restored.get("skipped", []),
-                                       data_order=sample_order_change(restored.get("sample_order"))))
+                                       data_order=sample_order_change(restored.get("sample_order")),
+                                       **_load_sources(infos)))
         saved_total, total = restored.get("total_steps"), ctx.spec.run.steps
         if saved_total is not None and saved_total != total:
             opt = ctx.spec.run.optimizer
@@ -193,6 +196,27 @@ def _start_group(ctx, plan, placement, survivors: dict, world: int, *, shrinking
         if rank not in getattr(group, "reused", []):
             reservation.bind(rank, cluster.actor_id(actor))
     return group
+
+
+def _cover_with_keepers(ctx, group) -> None:
+    """A replica keeper on every node of the attempt, peers chosen over them (memory
+    replicas are an extra: a failure here leaves checkpoints in storage only)."""
+    try:
+        ctx.ensure_keepers().cover(set(group.node_of.values()), ctx.cluster.topology())
+    except Exception as e:  # noqa: BLE001
+        log.warning("memory replica keepers not placed: %s", e)
+
+
+def _load_sources(infos: list[dict]) -> dict:
+    """Where the ranks read the checkpoint from (memory replicas): shard files per source
+    summed over ranks, the slowest rank's load, and every file read from storage and why."""
+    loads = [i["restored"] for i in infos if i.get("restored")]
+    out: dict = {"load_s": max((r.get("load_s", 0.0) for r in loads), default=0.0)}
+    reports = [r["sources"] for r in loads if r.get("sources")]
+    if reports:
+        out["sources"] = {k: sum(r["files"][k] for r in reports) for k in reports[0]["files"]}
+        out["fell_back"] = {name: why for r in reports for name, why in r["fell_back"].items()}
+    return out
 
 
 def _plan_event(world: int, plan, resolved, placement, group, recompute: str) -> ev.PlanChosen:

@@ -211,13 +211,16 @@ class HostStaging:
 
 class AsyncCheckpointer:
     def __init__(self, root: str, *, rank: int, group=None, use_async: bool = True, keep: int = 3,
-                 mesh: Any = None, upload: str = "auto", upload_threads: int = 1):
+                 mesh: Any = None, upload: str = "auto", upload_threads: int = 1, replicas: Any = None):
         """``upload``: where an asynchronous save's bytes are serialised and written —
         ``"process"`` (an uploader process reading shared staging buffers: no GIL shared
         with training), ``"thread"`` (a background thread of the training process), or
         ``"auto"`` (a thread, until the process path is measured on GPU). ``upload_threads``:
-        files written in parallel per rank."""
+        files written in parallel per rank. ``replicas``: a ``replicas.client.ReplicaClient``
+        (``CheckpointConfig.memory_replicas``): every shard file is also kept in the memory
+        of this node and a peer's, and a restore reads the copies it can from there."""
         self.root = root.rstrip("/")
+        self.replicas = replicas
         self.upload = upload
         self.upload_threads = upload_threads
         if use_async and upload == "process":
@@ -286,7 +289,11 @@ class AsyncCheckpointer:
             else:  # still starting (or died): this save uploads from a thread, the next from it
                 upload_process.prewarm_uploader()
                 block = None
-        if block is None:
+        if block is None and self.replicas is not None:
+            from rayflex.replicas.dcp_io import ReplicatingWriter
+
+            writer = ReplicatingWriter(path, step=step, client=self.replicas, emergency=reason == "emergency", **options)
+        elif block is None:
             writer = CheckpointWriter(path, **options)
         _maybe_slow_upload(writer, step)
         group = self.group
@@ -367,6 +374,8 @@ class AsyncCheckpointer:
         mesh = {name: getattr(self.mesh, name, 1) for name in ("pp", "dp", "tp", "dp_replicate")}
         world = getattr(self.mesh, "world_size", 1)
         mf.commit(self.root, step, world_size=world, mesh=mesh, extra={"reason": "rayflex"})
+        if self.replicas is not None:
+            self.replicas.committed(step)  # the older steps' memory copies are superseded
         try:
             mf.apply_retention(self.root, self.keep)
             mf.gc_uncommitted(self.root)
@@ -389,6 +398,10 @@ class AsyncCheckpointer:
             if found.manifest is not None:
                 m = found.manifest
                 choice[0] = {"step": m.step, "world_size": m.world_size, "mesh": m.mesh, "skipped": skipped}
+                if self.replicas is not None:
+                    shards = sorted(f for f in m.files if f.endswith(".distcp"))
+                    choice[0]["holders"], choice[0]["missing"] = self.replicas.locate(
+                        m.step, mf.step_dir(self.root, m.step), shards)
             elif skipped:
                 raise CheckpointError(f"no loadable checkpoint under {self.root}: every committed step "
                                       f"failed verification: {'; '.join(skipped)}")
@@ -403,7 +416,19 @@ class AsyncCheckpointer:
         path = mf.step_dir(self.root, info["step"])
         self._staging = None  # loading replaces the optimizer's state tensors
         tensors = state.tensor_state()
-        dcp.load(tensors, storage_reader=FsspecReader(path, **fsspec_kwargs(path)), process_group=self.group)
+        holders, missing = info.pop("holders", None), info.pop("missing", None)
+        if holders is not None:
+            from rayflex.replicas.dcp_io import MemoryFirstReader
+
+            reader = MemoryFirstReader(path, step=info["step"], holders=holders, missing=missing,
+                                       client=self.replicas, **fsspec_kwargs(path))
+        else:
+            reader = FsspecReader(path, **fsspec_kwargs(path))
+        t_load = time.perf_counter()
+        dcp.load(tensors, storage_reader=reader, process_group=self.group)
+        info["load_s"] = time.perf_counter() - t_load
+        if holders is not None:
+            info["sources"] = reader.report  # which shard files this rank read from where
         state.load_tensor_state(tensors)
         extra = json.loads(_read_bytes(fs_join(path, EXTRA_FILE)))
         state.load_extra(extra)

@@ -145,6 +145,12 @@ class CheckpointLoaded(Event):
     saved_world_size: int = 0
     skipped: list = field(default_factory=list)
     data_order: str = ""  # set when the checkpoint's sample order is not this rayflex's
+    load_s: float = 0.0  # the slowest rank's read of the checkpoint
+    # With memory replicas: shard files read per source, summed over ranks ("own_copy": the
+    # memory of the node that saved it, "replica": a peer's, "storage"), and each file read
+    # from storage with why (e.g. its node and its replicas' nodes are gone).
+    sources: dict = field(default_factory=dict)
+    fell_back: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -307,11 +307,17 @@ class TrainWorker:
             from rayflex.storage.checkpoint import AsyncCheckpointer
 
             self._close_checkpointer()
+            replicas = None
+            if self.spec.checkpoint.memory_replicas and self.node_id != "local":
+                from rayflex.replicas.client import ReplicaClient
+
+                replicas = ReplicaClient(self.spec.run.name, self.node_id)
             self.checkpointer = AsyncCheckpointer(self.spec.checkpoint_uri, rank=self.rank,
                                                   group=self.ckpt_group, use_async=self.spec.checkpoint.async_save,
                                                   keep=self.spec.checkpoint.keep, mesh=self.plan,
                                                   upload=self.spec.checkpoint.upload,
-                                                  upload_threads=self.spec.checkpoint.upload_threads)
+                                                  upload_threads=self.spec.checkpoint.upload_threads,
+                                                  replicas=replicas)
             if restore and self.spec.checkpoint.resume:
                 restored = self.checkpointer.load_latest(self._stateful())
         if restored is not None:

@@ -1,0 +1,153 @@
+"""A rank's side of memory replicas: hand a saved shard to its node's keeper; find and read
+the copies a restore can use.
+
+Everything here is best effort by design: storage is the source of truth and a memory copy
+only a faster way to the same bytes. A keeper that is missing, dead or slow makes a save
+skip its memory copy (a warning) and a restore read that file from storage (the
+``checkpoint_loaded`` event says which files and why) — never a failed save or restore.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rayflex.constants import knob
+from rayflex.replicas.keeper import PRIMARY, REPLICA
+from rayflex.replicas.keepers import keeper_name, node_of_keeper
+
+log = logging.getLogger(__name__)
+
+DIGEST_SUFFIX = ".blake2b"  # beside each shard file in storage: what a memory copy must match
+OWN_COPY, STORAGE = "own_copy", "storage"  # a restore's sources, with REPLICA
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A keeper holding a verified copy of one shard file."""
+
+    node_id: str
+    role: str  # PRIMARY (on the node that saved it) or REPLICA
+
+    @property
+    def source(self) -> str:
+        return OWN_COPY if self.role == PRIMARY else REPLICA
+
+
+class ReplicaClient:
+    def __init__(self, run: str, node_id: str):
+        self.run, self.node_id = run, node_id
+        self._handles: dict[str, Any] = {}
+
+    def _keeper(self, node_id: str) -> Optional[Any]:
+        import ray
+
+        if node_id not in self._handles:
+            try:
+                self._handles[node_id] = ray.get_actor(keeper_name(self.run, node_id))
+            except ValueError:  # none (yet) on that node
+                return None
+        return self._handles[node_id]
+
+    @staticmethod
+    def _get(ref, timeout_s: float):
+        import ray
+
+        return ray.get(ref, timeout=timeout_s)
+
+    def _all_keepers(self) -> dict[str, Any]:
+        import ray
+
+        out = {}
+        for name in ray.util.list_named_actors():
+            node = node_of_keeper(self.run, name)
+            if node is not None and (handle := self._keeper(node)) is not None:
+                out[node] = handle
+        return out
+
+    # ----------------------------------------------------------------- saving
+    def keep(self, step: int, name: str, data: bytes, *, digest: str, wait_for_replica: bool) -> bool:
+        """Give ``name`` of ``step`` to this node's keeper (which replicates it). Returns at
+        once unless ``wait_for_replica``: then only once a peer on another node holds it
+        (an emergency save, whose node may be gone before its upload ends). False when no
+        copy is known to be kept."""
+        keeper = self._keeper(self.node_id)
+        if keeper is None:
+            log.warning("no replica keeper on node %s: step %d %s is kept in storage only",
+                        self.node_id[:12], step, name)
+            return False
+        ref = keeper.put.remote(step, name, data, digest=digest, origin_node=self.node_id)
+        if not wait_for_replica:
+            return True
+        timeout = knob("REPLICA_TIMEOUT_S")
+        try:
+            got = self._get(ref, timeout)
+            replicated = [self._get(r, timeout).get("kept") for r in got["replicas"]]
+        except Exception as e:  # noqa: BLE001 - a keeper gone or slow: storage still gets the file
+            log.warning("step %d %s: memory replica not confirmed (%s); storage only", step, name, e)
+            return False
+        return bool(got.get("kept")) and any(replicated)
+
+    def committed(self, step: int) -> None:
+        """Tell every keeper ``step`` is committed (older steps are superseded)."""
+        for keeper in self._all_keepers().values():
+            keeper.committed.remote(step)
+
+    # ----------------------------------------------------------------- restoring
+    def locate(self, step: int, step_uri: str, files: list[str]) -> tuple[dict[str, list[Holder]], dict]:
+        """(file -> keepers holding a copy whose digest matches the one committed beside
+        it in storage; what could not be found, file -> why). Also drops every keeper's
+        steps after ``step``: the restart resumes here, later saves were never committed."""
+        keepers = self._all_keepers()
+        for keeper in keepers.values():
+            keeper.drop_after.remote(step)
+        committed = _committed_digests(step_uri, files)
+        refs = {node: k.inventory.remote(step) for node, k in keepers.items()}
+        inventories = {}
+        for node, ref in refs.items():
+            try:
+                inventories[node] = self._get(ref, knob("REPLICA_TIMEOUT_S"))
+            except Exception as e:  # noqa: BLE001 - its node just went: its copies with it
+                log.warning("replica keeper on %s did not answer: %s", node[:12], e)
+        holders: dict[str, list[Holder]] = {}
+        missing: dict[str, str] = {}
+        for name in files:
+            want = committed.get(name)
+            held = [(node, inv[name]) for node, inv in inventories.items() if name in inv]
+            ok = [Holder(node, kept["role"]) for node, kept in held if want is not None and kept["digest"] == want]
+            if ok:
+                holders[name] = ok
+            elif want is None:
+                missing[name] = "no digest beside it in storage (saved without memory replicas)"
+            elif held:
+                missing[name] = "the copies in memory do not match the committed digest"
+            else:
+                missing[name] = "no live keeper holds it (its node and its replicas' nodes lost, or never kept)"
+        return holders, missing
+
+    def read(self, holder: Holder, step: int, name: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        keeper = self._keeper(holder.node_id)
+        if keeper is None:
+            raise LookupError(f"no keeper on node {holder.node_id[:12]}")
+        return self._get(keeper.read.remote(step, name, ranges), knob("REPLICA_READ_TIMEOUT_S"))
+
+    def order(self, holders: list[Holder]) -> list[Holder]:
+        """This node's copy first (no network), then the saving node's, then replicas."""
+        return sorted(holders, key=lambda h: (h.node_id != self.node_id, h.role != PRIMARY, h.node_id))
+
+
+def _committed_digests(step_uri: str, files: list[str]) -> dict[str, str]:
+    """The digest each shard's rank wrote beside it (files without one are left out)."""
+    from rayflex.storage.fs import join as fs_join
+    from rayflex.storage.fs import read_text
+
+    def read(name: str) -> Optional[str]:
+        try:
+            return read_text(fs_join(step_uri, name + DIGEST_SUFFIX)).strip()
+        except Exception:  # noqa: BLE001 - absent: saved without replicas
+            return None
+
+    with ThreadPoolExecutor(max_workers=min(16, max(1, len(files)))) as pool:
+        return {name: d for name, d in zip(files, pool.map(read, files)) if d}

@@ -1,0 +1,182 @@
+"""ReplicaKeeper: one per node, holding checkpoint shard files in host memory.
+
+A rank that saves hands its serialized shard file (the bytes DCP writes to storage) to the
+keeper on its own node, which keeps it and forwards it to its peers on other nodes (chosen
+by ``replicas.peers``): the training process sends each byte once, over the node's own
+object store. The keeper is a separate process owned by the run's controller, so it
+outlives the ranks of its node — a rank that dies finds its copy there after the restart —
+and its peers' copies outlive the node.
+
+What it holds is bounded by a byte budget per node: the oldest steps go first, a step the
+previous commit superseded goes at once, and a file that fits in no budget is refused (the
+restore then reads it from storage). A plain class: ``ray.remote`` at spawn time
+(``replicas.keepers``) makes it an actor, and unit tests use it as is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+PRIMARY, REPLICA = "primary", "replica"  # a copy on the node that saved it / on a peer
+DEFAULT_BUDGET_FRACTION = 0.25  # of the node's RAM when CheckpointConfig.memory_budget_gb is None
+
+
+def digest_of(data) -> str:
+    """The content hash replicas are checked with (the shard's ``.blake2b`` sidecar holds
+    the same); hashlib releases the GIL on large buffers."""
+    return hashlib.blake2b(data, digest_size=32).hexdigest()
+
+
+@dataclass
+class Shard:
+    data: bytes
+    digest: str
+    role: str  # PRIMARY or REPLICA
+    origin_node: str  # where the rank that saved it ran
+    kept_at: float
+
+
+class ReplicaKeeper:
+    def __init__(self, run: str, node_id: str, budget_bytes: Optional[int] = None):
+        self.run, self.node_id = run, node_id
+        self.budget_bytes = int(budget_bytes) if budget_bytes else default_budget_bytes()
+        self._shards: dict[int, dict[str, Shard]] = {}  # step -> file name -> shard
+        self._peers: list[Any] = []  # actor handles of the keepers that take our replicas
+        self._peer_nodes: list[str] = []
+        self._lock = threading.Lock()
+        self.held_bytes = self.peak_held_bytes = 0
+        self.refused: list[dict] = []
+        self.evicted_steps: list[int] = []
+        self.baseline_rss = _rss_bytes()
+
+    # ----------------------------------------------------------------- peers
+    def set_peers(self, peers: list[Any], peer_nodes: list[str]) -> None:
+        """Where this node's primaries are replicated from now on (``peers.choose``)."""
+        with self._lock:
+            self._peers, self._peer_nodes = list(peers), list(peer_nodes)
+
+    def peer_nodes(self) -> list[str]:
+        return list(self._peer_nodes)
+
+    # ----------------------------------------------------------------- keeping
+    def put(self, step: int, name: str, data: bytes, *, digest: str, origin_node: str,
+            role: str = PRIMARY) -> dict:
+        """Keep ``name`` of ``step``; a primary is forwarded to every peer. Returns what
+        happened and, for a primary, the refs of the peers' ``put``s (a caller that must
+        know the replica landed — an emergency save — waits on them)."""
+        got = digest_of(data)
+        if got != digest:  # damaged in transit: keeping it would only poison a restore
+            self.refused.append({"step": step, "file": name, "why": "digest mismatch on arrival"})
+            return {"kept": False, "why": "digest mismatch on arrival", "replicas": []}
+        kept, why = self._admit(step, name, Shard(data, digest, role, origin_node, time.time()))
+        replicas = []
+        if role == PRIMARY:
+            for peer in list(self._peers):
+                try:
+                    replicas.append(peer.put.remote(step, name, data, digest=digest, origin_node=origin_node,
+                                                    role=REPLICA))
+                except Exception as e:  # noqa: BLE001 - a peer gone with its node: the next placement replaces it
+                    log.warning("keeper %s: replica of %s (step %d) not sent: %s", self.node_id[:12], name, step, e)
+        return {"kept": kept, "why": why, "replicas": replicas}
+
+    def _admit(self, step: int, name: str, shard: Shard) -> tuple[bool, str]:
+        size = len(shard.data)
+        with self._lock:
+            old = self._shards.get(step, {}).pop(name, None)
+            if old is not None:  # the same step saved again (an attempt that crashed mid-upload)
+                self.held_bytes -= len(old.data)
+            # Older steps make room, oldest first, but only for a file that then fits: the
+            # step being written is never evicted for itself.
+            older = sorted(s for s in self._shards if s < step)
+            reclaimable = sum(len(sh.data) for s in older for sh in self._shards[s].values())
+            if self.held_bytes - reclaimable + size <= self.budget_bytes:
+                for victim in older:
+                    if self.held_bytes + size <= self.budget_bytes:
+                        break
+                    self._drop_step(victim)
+                    self.evicted_steps.append(victim)
+            if self.held_bytes + size > self.budget_bytes:
+                why = (f"{size / 2**20:.1f} MiB does not fit the node's replica budget "
+                       f"({self.budget_bytes / 2**20:.0f} MiB, {self.held_bytes / 2**20:.1f} MiB held)")
+                self.refused.append({"step": step, "file": name, "why": why})
+                log.warning("keeper %s: step %d %s not kept: %s", self.node_id[:12], step, name, why)
+                return False, why
+            self._shards.setdefault(step, {})[name] = shard
+            self.held_bytes += size
+            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        return True, ""
+
+    def _drop_step(self, step: int) -> None:
+        for shard in self._shards.pop(step, {}).values():
+            self.held_bytes -= len(shard.data)
+
+    def committed(self, step: int) -> None:
+        """``step`` is committed in storage: every older step is superseded."""
+        with self._lock:
+            for old in [s for s in self._shards if s < step]:
+                self._drop_step(old)
+
+    def drop_after(self, step: int) -> None:
+        """A restart resumes from ``step``: later steps were never committed (or were rolled back)."""
+        with self._lock:
+            for newer in [s for s in self._shards if s > step]:
+                self._drop_step(newer)
+
+    # ----------------------------------------------------------------- restoring
+    def inventory(self, step: int) -> dict[str, dict]:
+        """What this keeper holds of ``step``: file name -> digest, size, role, origin node."""
+        with self._lock:
+            return {name: {"digest": s.digest, "size": len(s.data), "role": s.role, "origin_node": s.origin_node}
+                    for name, s in self._shards.get(step, {}).items()}
+
+    def read(self, step: int, name: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """The byte ranges ``(offset, length)`` of a kept file (what one rank's load plan needs)."""
+        with self._lock:
+            shard = self._shards.get(step, {}).get(name)
+        if shard is None:
+            raise KeyError(f"keeper on node {self.node_id[:12]} holds no {name} of step {step}")
+        view = memoryview(shard.data)
+        return [bytes(view[offset:offset + length]) for offset, length in ranges]
+
+    # ----------------------------------------------------------------- accounting
+    def stats(self) -> dict:
+        """Bytes held now and at most, and this process's resident memory (measured)."""
+        with self._lock:
+            steps = {s: sorted(files) for s, files in self._shards.items()}
+        return {"node_id": self.node_id, "budget_bytes": self.budget_bytes, "held_bytes": self.held_bytes,
+                "peak_held_bytes": self.peak_held_bytes, "steps": steps, "refused": list(self.refused),
+                "evicted_steps": list(self.evicted_steps), "rss_bytes": _rss_bytes(),
+                "peak_rss_bytes": _peak_rss_bytes(), "baseline_rss_bytes": self.baseline_rss,
+                "peers": self.peer_nodes(), "pid": os.getpid()}
+
+
+def default_budget_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().total * DEFAULT_BUDGET_FRACTION)
+
+
+def _rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _peak_rss_bytes() -> int:
+    """The process's high-water resident memory (Linux VmHWM; elsewhere the current RSS)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _rss_bytes()

@@ -1,0 +1,82 @@
+"""The run's replica keepers: one actor per node that hosts ranks, owned by the controller.
+
+Owned by the controller, a keeper lives as long as the run (a rank's death does not take
+its node's copies) and goes with it (no replica outlives the run that needs it). Each is
+named after the run and its node, so a rank finds its node's keeper — and rank 0 every
+keeper — by name, with no handle passed around. ``cover`` runs at every placement: new
+nodes get a keeper, and every keeper's peers are chosen again over the nodes that are left.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from rayflex.replicas.peers import choose_peers
+
+log = logging.getLogger(__name__)
+
+KEEPER_PREFIX = "rayflex-replicas"
+
+
+def keeper_name(run: str, node_id: str) -> str:
+    return f"{KEEPER_PREFIX}:{run}:{node_id}"
+
+
+def node_of_keeper(run: str, name: str) -> Optional[str]:
+    prefix = f"{KEEPER_PREFIX}:{run}:"
+    return name[len(prefix):] if name.startswith(prefix) else None
+
+
+class KeeperSet:
+    def __init__(self, run: str, copies: int, budget_bytes: Optional[int]):
+        self.run, self.copies, self.budget_bytes = run, copies, budget_bytes
+        self.keepers: dict[str, Any] = {}  # node id -> actor handle
+
+    def cover(self, nodes: set[str], topology) -> dict[str, list[str]]:
+        """A keeper on each of ``nodes``, and peers chosen over them; returns the peers."""
+        import ray
+
+        from rayflex.replicas.keeper import ReplicaKeeper
+
+        alive = {n.node_id for n in topology.nodes}
+        named = set(ray.util.list_named_actors())  # a dead actor's name is free again
+        for node in [n for n in self.keepers if n not in alive or keeper_name(self.run, n) not in named]:
+            self.keepers.pop(node)  # gone with its node (or on its own): a new one where needed
+        for node in sorted(nodes - set(self.keepers)):
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            # Threaded: a restore's reads must not wait behind a save's puts. No CPU: it
+            # mostly waits, and a node's worker slots stay the workers'.
+            actor = ray.remote(ReplicaKeeper).options(
+                name=keeper_name(self.run, node), num_cpus=0, max_concurrency=8, max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+            ).remote(self.run, node, self.budget_bytes)
+            self.keepers[node] = actor
+        live = set(self.keepers) & (nodes | alive)
+        peers = choose_peers(topology, sorted(live & alive), self.copies)
+        for node, chosen in peers.items():
+            try:
+                self.keepers[node].set_peers.remote([self.keepers[p] for p in chosen], chosen)
+            except Exception as e:  # noqa: BLE001 - a keeper whose node just went
+                log.warning("replica keeper on %s: peers not set: %s", node[:12], e)
+        return peers
+
+    def stats(self, timeout_s: float = 10.0) -> dict[str, dict]:
+        import ray
+
+        refs = {node: k.stats.remote() for node, k in self.keepers.items()}
+        out = {}
+        for node, ref in refs.items():
+            try:
+                out[node] = ray.get(ref, timeout=timeout_s)
+            except Exception as e:  # noqa: BLE001 - dead keeper
+                out[node] = {"error": f"{type(e).__name__}: {e}"}
+        return out
+
+    def clear(self) -> None:
+        from rayflex.group.actors import kill_quietly
+
+        for actor in self.keepers.values():
+            kill_quietly(actor)
+        self.keepers.clear()

@@ -1,0 +1,151 @@
+"""Memory replicas without Ray: the keeper's budget and bookkeeping, who replicates to whom,
+and DCP's save and load through them (a keeper here is the plain class, called directly)."""
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from rayflex.planning.topology import Topology
+from rayflex.replicas.client import OWN_COPY, REPLICA, STORAGE, Holder, ReplicaClient
+from rayflex.replicas.dcp_io import MemoryFirstReader, ReplicatingWriter
+from rayflex.replicas.keeper import PRIMARY, ReplicaKeeper, digest_of
+from rayflex.replicas.peers import choose_peers
+
+
+class _Now:
+    """Calls a keeper method at once (the shape of an actor method's ``.remote``)."""
+
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _Direct:
+    def __init__(self, keeper):
+        self.keeper = keeper
+
+    def __getattr__(self, name):
+        return _Now(getattr(self.keeper, name))
+
+
+class InProcessClient(ReplicaClient):
+    """A rank's client whose keepers are plain objects in this process."""
+
+    def __init__(self, node_id, keepers):
+        super().__init__("run", node_id)
+        self.keepers = keepers
+
+    def _keeper(self, node_id):
+        k = self.keepers.get(node_id)
+        return None if k is None else _Direct(k)
+
+    def _all_keepers(self):
+        return {n: _Direct(k) for n, k in self.keepers.items()}
+
+    @staticmethod
+    def _get(value, timeout_s):
+        return value
+
+
+def _keepers(budget=1 << 30):
+    a, b = ReplicaKeeper("run", "node-a", budget), ReplicaKeeper("run", "node-b", budget)
+    a.set_peers([_Direct(b)], ["node-b"])
+    b.set_peers([_Direct(a)], ["node-a"])
+    return {"node-a": a, "node-b": b}
+
+
+def test_a_kept_file_is_on_its_node_and_its_peer_and_reads_back_byte_exact():
+    keepers = _keepers()
+    data = bytes(range(256)) * 1000
+    keepers["node-a"].put(7, "__0_0.distcp", data, digest=digest_of(data), origin_node="node-a")
+    assert keepers["node-a"].inventory(7)["__0_0.distcp"]["role"] == PRIMARY
+    assert keepers["node-b"].inventory(7)["__0_0.distcp"]["role"] == REPLICA
+    assert keepers["node-b"].read(7, "__0_0.distcp", [(10, 5), (1000, 3)]) == [data[10:15], data[1000:1003]]
+
+
+def test_a_damaged_transfer_is_refused():
+    keeper = ReplicaKeeper("run", "node-a", 1 << 20)
+    got = keeper.put(1, "__0_0.distcp", b"abc", digest=digest_of(b"abd"), origin_node="node-a")
+    assert not got["kept"] and keeper.inventory(1) == {}
+
+
+def test_the_budget_evicts_older_steps_first_and_refuses_what_never_fits():
+    keeper = ReplicaKeeper("run", "node-a", budget_bytes=250)
+    blob = b"x" * 100
+    for step in (1, 2, 3):
+        keeper.put(step, "__0_0.distcp", blob, digest=digest_of(blob), origin_node="node-a")
+    st = keeper.stats()
+    assert sorted(st["steps"]) == [2, 3] and st["evicted_steps"] == [1]
+    assert st["held_bytes"] == 200 <= st["budget_bytes"] and st["peak_held_bytes"] == 200
+    big = b"y" * 300
+    got = keeper.put(4, "__0_0.distcp", big, digest=digest_of(big), origin_node="node-a")
+    assert not got["kept"] and "does not fit the node's replica budget" in got["why"]
+    keeper.committed(3)
+    assert sorted(keeper.stats()["steps"]) == [3], "a commit supersedes the older steps"
+    keeper.drop_after(2)
+    assert keeper.stats()["steps"] == {}, "a restart at step 2 drops the steps after it"
+
+
+def _topology(racks: dict):
+    return Topology.from_dict({"nodes": [{"id": n, "slots": 1, "labels": {"rack": r}} for n, r in racks.items()]})
+
+
+def test_replicas_go_to_another_rack_and_spread_over_it():
+    topo = _topology({"a1": "r0", "a2": "r0", "b1": "r1", "b2": "r1"})
+    peers = choose_peers(topo, ["a1", "a2", "b1", "b2"], copies=1)
+    assert all(topo.node(n).rack != topo.node(p[0]).rack for n, p in peers.items())
+    assert peers["a1"] != peers["a2"], "two nodes of a rack replicate to different nodes"
+
+
+def test_one_rack_still_replicates_off_the_node():
+    topo = _topology({"a1": "r0", "a2": "r0"})
+    assert choose_peers(topo, ["a1", "a2"], copies=2) == {"a1": ["a2"], "a2": ["a1"]}
+
+
+def _state(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g), "n": torch.tensor(3)}
+
+
+def test_dcp_saves_through_the_keepers_and_loads_from_memory_or_falls_back(tmp_path):
+    keepers = _keepers()
+    client = InProcessClient("node-a", keepers)
+    path = str(tmp_path / "step_00000005")
+    saved = _state(0)
+    writer = ReplicatingWriter(path, step=5, client=client, single_file_per_rank=True, sync_files=False)
+    dcp.save(saved, storage_writer=writer)
+    shard = next(p.name for p in (tmp_path / "step_00000005").iterdir() if p.name.endswith(".distcp"))
+    assert (tmp_path / "step_00000005" / (shard + ".blake2b")).read_text() == \
+        keepers["node-a"].inventory(5)[shard]["digest"]
+    assert writer.kept == {shard: True}
+
+    # The rank restarts on node b (node a is gone): the replica serves it.
+    del keepers["node-a"]
+    reader_client = InProcessClient("node-b", keepers)
+    holders, missing = reader_client.locate(5, path, [shard])
+    assert holders == {shard: [Holder("node-b", REPLICA)]} and missing == {}
+    loaded = _state(1)
+    reader = MemoryFirstReader(path, step=5, holders=holders, client=reader_client)
+    dcp.load(loaded, storage_reader=reader)
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert reader.report["files"] == {OWN_COPY: 0, REPLICA: 1, STORAGE: 0}
+
+    # The replica is lost too: storage, and the reason is named.
+    keepers.clear()
+    holders, missing = reader_client.locate(5, path, [shard])
+    assert holders == {} and "no live keeper holds it" in missing[shard]
+    loaded = _state(2)
+    reader = MemoryFirstReader(path, step=5, holders=holders, missing=missing, client=reader_client)
+    dcp.load(loaded, storage_reader=reader)
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert reader.report["files"][STORAGE] == 1 and "no live keeper" in reader.report["fell_back"][shard]
+
+
+def test_a_copy_that_differs_from_the_committed_digest_is_not_used(tmp_path):
+    keepers = _keepers()
+    client = InProcessClient("node-a", keepers)
+    path = str(tmp_path / "step_00000001")
+    dcp.save(_state(0), storage_writer=ReplicatingWriter(path, step=1, client=client, single_file_per_rank=True))
+    shard = next(p.name for p in (tmp_path / "step_00000001").iterdir() if p.name.endswith(".distcp"))
+    other = b"not the committed bytes"
+    keepers["node-a"].put(1, shard, other, digest=digest_of(other), origin_node="node-a", role=REPLICA)
+    holders, missing = client.locate(1, path, [shard])
+    assert [h.node_id for h in holders[shard]] == ["node-b"], "only the copy equal to storage's is used"
