@@ -216,6 +216,7 @@ def _load_sources(infos: list[dict]) -> dict:
     if reports:
         out["sources"] = {k: sum(r["files"][k] for r in reports) for k in reports[0]["files"]}
         out["fell_back"] = {name: why for r in reports for name, why in r["fell_back"].items()}
+        out["remote_reads"] = sum(r["remote_reads"] for r in reports)
     return out
 
 

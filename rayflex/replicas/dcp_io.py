@@ -155,7 +155,7 @@ class MemoryFirstReader(FsspecReader):
         super().__init__(path, **kwargs)
         self.step, self.holders, self.client = step, holders, client
         self.missing = dict(missing or {})
-        self.report: dict = {"files": {OWN_COPY: 0, REPLICA: 0, STORAGE: 0}, "memory_bytes": 0,
+        self.report: dict = {"files": {OWN_COPY: 0, REPLICA: 0, STORAGE: 0}, "memory_bytes": 0, "remote_reads": 0,
                              "memory_read_s": 0.0, "fell_back": {}}
 
     def read_data(self, plan, planner):
@@ -178,6 +178,7 @@ class MemoryFirstReader(FsspecReader):
                 fetched[os.fspath(self.fs.concat_path(self.path, name))] = _FetchedRanges(
                     [(offset, chunk) for (offset, _), chunk in zip(wanted, chunks)])
                 self.report["files"][holder.source] += 1
+                self.report["remote_reads"] += holder.node_id != self.client.node_id
                 self.report["memory_bytes"] += sum(len(c) for c in chunks)
                 self.report["fell_back"].pop(name, None)
                 break

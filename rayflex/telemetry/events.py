@@ -151,6 +151,7 @@ class CheckpointLoaded(Event):
     # from storage with why (e.g. its node and its replicas' nodes are gone).
     sources: dict = field(default_factory=dict)
     fell_back: dict = field(default_factory=dict)
+    remote_reads: int = 0  # shard files read from another node's memory (the rest: the reader's own)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,127 @@
+"""Recovery from memory on a live loopback cluster (``CheckpointConfig(memory_replicas=1)``).
+
+On the session's two-node cluster (racks r0 and r1: each node's shards are replicated to
+the other): a killed worker's restart reads its node's own copies, a lost node's shards
+come from their replicas, and when a shard and its replica are both gone the restart reads
+storage and says why. Every run ends with parameters bit for bit equal to the fault-free
+replay of the same attempts (the storage-restore run of the same faults: same restarts,
+same world sizes, read from storage in plain processes).
+"""
+
+import os
+import signal
+import time
+
+import pytest
+
+import rayflex as rf
+from rayflex.storage import manifest as mf
+from rayflex.testing.chaos.replay import compare, replay, segments_from_events
+
+from conftest import run_events, small_gpt, wait_for, wait_until_running
+from test_elastic_cluster import fast_detection  # noqa: F401 - the autouse fixture
+
+pytestmark = pytest.mark.cluster
+STEPS = 12
+
+
+def _trainer(dataset_uri, tmp_path, name):
+    return rf.Trainer(model=small_gpt(n_layers=2),
+                      data=rf.DataConfig(uri=dataset_uri, seq_len=32, global_batch=12),
+                      run=rf.RunConfig(name=name, storage=f"file://{tmp_path}/runs", steps=STEPS,
+                                       optimizer=rf.OptimizerConfig(lr=1e-2, warmup_steps=2)),
+                      scaling=rf.ScalingConfig(num_workers=4, min_workers=2, max_workers=4),
+                      checkpoint=rf.CheckpointConfig(every_steps=3, keep=2, memory_replicas=1),
+                      elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60, restart_while_warming=False))
+
+
+def _loaded(events) -> dict:
+    loads = [e for e in events if e["kind"] == "checkpoint_loaded"]
+    assert len(loads) == 1, f"one restore: {loads}"
+    return loads[0]
+
+
+def _assert_equals_storage_restore(trainer, events, tmp_path):
+    """Final parameters bit for bit those of the same attempts restored from storage."""
+    spec = trainer.spec
+    segments = segments_from_events(events, STEPS)
+    assert len(segments) == 2, segments
+    replay_root = replay(spec, segments, f"file://{tmp_path}/replay")
+    cmp = compare(mf.step_dir(spec.checkpoint_uri, STEPS), mf.step_dir(replay_root, STEPS))
+    assert cmp["bitwise_equal"], cmp
+
+
+def _keeper_of(node_id, run):
+    import ray
+
+    from rayflex.replicas.keepers import keeper_name
+
+    return ray.get_actor(keeper_name(run, node_id))
+
+
+def test_a_killed_worker_restores_from_its_nodes_own_copy(two_node_cluster, dataset_uri, tmp_path):
+    trainer = _trainer(dataset_uri, tmp_path, "mem-kill")
+    handle = trainer.submit()
+    st = wait_until_running(handle, 4, committed=3)
+    victim = next(w for w in st["workers"] if w["rank"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    result = handle.wait(timeout_s=180)
+    assert result.status == "finished", result.status
+    events = run_events(tmp_path, "mem-kill")
+    loaded = _loaded(events)
+    # The same 4 ranks on the same nodes, and every shard file in each node's memory (its
+    # own, and its peer's replicas): nothing from storage, nothing over the network.
+    sources = loaded["sources"]
+    assert sources["storage"] == 0 and sources["own_copy"] >= 2 and loaded["remote_reads"] == 0, loaded
+    assert loaded["fell_back"] == {}
+    _assert_equals_storage_restore(trainer, events, tmp_path)
+
+
+def _lose_the_worker_node_then(cluster, handle, *, and_the_heads_keeper: bool, run: str):
+    worker_node = next(iter(cluster.worker_nodes))
+    wait_until_running(handle, 4, committed=3)
+    if and_the_heads_keeper:
+        import ray
+
+        head = cluster.head_node.node_id
+        ray.kill(_keeper_of(head, run), no_restart=True)  # the replicas of the worker node's shards
+    cluster.remove_node(worker_node)
+    return worker_node
+
+
+@pytest.fixture
+def node_returns(two_node_cluster):
+    """The removed node comes back (same rack label) for the modules that follow."""
+    yield two_node_cluster
+    if len(two_node_cluster.worker_nodes) == 0:
+        two_node_cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={"rack": "r1"})
+
+
+def test_a_lost_node_restores_from_the_replicas_of_its_shards(node_returns, dataset_uri, tmp_path):
+    trainer = _trainer(dataset_uri, tmp_path, "mem-node")
+    handle = trainer.submit()
+    _lose_the_worker_node_then(node_returns, handle, and_the_heads_keeper=False, run="mem-node")
+    result = handle.wait(timeout_s=180)
+    assert result.status == "finished", result.status
+    events = run_events(tmp_path, "mem-node")
+    loaded = _loaded(events)
+    # 2 ranks on the head read all 4 files saved at dp=4: the head's own two, and the lost
+    # node's two from the replicas the head kept of them.
+    assert loaded["world_size"] == 2 and loaded["saved_world_size"] == 4
+    assert loaded["sources"]["storage"] == 0 and loaded["sources"]["replica"] >= 2, loaded
+    assert loaded["fell_back"] == {}
+    _assert_equals_storage_restore(trainer, events, tmp_path)
+
+
+def test_a_shard_and_its_replica_both_lost_fall_back_to_storage(node_returns, dataset_uri, tmp_path):
+    trainer = _trainer(dataset_uri, tmp_path, "mem-both")
+    handle = trainer.submit()
+    _lose_the_worker_node_then(node_returns, handle, and_the_heads_keeper=True, run="mem-both")
+    result = handle.wait(timeout_s=180)
+    assert result.status == "finished", result.status
+    events = run_events(tmp_path, "mem-both")
+    loaded = _loaded(events)
+    assert loaded["sources"]["storage"] >= 4 and loaded["sources"]["own_copy"] == loaded["sources"]["replica"] == 0
+    assert len(loaded["fell_back"]) == 4 and all("no live keeper holds it" in why
+                                                  for why in loaded["fell_back"].values()), loaded["fell_back"]
+    _assert_equals_storage_restore(trainer, events, tmp_path)
