@@ -211,16 +211,26 @@ def pick_node(worker_nodes: list[str], head_id: str, avoid: str | None) -> str:
 
 
 # ----------------------------------------------------------------------------- rayflex
-def run_rayflex(lc: LoopbackCluster, fault: str, data: str, storage: str, name: str, args) -> dict:
+def run_rayflex(lc: LoopbackCluster, fault: str, data: str, storage: str, name: str, args,
+                memory_replicas: int = 0) -> dict:
     import rayflex as rf
     from rayflex.storage.rundir import RunDirectory
 
-    trainer = rf.Trainer(model=model_spec(), data=rf.DataConfig(uri=data, seq_len=SEQ, global_batch=GB),
+    if getattr(args, "memory", False):  # the memory path: a model whose restore moves real bytes
+        from rayflex.models import GPTConfig, gpt
+
+        model = gpt(GPTConfig(vocab_size=args.memory_vocab, seq_len=args.memory_seq, d_model=args.memory_d_model,
+                              n_layers=1, n_heads=4))
+        data_cfg = rf.DataConfig(uri=data, seq_len=args.memory_seq, global_batch=4)
+    else:
+        model, data_cfg = model_spec(), rf.DataConfig(uri=data, seq_len=SEQ, global_batch=GB)
+    trainer = rf.Trainer(model=model, data=data_cfg,
                          run=rf.RunConfig(name=name, storage=storage, steps=args.steps,
                                           optimizer=rf.OptimizerConfig(lr=LR, betas=BETAS, grad_clip=CLIP,
                                                                        min_lr_ratio=MIN_LR_RATIO)),
                          scaling=rf.ScalingConfig(num_workers=WORKERS, min_workers=2, max_workers=WORKERS),
-                         checkpoint=rf.CheckpointConfig(every_steps=args.every, keep=2),
+                         checkpoint=rf.CheckpointConfig(every_steps=args.every, keep=2,
+                                                        memory_replicas=memory_replicas),
                          elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60))
     t_submit = time.time()
     handle = trainer.submit()
@@ -282,6 +292,10 @@ def run_rayflex(lc: LoopbackCluster, fault: str, data: str, storage: str, name: 
     after = [e for e in events if e["time"] >= fault_time - 0.05]
     detect = next((e for e in after if e["kind"] in DETECT_KINDS), None)
     restarts = [e for e in after if e["kind"] == "restarted"]
+    loaded = next((e for e in after if e["kind"] == "checkpoint_loaded"), None)
+    if loaded is not None:
+        out["checkpoint_loaded"] = {k: loaded.get(k) for k in ("step", "load_s", "sources", "fell_back",
+                                                               "remote_reads", "world_size", "saved_world_size")}
     out.update(final=final, time_to_first_step_s=(metrics[0]["time"] - t_submit) if metrics else None,
                median_step_s=statistics.median(m["step_time_s"] for m in metrics) if metrics else None)
     if detect is not None:
@@ -601,8 +615,38 @@ def main() -> None:
     ap.add_argument("--rt-report-every-step", action="store_true",
                     help="call ray.train.report every step (V2 then paces each step to its controller's "
                          "2 s poll: the result queue holds one report); default: with each checkpoint")
+    ap.add_argument("--memory", action="store_true",
+                    help="the memory-replica path instead (benchmarks/recovery_memory.py): restore from memory "
+                         "vs S3, and fault -> first resumed step with and without replicas; S3 is moto")
+    ap.add_argument("--memory-mb", type=int, default=256, help="state per rank of the restore measurement")
+    ap.add_argument("--memory-rounds-restore", type=int, default=5)
+    ap.add_argument("--memory-rounds", type=int, default=2, help="rounds of the fault cases (each: both paths)")
+    ap.add_argument("--memory-faults", type=int, default=1, help="0: the restore measurement only")
+    ap.add_argument("--memory-nodes", type=int, default=3)
+    ap.add_argument("--memory-vocab", type=int, default=32768)
+    ap.add_argument("--memory-d-model", type=int, default=512)
+    ap.add_argument("--memory-seq", type=int, default=16)
     args = ap.parse_args()
     setup_logging()
+    if args.memory:
+        from recovery_memory import memory_main
+
+        real_stdout, sys.stdout = sys.stdout, sys.stderr
+        t0 = time.time()
+        try:
+            results = memory_main(args, log, run_rayflex, LoopbackCluster)
+        finally:
+            sys.stdout = real_stdout
+        emit({"benchmark": "recovery_memory", "machine": machine(),
+              "workload": {"restore_state_mb_per_rank": args.memory_mb, "storage": "moto S3 on 127.0.0.1",
+                           "cluster": f"ray.cluster_utils.Cluster on 127.0.0.1, {args.memory_nodes} nodes x 2 CPUs",
+                           "fault_model": {"vocab_size": args.memory_vocab, "d_model": args.memory_d_model,
+                                           "n_layers": 1, "seq_len": args.memory_seq, "global_batch": 4,
+                                           "workers": WORKERS, "steps": args.steps,
+                                           "checkpoint_every_steps": args.every, "fault_after_step": args.fault_at},
+                           "wall_s": time.time() - t0},
+              "results": results})
+        return
     real_stdout, sys.stdout = sys.stdout, sys.stderr  # worker logs Ray forwards to the driver: stderr
 
     from ray.train.v2._internal.constants import is_v2_enabled

@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
     {"mesh", "local_ray", "schemes"},
     {"config", "models", "storage"},
     {"planning", "data", "telemetry"},
+    {"replicas"},  # checkpoint copies in host memory: DCP I/O over storage, peers by topology
     {"worker"},
     {"group"},
     {"faults"},

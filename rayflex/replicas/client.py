@@ -11,30 +11,14 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from rayflex.constants import knob
-from rayflex.replicas.keeper import PRIMARY, REPLICA
+from rayflex.replicas.holders import DIGEST_SUFFIX, Holder
+from rayflex.replicas.keeper import PRIMARY
 from rayflex.replicas.keepers import keeper_name, node_of_keeper
 
 log = logging.getLogger(__name__)
-
-DIGEST_SUFFIX = ".blake2b"  # beside each shard file in storage: what a memory copy must match
-OWN_COPY, STORAGE = "own_copy", "storage"  # a restore's sources, with REPLICA
-
-
-@dataclass(frozen=True)
-class Holder:
-    """A keeper holding a verified copy of one shard file."""
-
-    node_id: str
-    role: str  # PRIMARY (on the node that saved it) or REPLICA
-
-    @property
-    def source(self) -> str:
-        return OWN_COPY if self.role == PRIMARY else REPLICA
-
 
 class ReplicaClient:
     def __init__(self, run: str, node_id: str):
@@ -78,7 +62,10 @@ class ReplicaClient:
             log.warning("no replica keeper on node %s: step %d %s is kept in storage only",
                         self.node_id[:12], step, name)
             return False
-        ref = keeper.put.remote(step, name, data, digest=digest, origin_node=self.node_id)
+        import numpy as np
+
+        ref = keeper.put.remote(step, name, np.frombuffer(data, dtype=np.uint8), digest=digest,
+                                origin_node=self.node_id)
         if not wait_for_replica:
             return True
         timeout = knob("REPLICA_TIMEOUT_S")
@@ -132,6 +119,20 @@ class ReplicaClient:
         if keeper is None:
             raise LookupError(f"no keeper on node {holder.node_id[:12]}")
         return self._get(keeper.read.remote(step, name, ranges), knob("REPLICA_READ_TIMEOUT_S"))
+
+    # ----------------------------------------------------------------- DCP's reader and writer
+    def writer(self, path: str, *, step: int, emergency: bool, **options):
+        """DCP's writer for a save of ``step`` that also keeps each shard file in memory."""
+        from rayflex.replicas.dcp_io import ReplicatingWriter
+
+        return ReplicatingWriter(path, step=step, client=self, emergency=emergency, **options)
+
+    def reader(self, path: str, *, step: int, holders: dict, missing: dict, **options):
+        """DCP's reader for ``step`` that reads what it can from the copies ``locate`` found;
+        its ``report`` says which shard files came from where."""
+        from rayflex.replicas.dcp_io import MemoryFirstReader
+
+        return MemoryFirstReader(path, step=step, holders=holders, missing=missing, client=self, **options)
 
     def order(self, holders: list[Holder]) -> list[Holder]:
         """This node's copy first (no network), then the saving node's, then replicas."""

@@ -24,7 +24,7 @@ from typing import Optional
 
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-from rayflex.replicas.client import DIGEST_SUFFIX, OWN_COPY, REPLICA, STORAGE, Holder, ReplicaClient
+from rayflex.replicas.holders import DIGEST_SUFFIX, OWN_COPY, REPLICA, STORAGE, Holder
 from rayflex.replicas.keeper import digest_of
 from rayflex.storage import fs as rfs
 from rayflex.storage.dcp_io import CheckpointWriter, PrefixFileSystem
@@ -66,7 +66,7 @@ class ReplicatingWriter(CheckpointWriter):
     """``CheckpointWriter`` whose shard files also go to memory replicas (first, when
     ``emergency``: a preempted node's shards are safe off it before the upload starts)."""
 
-    def __init__(self, path: str, *, step: int, client: ReplicaClient, emergency: bool = False, **kwargs) -> None:
+    def __init__(self, path: str, *, step: int, client, emergency: bool = False, **kwargs) -> None:
         super().__init__(path, **kwargs)
         self.step, self.client, self.emergency = step, client, emergency
         self.fs = _KeepingFileSystem(self.fs.fs, self._keep_and_upload)
@@ -150,7 +150,7 @@ class _MemoryFirstFileSystem:
 
 
 class MemoryFirstReader(FsspecReader):
-    def __init__(self, path: str, *, step: int, holders: dict[str, list[Holder]], client: ReplicaClient,
+    def __init__(self, path: str, *, step: int, holders: dict[str, list[Holder]], client,
                  missing: Optional[dict[str, str]] = None, **kwargs) -> None:
         super().__init__(path, **kwargs)
         self.step, self.holders, self.client = step, holders, client

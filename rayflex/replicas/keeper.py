@@ -11,6 +11,10 @@ What it holds is bounded by a byte budget per node: the oldest steps go first, a
 previous commit superseded goes at once, and a file that fits in no budget is refused (the
 restore then reads it from storage). A plain class: ``ray.remote`` at spawn time
 (``replicas.keepers``) makes it an actor, and unit tests use it as is.
+
+Bytes travel as uint8 numpy arrays: Ray moves those through the object store without
+pickling copies (one copy in, and a reader on the same node maps the result without
+another), which is what makes a restore from memory several times faster than storage.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +43,7 @@ def digest_of(data) -> str:
 
 @dataclass
 class Shard:
-    data: bytes
+    data: "np.ndarray"  # uint8, owned by this keeper
     digest: str
     role: str  # PRIMARY or REPLICA
     origin_node: str  # where the rank that saved it ran
@@ -56,6 +62,10 @@ class ReplicaKeeper:
         self.refused: list[dict] = []
         self.evicted_steps: list[int] = []
         self.baseline_rss = _rss_bytes()
+        # Private memory (USS: pages no other process maps), sampled after every put: what
+        # the copies cost the node. RSS also counts object-store pages a call mapped, which
+        # are the object store's memory, shared and freed with the call.
+        self.baseline_private = self.peak_private = _private_bytes()
 
     # ----------------------------------------------------------------- peers
     def set_peers(self, peers: list[Any], peer_nodes: list[str]) -> None:
@@ -67,28 +77,35 @@ class ReplicaKeeper:
         return list(self._peer_nodes)
 
     # ----------------------------------------------------------------- keeping
-    def put(self, step: int, name: str, data: bytes, *, digest: str, origin_node: str,
+    def put(self, step: int, name: str, data, *, digest: str, origin_node: str,
             role: str = PRIMARY) -> dict:
         """Keep ``name`` of ``step``; a primary is forwarded to every peer. Returns what
         happened and, for a primary, the refs of the peers' ``put``s (a caller that must
         know the replica landed — an emergency save — waits on them)."""
+        data = np.frombuffer(data, dtype=np.uint8)
         got = digest_of(data)
         if got != digest:  # damaged in transit: keeping it would only poison a restore
             self.refused.append({"step": step, "file": name, "why": "digest mismatch on arrival"})
             return {"kept": False, "why": "digest mismatch on arrival", "replicas": []}
-        kept, why = self._admit(step, name, Shard(data, digest, role, origin_node, time.time()))
+        # The argument is a view of the object store's buffer: the keeper's own copy is what it keeps.
+        owned = data.copy()
+        kept, why = self._admit(step, name, Shard(owned, digest, role, origin_node, time.time()))
+        self._note_memory()
         replicas = []
         if role == PRIMARY:
             for peer in list(self._peers):
                 try:
-                    replicas.append(peer.put.remote(step, name, data, digest=digest, origin_node=origin_node,
+                    replicas.append(peer.put.remote(step, name, owned, digest=digest, origin_node=origin_node,
                                                     role=REPLICA))
                 except Exception as e:  # noqa: BLE001 - a peer gone with its node: the next placement replaces it
                     log.warning("keeper %s: replica of %s (step %d) not sent: %s", self.node_id[:12], name, step, e)
         return {"kept": kept, "why": why, "replicas": replicas}
 
     def _admit(self, step: int, name: str, shard: Shard) -> tuple[bool, str]:
+        # A file costs twice its size while it arrives (the object store's buffer it came
+        # in and the keeper's copy): the budget bounds that peak, not just what is held.
         size = len(shard.data)
+        need = 2 * size
         with self._lock:
             old = self._shards.get(step, {}).pop(name, None)
             if old is not None:  # the same step saved again (an attempt that crashed mid-upload)
@@ -97,14 +114,14 @@ class ReplicaKeeper:
             # step being written is never evicted for itself.
             older = sorted(s for s in self._shards if s < step)
             reclaimable = sum(len(sh.data) for s in older for sh in self._shards[s].values())
-            if self.held_bytes - reclaimable + size <= self.budget_bytes:
+            if self.held_bytes - reclaimable + need <= self.budget_bytes:
                 for victim in older:
-                    if self.held_bytes + size <= self.budget_bytes:
+                    if self.held_bytes + need <= self.budget_bytes:
                         break
                     self._drop_step(victim)
                     self.evicted_steps.append(victim)
-            if self.held_bytes + size > self.budget_bytes:
-                why = (f"{size / 2**20:.1f} MiB does not fit the node's replica budget "
+            if self.held_bytes + need > self.budget_bytes:
+                why = (f"{size / 2**20:.1f} MiB (twice that while it arrives) does not fit the node's replica budget "
                        f"({self.budget_bytes / 2**20:.0f} MiB, {self.held_bytes / 2**20:.1f} MiB held)")
                 self.refused.append({"step": step, "file": name, "why": why})
                 log.warning("keeper %s: step %d %s not kept: %s", self.node_id[:12], step, name, why)
@@ -137,14 +154,14 @@ class ReplicaKeeper:
             return {name: {"digest": s.digest, "size": len(s.data), "role": s.role, "origin_node": s.origin_node}
                     for name, s in self._shards.get(step, {}).items()}
 
-    def read(self, step: int, name: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        """The byte ranges ``(offset, length)`` of a kept file (what one rank's load plan needs)."""
+    def read(self, step: int, name: str, ranges: list[tuple[int, int]]) -> list["np.ndarray"]:
+        """The byte ranges ``(offset, length)`` of a kept file (what one rank's load plan
+        needs), as views: Ray copies each once into the object store."""
         with self._lock:
             shard = self._shards.get(step, {}).get(name)
         if shard is None:
             raise KeyError(f"keeper on node {self.node_id[:12]} holds no {name} of step {step}")
-        view = memoryview(shard.data)
-        return [bytes(view[offset:offset + length]) for offset, length in ranges]
+        return [shard.data[offset:offset + length] for offset, length in ranges]
 
     # ----------------------------------------------------------------- accounting
     def stats(self) -> dict:
@@ -155,7 +172,22 @@ class ReplicaKeeper:
                 "peak_held_bytes": self.peak_held_bytes, "steps": steps, "refused": list(self.refused),
                 "evicted_steps": list(self.evicted_steps), "rss_bytes": _rss_bytes(),
                 "peak_rss_bytes": _peak_rss_bytes(), "baseline_rss_bytes": self.baseline_rss,
+                "private_bytes": _private_bytes(), "peak_private_bytes": self.peak_private,
+                "baseline_private_bytes": self.baseline_private,
                 "peers": self.peer_nodes(), "pid": os.getpid()}
+
+
+    def _note_memory(self) -> None:
+        self.peak_private = max(self.peak_private, _private_bytes())
+
+
+def _private_bytes() -> int:
+    import psutil
+
+    try:
+        return psutil.Process().memory_full_info().uss
+    except (psutil.Error, AttributeError):
+        return _rss_bytes()
 
 
 def default_budget_bytes() -> int:

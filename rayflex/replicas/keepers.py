@@ -75,8 +75,11 @@ class KeeperSet:
         return out
 
     def clear(self) -> None:
-        from rayflex.group.actors import kill_quietly
+        import ray
 
         for actor in self.keepers.values():
-            kill_quietly(actor)
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone with its node
+                pass
         self.keepers.clear()

@@ -290,9 +290,8 @@ class AsyncCheckpointer:
                 upload_process.prewarm_uploader()
                 block = None
         if block is None and self.replicas is not None:
-            from rayflex.replicas.dcp_io import ReplicatingWriter
-
-            writer = ReplicatingWriter(path, step=step, client=self.replicas, emergency=reason == "emergency", **options)
+            # An emergency save's shards are safe off its (preempted) node before the upload starts.
+            writer = self.replicas.writer(path, step=step, emergency=reason == "emergency", **options)
         elif block is None:
             writer = CheckpointWriter(path, **options)
         _maybe_slow_upload(writer, step)
@@ -418,10 +417,8 @@ class AsyncCheckpointer:
         tensors = state.tensor_state()
         holders, missing = info.pop("holders", None), info.pop("missing", None)
         if holders is not None:
-            from rayflex.replicas.dcp_io import MemoryFirstReader
-
-            reader = MemoryFirstReader(path, step=info["step"], holders=holders, missing=missing,
-                                       client=self.replicas, **fsspec_kwargs(path))
+            reader = self.replicas.reader(path, step=info["step"], holders=holders, missing=missing,
+                                          **fsspec_kwargs(path))
         else:
             reader = FsspecReader(path, **fsspec_kwargs(path))
         t_load = time.perf_counter()
