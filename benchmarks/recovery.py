@@ -325,6 +325,9 @@ def run_rayflex(lc: LoopbackCluster, fault: str, data: str, storage: str, name: 
     resumed = first_step_after(first, live)
     kept = first_step_after(last, metrics)
     started = next((e for e in after if e["kind"] == "workers_started" and e["time"] >= first["time"]), None)
+    if started is not None:  # where the restart's setup went
+        out["restart_phases_s"] = {k: started.get(k) for k in ("spawn_s", "rendezvous_s", "build_s", "restore_s",
+                                                                "setup_s")}
     out.update(
         steps_lost=first["lost_steps"], resumed_from_step=first["from_step"],
         restart_world_size=first["world_size"], reused_workers=first.get("reused_workers"),
@@ -623,6 +626,7 @@ def main() -> None:
     ap.add_argument("--memory-rounds", type=int, default=2, help="rounds of the fault cases (each: both paths)")
     ap.add_argument("--memory-faults", type=int, default=1, help="0: the restore measurement only")
     ap.add_argument("--memory-nodes", type=int, default=3)
+    ap.add_argument("--memory-fault-kinds", default="kill_actor,remove_node")
     ap.add_argument("--memory-vocab", type=int, default=32768)
     ap.add_argument("--memory-d-model", type=int, default=512)
     ap.add_argument("--memory-seq", type=int, default=16)

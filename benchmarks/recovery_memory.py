@@ -127,7 +127,8 @@ def restore_benchmark(lc, storage: str, mb: int, rounds: int, log, budget_mb: fl
 def fault_benchmark(lc, run_rayflex, data: str, storage: str, args, log) -> dict:
     """fault -> first resumed step for kill and node loss, without and with replicas."""
     cases: dict = {}
-    for fault in ("kill_actor", "remove_node"):
+    kinds = args.memory_fault_kinds.split(",")
+    for fault in kinds:
         for r in range(args.memory_rounds):
             order = (0, 1) if r % 2 == 0 else (1, 0)
             for replicas in order:
@@ -141,10 +142,10 @@ def fault_benchmark(lc, run_rayflex, data: str, storage: str, args, log) -> dict
                 loaded = got.get("checkpoint_loaded") or {}
                 cases.setdefault(key, []).append({k: got.get(k) for k in (
                     "fault_to_resumed_step_s", "fault_to_kept_resumed_step_s", "detection_s", "restart_setup_s",
-                    "steps_lost")} | {"load_s": loaded.get("load_s"), "sources": loaded.get("sources"),
+                    "steps_lost", "restart_phases_s")} | {"load_s": loaded.get("load_s"), "sources": loaded.get("sources"),
                                       "status": got.get("final", {}).get("status")})
     out: dict = {"runs": cases, "median_fault_to_resumed_step_s": {}, "ratio_memory_over_storage": {}}
-    for fault in ("kill_actor", "remove_node"):
+    for fault in kinds:
         meds = {}
         for path in ("storage", "memory"):
             vals = [c["fault_to_kept_resumed_step_s"] for c in cases[f"{fault}/{path}"]

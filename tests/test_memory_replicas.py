@@ -151,3 +151,20 @@ def test_a_copy_that_differs_from_the_committed_digest_is_not_used(tmp_path):
     keepers["node-a"].put(1, shard, other, digest=digest_of(other), origin_node="node-a", role=REPLICA)
     holders, missing = client.locate(1, path, [shard])
     assert [h.node_id for h in holders[shard]] == ["node-b"], "only the copy equal to storage's is used"
+
+
+def test_a_rank_on_a_node_without_copies_reads_them_from_another_node(tmp_path):
+    keepers = _keepers()
+    path = str(tmp_path / "step_00000002")
+    saved = {f"t{i}": torch.full((1000 + i,), float(i)) for i in range(9)}  # 9 items: read in parts
+    dcp.save(saved, storage_writer=ReplicatingWriter(path, step=2, client=InProcessClient("node-a", keepers),
+                                                      single_file_per_rank=True))
+    shard = next(p.name for p in (tmp_path / "step_00000002").iterdir() if p.name.endswith(".distcp"))
+    elsewhere = InProcessClient("node-c", keepers)
+    holders, _ = elsewhere.locate(2, path, [shard])
+    loaded = {k: torch.zeros_like(v) for k, v in saved.items()}
+    reader = MemoryFirstReader(path, step=2, holders=holders, client=elsewhere)
+    dcp.load(loaded, storage_reader=reader)
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    assert reader.report["files"] == {OWN_COPY: 1, REPLICA: 0, STORAGE: 0}, "the saving node's copy first"
+    assert reader.report["remote_reads"] == 1

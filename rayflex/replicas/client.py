@@ -114,11 +114,25 @@ class ReplicaClient:
                 missing[name] = "no live keeper holds it (its node and its replicas' nodes lost, or never kept)"
         return holders, missing
 
-    def read(self, holder: Holder, step: int, name: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+    def start_read(self, holder: Holder, step: int, name: str, ranges: list[tuple[int, int]]) -> list:
+        """Ask for the byte ranges of one file from one keeper (``finish_read`` collects
+        them): a restore asks for every file at once, so local and remote copies arrive
+        together. From another node, in a few calls of similar size: Ray moves each
+        result as one object, and several objects cross the network in parallel."""
         keeper = self._keeper(holder.node_id)
         if keeper is None:
             raise LookupError(f"no keeper on node {holder.node_id[:12]}")
-        return self._get(keeper.read.remote(step, name, ranges), knob("REPLICA_READ_TIMEOUT_S"))
+        parts = _split_by_bytes(ranges, READ_PARTS if holder.node_id != self.node_id else 1)
+        return [keeper.read.remote(step, name, part) for part in parts]
+
+    def finish_read(self, pending: list) -> list:
+        out: list = []
+        for ref in pending:
+            out += self._get(ref, knob("REPLICA_READ_TIMEOUT_S"))
+        return out
+
+    def read(self, holder: Holder, step: int, name: str, ranges: list[tuple[int, int]]) -> list:
+        return self.finish_read(self.start_read(holder, step, name, ranges))
 
     # ----------------------------------------------------------------- DCP's reader and writer
     def writer(self, path: str, *, step: int, emergency: bool, **options):
@@ -137,6 +151,24 @@ class ReplicaClient:
     def order(self, holders: list[Holder]) -> list[Holder]:
         """This node's copy first (no network), then the saving node's, then replicas."""
         return sorted(holders, key=lambda h: (h.node_id != self.node_id, h.role != PRIMARY, h.node_id))
+
+
+READ_PARTS = 4  # concurrent reads of one file from another node's keeper
+
+
+def _split_by_bytes(ranges: list[tuple[int, int]], parts: int) -> list[list[tuple[int, int]]]:
+    """``ranges`` in order, cut into at most ``parts`` consecutive groups of similar size."""
+    total = sum(length for _, length in ranges)
+    if parts <= 1 or len(ranges) <= 1:
+        return [list(ranges)]
+    target, groups, size = total / parts, [[]], 0
+    for r in ranges:
+        if size >= target and len(groups) < parts:
+            groups.append([])
+            size = 0
+        groups[-1].append(r)
+        size += r[1]
+    return groups
 
 
 def _committed_digests(step_uri: str, files: list[str]) -> dict[str, str]:

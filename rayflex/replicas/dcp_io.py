@@ -158,6 +158,12 @@ class MemoryFirstReader(FsspecReader):
         self.report: dict = {"files": {OWN_COPY: 0, REPLICA: 0, STORAGE: 0}, "memory_bytes": 0, "remote_reads": 0,
                              "memory_read_s": 0.0, "fell_back": {}}
 
+    def _start(self, holder: Holder, name: str, ranges: list):
+        try:
+            return self.client.start_read(holder, self.step, name, ranges)
+        except Exception as e:  # noqa: BLE001 - raised again where this copy is read
+            return e
+
     def read_data(self, plan, planner):
         ranges: dict[str, set] = {}
         for item in plan.items:
@@ -165,18 +171,28 @@ class MemoryFirstReader(FsspecReader):
             ranges.setdefault(info.relative_path, set()).add((info.offset, info.length))
         fetched: dict[str, _FetchedRanges] = {}
         t0 = time.perf_counter()
-        for name, wanted in sorted(ranges.items()):
-            wanted = sorted(wanted)
-            for holder in self.client.order(self.holders.get(name, [])):
+        wanted = {name: sorted(r) for name, r in ranges.items()}
+        # Every file's best copy is asked for at once; a copy that fails falls to the next.
+        pending = {}
+        for name in sorted(wanted):
+            candidates = self.client.order(self.holders.get(name, []))
+            if candidates:
+                pending[name] = (candidates, self._start(candidates[0], name, wanted[name]))
+        for name in sorted(wanted):
+            candidates, first = pending.get(name, ([], None))
+            for i, holder in enumerate(candidates):
                 try:
-                    chunks = self.client.read(holder, self.step, name, wanted)
+                    request = first if i == 0 else self._start(holder, name, wanted[name])
+                    if isinstance(request, Exception):
+                        raise request
+                    chunks = self.client.finish_read(request)
                 except Exception as e:  # noqa: BLE001 - that copy is gone: the next one, or storage
                     log.warning("step %d %s: memory copy on %s unreadable: %s", self.step, name,
                                 holder.node_id[:12], e)
                     self.report["fell_back"][name] = f"copy on node {holder.node_id[:12]} unreadable: {e}"
                     continue
                 fetched[os.fspath(self.fs.concat_path(self.path, name))] = _FetchedRanges(
-                    [(offset, chunk) for (offset, _), chunk in zip(wanted, chunks)])
+                    [(offset, chunk) for (offset, _), chunk in zip(wanted[name], chunks)])
                 self.report["files"][holder.source] += 1
                 self.report["remote_reads"] += holder.node_id != self.client.node_id
                 self.report["memory_bytes"] += sum(len(c) for c in chunks)
