@@ -156,7 +156,7 @@ def test_a_copy_that_differs_from_the_committed_digest_is_not_used(tmp_path):
 def test_a_rank_on_a_node_without_copies_reads_them_from_another_node(tmp_path):
     keepers = _keepers()
     path = str(tmp_path / "step_00000002")
-    saved = {f"t{i}": torch.full((1000 + i,), float(i)) for i in range(9)}  # 9 items: read in parts
+    saved = {f"t{i}": torch.full((1000 + i,), float(i)) for i in range(9)}
     dcp.save(saved, storage_writer=ReplicatingWriter(path, step=2, client=InProcessClient("node-a", keepers),
                                                       single_file_per_rank=True))
     shard = next(p.name for p in (tmp_path / "step_00000002").iterdir() if p.name.endswith(".distcp"))
@@ -168,3 +168,18 @@ def test_a_rank_on_a_node_without_copies_reads_them_from_another_node(tmp_path):
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
     assert reader.report["files"] == {OWN_COPY: 1, REPLICA: 0, STORAGE: 0}, "the saving node's copy first"
     assert reader.report["remote_reads"] == 1
+
+
+def test_bad_replica_settings_are_refused_with_the_fix():
+    import pytest
+
+    import rayflex as rf
+    from rayflex.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="upload='auto' or 'thread' with memory_replicas"):
+        rf.CheckpointConfig(every_steps=5, memory_replicas=1, upload="process")
+    with pytest.raises(ConfigError, match="memory_replicas"):
+        rf.CheckpointConfig(memory_replicas=-1)
+    with pytest.raises(ConfigError, match="memory_budget_gb"):
+        rf.CheckpointConfig(memory_replicas=1, memory_budget_gb=0)
+    assert rf.CheckpointConfig(memory_replicas=1, memory_budget_gb=0.5).memory_budget_bytes == 2**29

@@ -117,13 +117,12 @@ class ReplicaClient:
     def start_read(self, holder: Holder, step: int, name: str, ranges: list[tuple[int, int]]) -> list:
         """Ask for the byte ranges of one file from one keeper (``finish_read`` collects
         them): a restore asks for every file at once, so local and remote copies arrive
-        together. From another node, in a few calls of similar size: Ray moves each
-        result as one object, and several objects cross the network in parallel."""
+        together. One call per file: splitting a remote file into 4 concurrent calls made
+        a 256 MiB replica read 2.4x slower here (2 cores; Ray moves each part as an object)."""
         keeper = self._keeper(holder.node_id)
         if keeper is None:
             raise LookupError(f"no keeper on node {holder.node_id[:12]}")
-        parts = _split_by_bytes(ranges, READ_PARTS if holder.node_id != self.node_id else 1)
-        return [keeper.read.remote(step, name, part) for part in parts]
+        return [keeper.read.remote(step, name, ranges)]
 
     def finish_read(self, pending: list) -> list:
         out: list = []
@@ -151,24 +150,6 @@ class ReplicaClient:
     def order(self, holders: list[Holder]) -> list[Holder]:
         """This node's copy first (no network), then the saving node's, then replicas."""
         return sorted(holders, key=lambda h: (h.node_id != self.node_id, h.role != PRIMARY, h.node_id))
-
-
-READ_PARTS = 4  # concurrent reads of one file from another node's keeper
-
-
-def _split_by_bytes(ranges: list[tuple[int, int]], parts: int) -> list[list[tuple[int, int]]]:
-    """``ranges`` in order, cut into at most ``parts`` consecutive groups of similar size."""
-    total = sum(length for _, length in ranges)
-    if parts <= 1 or len(ranges) <= 1:
-        return [list(ranges)]
-    target, groups, size = total / parts, [[]], 0
-    for r in ranges:
-        if size >= target and len(groups) < parts:
-            groups.append([])
-            size = 0
-        groups[-1].append(r)
-        size += r[1]
-    return groups
 
 
 def _committed_digests(step_uri: str, files: list[str]) -> dict[str, str]:
