@@ -231,7 +231,11 @@ def run_rayflex(lc: LoopbackCluster, fault: str, data: str, storage: str, name: 
                          scaling=rf.ScalingConfig(num_workers=WORKERS, min_workers=2, max_workers=WORKERS),
                          checkpoint=rf.CheckpointConfig(every_steps=args.every, keep=2,
                                                         memory_replicas=memory_replicas),
-                         elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60))
+                         # The memory path: every restart waits for its replacement processes,
+                         # so the two paths differ only in where the restore reads from (with
+                         # restart_while_warming some restarts spawn and others do not, by timing).
+                         elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60,
+                                                  restart_while_warming=not getattr(args, "memory", False)))
     t_submit = time.time()
     handle = trainer.submit()
     deadline = time.time() + RUN_TIMEOUT_S
@@ -647,7 +651,9 @@ def main() -> None:
                            "fault_model": {"vocab_size": args.memory_vocab, "d_model": args.memory_d_model,
                                            "n_layers": 1, "seq_len": args.memory_seq, "global_batch": 4,
                                            "workers": WORKERS, "steps": args.steps,
-                                           "checkpoint_every_steps": args.every, "fault_after_step": args.fault_at},
+                                           "checkpoint_every_steps": args.every, "fault_after_step": args.fault_at,
+                                           "restart_while_warming": False},
+
                            "wall_s": time.time() - t0},
               "results": results})
         return
