@@ -77,16 +77,22 @@ def test_a_killed_worker_restores_from_its_nodes_own_copy(two_node_cluster, data
     _assert_equals_storage_restore(trainer, events, tmp_path)
 
 
-def _lose_the_worker_node_then(cluster, handle, *, and_the_heads_keeper: bool, run: str):
-    worker_node = next(iter(cluster.worker_nodes))
+def _run_losing_the_worker_node(cluster, dataset_uri, tmp_path, name, *, and_the_heads_keeper: bool):
+    """A run whose worker node is removed once a checkpoint is committed (and, if asked,
+    the head's keeper killed first: the replicas of that node's shards go too); returns
+    the trainer, the run's events and its one ``checkpoint_loaded``."""
+    trainer = _trainer(dataset_uri, tmp_path, name)
+    handle = trainer.submit()
     wait_until_running(handle, 4, committed=3)
     if and_the_heads_keeper:
         import ray
 
-        head = cluster.head_node.node_id
-        ray.kill(_keeper_of(head, run), no_restart=True)  # the replicas of the worker node's shards
-    cluster.remove_node(worker_node)
-    return worker_node
+        ray.kill(_keeper_of(cluster.head_node.node_id, name), no_restart=True)
+    cluster.remove_node(next(iter(cluster.worker_nodes)))
+    result = handle.wait(timeout_s=180)
+    assert result.status == "finished", result.status
+    events = run_events(tmp_path, name)
+    return trainer, events, _loaded(events)
 
 
 @pytest.fixture
@@ -98,13 +104,8 @@ def node_returns(two_node_cluster):
 
 
 def test_a_lost_node_restores_from_the_replicas_of_its_shards(node_returns, dataset_uri, tmp_path):
-    trainer = _trainer(dataset_uri, tmp_path, "mem-node")
-    handle = trainer.submit()
-    _lose_the_worker_node_then(node_returns, handle, and_the_heads_keeper=False, run="mem-node")
-    result = handle.wait(timeout_s=180)
-    assert result.status == "finished", result.status
-    events = run_events(tmp_path, "mem-node")
-    loaded = _loaded(events)
+    trainer, events, loaded = _run_losing_the_worker_node(node_returns, dataset_uri, tmp_path, "mem-node",
+                                                          and_the_heads_keeper=False)
     # 2 ranks on the head read all 4 files saved at dp=4: the head's own two, and the lost
     # node's two from the replicas the head kept of them.
     assert loaded["world_size"] == 2 and loaded["saved_world_size"] == 4
@@ -114,13 +115,8 @@ def test_a_lost_node_restores_from_the_replicas_of_its_shards(node_returns, data
 
 
 def test_a_shard_and_its_replica_both_lost_fall_back_to_storage(node_returns, dataset_uri, tmp_path):
-    trainer = _trainer(dataset_uri, tmp_path, "mem-both")
-    handle = trainer.submit()
-    _lose_the_worker_node_then(node_returns, handle, and_the_heads_keeper=True, run="mem-both")
-    result = handle.wait(timeout_s=180)
-    assert result.status == "finished", result.status
-    events = run_events(tmp_path, "mem-both")
-    loaded = _loaded(events)
+    trainer, events, loaded = _run_losing_the_worker_node(node_returns, dataset_uri, tmp_path, "mem-both",
+                                                          and_the_heads_keeper=True)
     assert loaded["sources"]["storage"] >= 4 and loaded["sources"]["own_copy"] == loaded["sources"]["replica"] == 0
     assert len(loaded["fell_back"]) == 4 and all("no live keeper holds it" in why
                                                   for why in loaded["fell_back"].values()), loaded["fell_back"]
