@@ -78,21 +78,23 @@ def model_spec():
 class LoopbackCluster:
     """3 nodes x 2 CPUs on 127.0.0.1; always shut down by ``close``."""
 
-    def __init__(self, nodes: int = 3, cpus: int = 2):
+    def __init__(self, nodes: int = 3, cpus: int = 2, object_store_bytes: int | None = None):
         import ray
         from ray.cluster_utils import Cluster
 
         from rayflex.local_ray import head_node_args
 
         self.cpus = cpus
+        # ray.cluster_utils gives every node a 150 MB object store unless told otherwise.
+        self.store = {"object_store_memory": object_store_bytes} if object_store_bytes else {}
         # Every process of this cluster inherits RAY_ADDRESS: Ray Train's helper actors that
         # call ray.init() without an address would otherwise pick another cluster running on
         # this (shared) machine.
-        head = head_node_args(cpus)  # every port with a Ray default chosen free
+        head = {**head_node_args(cpus), **self.store}  # every port with a Ray default chosen free
         os.environ["RAY_ADDRESS"] = f"127.0.0.1:{head['gcs_server_port']}"
         self.cluster = Cluster(initialize_head=True, head_node_args=head)
         for _ in range(nodes - 1):
-            self.cluster.add_node(node_ip_address="127.0.0.1", num_cpus=cpus)
+            self.cluster.add_node(node_ip_address="127.0.0.1", num_cpus=cpus, **self.store)
         self.cluster.wait_for_nodes()
         if self.cluster.address != os.environ["RAY_ADDRESS"]:
             log(f"warning: GCS at {self.cluster.address}, not {os.environ['RAY_ADDRESS']}")
@@ -117,7 +119,7 @@ class LoopbackCluster:
         import ray
 
         while len(self.cluster.list_all_nodes()) < nodes:
-            self.cluster.add_node(node_ip_address="127.0.0.1", num_cpus=self.cpus)
+            self.cluster.add_node(node_ip_address="127.0.0.1", num_cpus=self.cpus, **self.store)
         self.cluster.wait_for_nodes()
         self.wait_cpus(nodes * self.cpus)
         log(f"cluster back to {len([n for n in ray.nodes() if n['Alive']])} live nodes")
@@ -631,6 +633,8 @@ def main() -> None:
     ap.add_argument("--memory-faults", type=int, default=1, help="0: the restore measurement only")
     ap.add_argument("--memory-nodes", type=int, default=3)
     ap.add_argument("--memory-fault-kinds", default="kill_actor,remove_node")
+    ap.add_argument("--memory-object-store-mb", type=int, default=2048,
+                    help="each node's object store (a GPU node has tens of GB; Ray's test clusters 150 MB)")
     ap.add_argument("--memory-vocab", type=int, default=32768)
     ap.add_argument("--memory-d-model", type=int, default=512)
     ap.add_argument("--memory-seq", type=int, default=16)

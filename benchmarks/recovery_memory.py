@@ -167,7 +167,7 @@ def memory_main(args, log, run_rayflex, LoopbackCluster) -> dict:
 
     storage, server = start_s3()
     os.environ.pop("RAY_ADDRESS", None)
-    lc = LoopbackCluster(nodes=args.memory_nodes, cpus=2)
+    lc = LoopbackCluster(nodes=args.memory_nodes, cpus=2, object_store_bytes=args.memory_object_store_mb * 2**20)
     tmp = tempfile.mkdtemp(prefix="rayflex-recovery-memory-")
     try:
         import ray
