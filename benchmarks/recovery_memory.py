@@ -184,5 +184,8 @@ def memory_main(args, log, run_rayflex, LoopbackCluster) -> dict:
             out["fault_to_resumed"] = fault_benchmark(lc, run_rayflex, data, storage, args, log)
         return out
     finally:
+        import shutil
+
         lc.close()
         server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
