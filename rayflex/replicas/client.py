@@ -20,6 +20,7 @@ from rayflex.replicas.keepers import keeper_name, node_of_keeper
 
 log = logging.getLogger(__name__)
 
+
 class ReplicaClient:
     def __init__(self, run: str, node_id: str):
         self.run, self.node_id = run, node_id
@@ -90,7 +91,6 @@ class ReplicaClient:
         keepers = self._all_keepers()
         for keeper in keepers.values():
             keeper.drop_after.remote(step)
-        committed = _committed_digests(step_uri, files)
         refs = {node: k.inventory.remote(step) for node, k in keepers.items()}
         inventories = {}
         for node, ref in refs.items():
@@ -98,6 +98,9 @@ class ReplicaClient:
                 inventories[node] = self._get(ref, knob("REPLICA_TIMEOUT_S"))
             except Exception as e:  # noqa: BLE001 - its node just went: its copies with it
                 log.warning("replica keeper on %s did not answer: %s", node[:12], e)
+        # Only the files some keeper holds need their committed digest (one GET each).
+        committed = _committed_digests(step_uri, sorted({n for inv in inventories.values() for n in inv}
+                                                        & set(files)))
         holders: dict[str, list[Holder]] = {}
         missing: dict[str, str] = {}
         for name in files:
@@ -106,12 +109,12 @@ class ReplicaClient:
             ok = [Holder(node, kept["role"]) for node, kept in held if want is not None and kept["digest"] == want]
             if ok:
                 holders[name] = ok
+            elif not held:
+                missing[name] = "no live keeper holds it (its node and its replicas' nodes lost, or never kept)"
             elif want is None:
                 missing[name] = "no digest beside it in storage (saved without memory replicas)"
-            elif held:
-                missing[name] = "the copies in memory do not match the committed digest"
             else:
-                missing[name] = "no live keeper holds it (its node and its replicas' nodes lost, or never kept)"
+                missing[name] = "the copies in memory do not match the committed digest"
         return holders, missing
 
     def start_read(self, holder: Holder, step: int, name: str, ranges: list[tuple[int, int]]) -> list:
@@ -163,5 +166,7 @@ def _committed_digests(step_uri: str, files: list[str]) -> dict[str, str]:
         except Exception:  # noqa: BLE001 - absent: saved without replicas
             return None
 
-    with ThreadPoolExecutor(max_workers=min(16, max(1, len(files)))) as pool:
+    if not files:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(files))) as pool:
         return {name: d for name, d in zip(files, pool.map(read, files)) if d}

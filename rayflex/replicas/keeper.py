@@ -23,7 +23,6 @@ import hashlib
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -47,7 +46,6 @@ class Shard:
     digest: str
     role: str  # PRIMARY or REPLICA
     origin_node: str  # where the rank that saved it ran
-    kept_at: float
 
 
 class ReplicaKeeper:
@@ -89,7 +87,7 @@ class ReplicaKeeper:
             return {"kept": False, "why": "digest mismatch on arrival", "replicas": []}
         # The argument is a view of the object store's buffer: the keeper's own copy is what it keeps.
         owned = data.copy()
-        kept, why = self._admit(step, name, Shard(owned, digest, role, origin_node, time.time()))
+        kept, why = self._admit(step, name, Shard(owned, digest, role, origin_node))
         self._note_memory()
         replicas = []
         if role == PRIMARY:

@@ -36,6 +36,7 @@ class KeeperSet:
     def cover(self, nodes: set[str], topology) -> dict[str, list[str]]:
         """A keeper on each of ``nodes``, and peers chosen over them; returns the peers."""
         import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from rayflex.replicas.keeper import ReplicaKeeper
 
@@ -44,8 +45,6 @@ class KeeperSet:
         for node in [n for n in self.keepers if n not in alive or keeper_name(self.run, n) not in named]:
             self.keepers.pop(node)  # gone with its node (or on its own): a new one where needed
         for node in sorted(nodes - set(self.keepers)):
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
             # Threaded: a restore's reads must not wait behind a save's puts. No CPU: it
             # mostly waits, and a node's worker slots stay the workers'.
             actor = ray.remote(ReplicaKeeper).options(
@@ -53,8 +52,7 @@ class KeeperSet:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
             ).remote(self.run, node, self.budget_bytes)
             self.keepers[node] = actor
-        live = set(self.keepers) & (nodes | alive)
-        peers = choose_peers(topology, sorted(live & alive), self.copies)
+        peers = choose_peers(topology, sorted(self.keepers), self.copies)  # every keeper left is on a live node
         for node, chosen in peers.items():
             try:
                 self.keepers[node].set_peers.remote([self.keepers[p] for p in chosen], chosen)
