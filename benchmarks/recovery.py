@@ -233,11 +233,11 @@ def run_rayflex(lc: LoopbackCluster, fault: str, data: str, storage: str, name: 
                          scaling=rf.ScalingConfig(num_workers=WORKERS, min_workers=2, max_workers=WORKERS),
                          checkpoint=rf.CheckpointConfig(every_steps=args.every, keep=2,
                                                         memory_replicas=memory_replicas),
-                         # The memory path: every restart waits for its replacement processes,
-                         # so the two paths differ only in where the restore reads from (with
-                         # restart_while_warming some restarts spawn and others do not, by timing).
+                         # --memory-wait-for-spawn: every restart waits for its replacement
+                         # processes (the restore is then a smaller share of the recovery).
                          elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60,
-                                                  restart_while_warming=not getattr(args, "memory", False)))
+                                                  restart_while_warming=not getattr(args, "memory_wait_for_spawn",
+                                                                                    False)))
     t_submit = time.time()
     handle = trainer.submit()
     deadline = time.time() + RUN_TIMEOUT_S
@@ -635,6 +635,8 @@ def main() -> None:
     ap.add_argument("--memory-fault-kinds", default="kill_actor,remove_node")
     ap.add_argument("--memory-object-store-mb", type=int, default=2048,
                     help="each node's object store (a GPU node has tens of GB; Ray's test clusters 150 MB)")
+    ap.add_argument("--memory-wait-for-spawn", action="store_true",
+                    help="restart_while_warming=False in the fault cases (default: rayflex's default, True)")
     ap.add_argument("--memory-vocab", type=int, default=32768)
     ap.add_argument("--memory-d-model", type=int, default=512)
     ap.add_argument("--memory-seq", type=int, default=16)
@@ -656,7 +658,7 @@ def main() -> None:
                                            "n_layers": 1, "seq_len": args.memory_seq, "global_batch": 4,
                                            "workers": WORKERS, "steps": args.steps,
                                            "checkpoint_every_steps": args.every, "fault_after_step": args.fault_at,
-                                           "restart_while_warming": False},
+                                           "restart_while_warming": not args.memory_wait_for_spawn},
 
                            "wall_s": time.time() - t0},
               "results": results})

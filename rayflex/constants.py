@@ -68,6 +68,10 @@ _DEFAULTS: dict[str, float] = {
     # byte ranges one restore reads from a keeper, before using storage instead.
     "REPLICA_TIMEOUT_S": 10.0,
     "REPLICA_READ_TIMEOUT_S": 60.0,
+    # An emergency save handed to memory replicas: how long the controller waits for the
+    # keepers' uploads before giving the step up (the restart then resumes from the last
+    # committed one).
+    "HANDOFF_UPLOAD_TIMEOUT_S": 900.0,
     # CPU niceness of the checkpoint upload thread (0 = as training): uploads take the
     # cycles training leaves idle.
     "UPLOAD_NICE": 10.0,

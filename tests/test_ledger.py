@@ -92,3 +92,27 @@ def test_a_saves_cost_is_what_it_blocked_plus_the_slowdown_of_the_steps_beside_i
     assert ledger.save_costs_s() == [pytest.approx(0.05 + 3 * 0.2)]
     # What a failure now would lose: the steps trained since the save of step 10.
     assert ledger.training_s_since(10) == pytest.approx(3 * 0.3 + 7 * 0.1)
+
+
+def test_with_memory_replicas_a_spot_notice_needs_time_to_replicate_not_to_upload(tmp_path):
+    import dataclasses
+
+    import pytest
+
+    recorder = _Recorder()
+    spec = _spec(tmp_path)
+    plan = plan_mesh(spec.model, spec.parallel, spec.data, 1)
+    save = {"committed": True, "step": 2, "uri": "mem://2", "blocked_s": 0.1, "total_s": 6.0, "replicated_s": 0.4}
+    ledgers = {}
+    for replicas in (0, 1):
+        s = dataclasses.replace(spec, checkpoint=rf.CheckpointConfig(every_steps=2, memory_replicas=replicas))
+        ledger = ledgers[replicas] = StepLedger(s, recorder)
+        ledger.absorb(0, _status(0, 1), plan, _Detector())
+        ledger.absorb(0, _status(0, 2, save), plan, _Detector())
+    # a step (0.1 s) + the save + a 1 s margin: the whole upload without replicas, the copy to memory with
+    assert ledgers[0].emergency_notice_s(1.0) == pytest.approx(0.1 + 6.1 + 1.0)
+    assert ledgers[1].emergency_notice_s(1.0) == pytest.approx(0.1 + 0.5 + 1.0)
+    # An emergency save handed to the keepers is the controller's to commit: not committed yet.
+    handed = {"committed": False, "step": 3, "uri": "mem://3", "handed_off": {"world_size": 1, "mesh": {}, "keep": 2}}
+    ledgers[1].absorb(0, _status(0, 3, handed), plan, _Detector())
+    assert ledgers[1].handed_off["step"] == 3 and ledgers[1].committed_step == 2

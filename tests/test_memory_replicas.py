@@ -117,7 +117,7 @@ def test_dcp_saves_through_the_keepers_and_loads_from_memory_or_falls_back(tmp_p
     shard = next(p.name for p in (tmp_path / "step_00000005").iterdir() if p.name.endswith(".distcp"))
     assert (tmp_path / "step_00000005" / (shard + ".blake2b")).read_text() == \
         keepers["node-a"].inventory(5)[shard]["digest"]
-    assert writer.kept == {shard: True}
+    assert writer.kept == {shard: ["node-a", "node-b"]} and writer.off_node
 
     # The rank restarts on node b (node a is gone): the replica serves it.
     del keepers["node-a"]
@@ -168,6 +168,82 @@ def test_a_rank_on_a_node_without_copies_reads_them_from_another_node(tmp_path):
     assert all(torch.equal(loaded[k], saved[k]) for k in saved)
     assert reader.report["files"] == {OWN_COPY: 1, REPLICA: 0, STORAGE: 0}, "the saving node's copy first"
     assert reader.report["remote_reads"] == 1
+
+
+class _Held:
+    """An executor that never runs what it is given: a keeper that dies before its upload."""
+
+    def submit(self, *args, **kwargs):
+        return None
+
+
+def _emergency_save(root, keepers, node, leaving, step=9):
+    import json
+
+    from rayflex.storage import manifest as mf
+    from rayflex.storage.checkpoint import EXTRA_FILE
+
+    client = InProcessClient(node, keepers)
+    client.leaving(leaving)
+    path = mf.step_dir(root, step)
+    saved = _state(step)
+    writer = ReplicatingWriter(path, step=step, client=client, emergency=True, single_file_per_rank=True)
+    dcp.save(saved, storage_writer=writer)
+    with open(f"{path.removeprefix('file://')}/{EXTRA_FILE}", "w") as f:  # rank 0 writes it itself
+        json.dump({"step": step}, f)
+    return writer, saved, path
+
+
+def _wait_uploads(keeper, step):
+    import time
+
+    deadline = time.monotonic() + 30
+    while "pending" in keeper.uploads(step).values() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return keeper.uploads(step)
+
+
+def test_an_emergency_save_on_a_leaving_node_hands_its_upload_to_the_replica_and_commits_after_it(tmp_path):
+    from rayflex.storage import manifest as mf
+    from rayflex.storage.checkpoint import commit_handed_off
+
+    root = f"file://{tmp_path}/ckpt"
+    keepers = _keepers()
+    writer, saved, path = _emergency_save(root, keepers, "node-a", leaving=["node-a"])
+    shard = next(iter(writer.kept))
+    assert writer.handed_off == {shard: "node-b"}, "the upload goes to the node that stays"
+    assert keepers["node-a"].uploads(9) == {}
+    assert _wait_uploads(keepers["node-b"], 9) == {shard: "uploaded"}
+    commit_handed_off(root, 9, world_size=1, mesh={"dp": 1}, keep=2)
+    assert mf.latest_committed(root) == 9
+    loaded = _state(0)
+    dcp.load(loaded, storage_reader=MemoryFirstReader(path, step=9, holders={}, client=writer.client))
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved), "the committed step is the saved state"
+
+
+def test_an_emergency_save_on_a_node_that_stays_hands_its_upload_to_its_own_keeper(tmp_path):
+    keepers = _keepers()
+    writer, _, _ = _emergency_save(f"file://{tmp_path}/ckpt", keepers, "node-b", leaving=["node-a"])
+    shard = next(iter(writer.kept))
+    assert writer.handed_off == {shard: "node-b"} and writer.kept[shard] == ["node-b"]
+    assert _wait_uploads(keepers["node-b"], 9) == {shard: "uploaded"}
+
+
+def test_a_handed_off_step_whose_keeper_went_is_never_committed(tmp_path):
+    import pytest
+
+    from rayflex.errors import CheckpointError
+    from rayflex.storage import manifest as mf
+    from rayflex.storage.checkpoint import commit_handed_off
+
+    root = f"file://{tmp_path}/ckpt"
+    keepers = _keepers()
+    keepers["node-b"]._upload_pool = _Held()  # node b's keeper dies before it uploads
+    writer, _, _ = _emergency_save(root, keepers, "node-a", leaving=["node-a"])
+    shard = next(iter(writer.kept))
+    with pytest.raises(CheckpointError, match=f"{shard} is missing"):
+        commit_handed_off(root, 9, world_size=1, mesh={"dp": 1}, keep=2)
+    assert mf.latest_committed(root) is None
 
 
 def test_bad_replica_settings_are_refused_with_the_fix():

@@ -3,9 +3,10 @@
 On the session's two-node cluster (racks r0 and r1: each node's shards are replicated to
 the other): a killed worker's restart reads its node's own copies, a lost node's shards
 come from their replicas, and when a shard and its replica are both gone the restart reads
-storage and says why. Every run ends with parameters bit for bit equal to the fault-free
-replay of the same attempts (the storage-restore run of the same faults: same restarts,
-same world sizes, read from storage in plain processes).
+storage and says why; a spot notice shorter than the upload is still enough, because
+the leaving node's ranks only have to replicate. Every run ends with parameters bit for
+bit equal to the fault-free replay of the same attempts (the storage-restore run of the
+same faults: same restarts, same world sizes, read from storage in plain processes).
 """
 
 import os
@@ -25,14 +26,15 @@ pytestmark = pytest.mark.cluster
 STEPS = 12
 
 
-def _trainer(dataset_uri, tmp_path, name):
+def _trainer(dataset_uri, tmp_path, name, steps=STEPS, every=3, **elastic):
     return rf.Trainer(model=small_gpt(n_layers=2),
                       data=rf.DataConfig(uri=dataset_uri, seq_len=32, global_batch=12),
-                      run=rf.RunConfig(name=name, storage=f"file://{tmp_path}/runs", steps=STEPS,
+                      run=rf.RunConfig(name=name, storage=f"file://{tmp_path}/runs", steps=steps,
                                        optimizer=rf.OptimizerConfig(lr=1e-2, warmup_steps=2)),
                       scaling=rf.ScalingConfig(num_workers=4, min_workers=2, max_workers=4),
-                      checkpoint=rf.CheckpointConfig(every_steps=3, keep=2, memory_replicas=1),
-                      elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60, restart_while_warming=False))
+                      checkpoint=rf.CheckpointConfig(every_steps=every, keep=2, memory_replicas=1),
+                      elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60, restart_while_warming=False,
+                                               **elastic))
 
 
 def _loaded(events) -> dict:
@@ -44,10 +46,11 @@ def _loaded(events) -> dict:
 def _assert_equals_storage_restore(trainer, events, tmp_path):
     """Final parameters bit for bit those of the same attempts restored from storage."""
     spec = trainer.spec
-    segments = segments_from_events(events, STEPS)
+    steps = spec.run.steps
+    segments = segments_from_events(events, steps)
     assert len(segments) == 2, segments
     replay_root = replay(spec, segments, f"file://{tmp_path}/replay")
-    cmp = compare(mf.step_dir(spec.checkpoint_uri, STEPS), mf.step_dir(replay_root, STEPS))
+    cmp = compare(mf.step_dir(spec.checkpoint_uri, steps), mf.step_dir(replay_root, steps))
     assert cmp["bitwise_equal"], cmp
 
 
@@ -120,4 +123,47 @@ def test_a_shard_and_its_replica_both_lost_fall_back_to_storage(node_returns, da
     assert loaded["sources"]["storage"] >= 4 and loaded["sources"]["own_copy"] == loaded["sources"]["replica"] == 0
     assert len(loaded["fell_back"]) == 4 and all("no live keeper holds it" in why
                                                   for why in loaded["fell_back"].values()), loaded["fell_back"]
+    _assert_equals_storage_restore(trainer, events, tmp_path)
+
+
+def test_a_notice_shorter_than_the_upload_is_enough_the_replicas_upload_after_the_node_went(
+        node_returns, dataset_uri, tmp_path, monkeypatch):
+    """A 3 s spot notice, and every upload takes 5 s more (a slow link to storage): the
+    leaving node's ranks hand their shards to the other node's keeper and stop; the node
+    goes; the controller commits the step once that keeper's uploads are done, and the
+    restart resumes from it with no step lost (from memory)."""
+    import threading
+
+    from test_preemption_cluster import _drain
+
+    steps, notice_s = 20, 3.0
+    monkeypatch.setenv("RAYFLEX_SLOW_UPLOAD", f"1:5:{steps - 1}")  # not the final save: the test's end stays quick
+    # No save is timed before the notice (periodic saves are off): assume a quick one, so
+    # 3 s is judged enough (a step + 1 s + a 0.5 s margin).
+    monkeypatch.setenv("RAYFLEX_EMERGENCY_CHECKPOINT_DEFAULT_S", "1")
+    name = "mem-notice"
+    trainer = _trainer(dataset_uri, tmp_path, name, steps=steps, every=100, emergency_margin_s=0.5)
+    handle = trainer.submit()
+    st = wait_until_running(handle, 4)
+    node = next(iter(node_returns.worker_nodes))
+    assert any(w["node_id"] == node.node_id for w in st["workers"])
+    deadline = time.time() + notice_s
+    _drain(node_returns, node.node_id, notice_s)
+    timer = threading.Timer(max(0.0, deadline - time.time()), node_returns.remove_node, args=(node,))
+    timer.start()
+    try:
+        result = handle.wait(timeout_s=180)
+    finally:
+        timer.join()
+    assert result.status == "finished" and result.steps_completed == steps, result.status
+    events = run_events(tmp_path, name)
+    notice = next(e for e in events if e["kind"] == "preemption_notice")
+    assert notice["action"] == "emergency_checkpoint", notice
+    emergency = next(e for e in events if e["kind"] == "checkpoint_committed" and e["reason"] == "emergency")
+    assert emergency["upload"] == "replica_keepers" and emergency["total_s"] >= 5.0, emergency
+    assert emergency["time"] > deadline, "committed after the node went: its upload outlasted the notice"
+    restarted = next(e for e in events if e["kind"] == "restarted")
+    assert restarted["lost_steps"] == 0 and restarted["from_step"] == emergency["step"], restarted
+    loaded = _loaded(events)
+    assert loaded["step"] == emergency["step"] and loaded["sources"]["storage"] == 0, loaded
     _assert_equals_storage_restore(trainer, events, tmp_path)

@@ -21,6 +21,7 @@ from typing import Optional
 from rayflex.config import TrainSpec
 from rayflex.control.cluster import Clock, RayCluster
 from rayflex.control.context import RunContext
+from rayflex.control.handoff import commit_handed_off
 from rayflex.control.placing import place
 from rayflex.control.restarting import restart
 from rayflex.control.running import run_attempt
@@ -147,6 +148,8 @@ class Controller:
                               ("standby release", ctx.standby and ctx.standby.clear),
                               ("preemption watcher", ctx.watcher and ctx.watcher.close),
                               ("placement removal", ctx.reservation and ctx.reservation.remove),
+                              # before the keepers go: they may still be uploading it
+                              ("handed-off checkpoint", ctx.keepers and (lambda: commit_handed_off(ctx))),
                               ("replica keepers", ctx.keepers and ctx.keepers.clear)):
             if release:
                 try:

@@ -26,6 +26,10 @@ class StepLedger:
         self.last_checkpoint: Optional[dict] = None
         self.checkpoint_seconds: list[float] = []
         self._saves: list[tuple[int, float, float]] = []  # (step, blocked_s, total_s) of recent commits
+        # Memory replicas: how long recent saves took until every shard was in memory on
+        # another node, and an emergency save whose keepers upload it (the controller commits).
+        self.replication_seconds: list[float] = []
+        self.handed_off: Optional[dict] = None
         self.first_step_at: Optional[float] = None
         self._pending: dict[int, dict[int, Any]] = {}
         self._plan = None  # the mesh of the attempt whose records are pending
@@ -83,10 +87,18 @@ class StepLedger:
             costs.append(blocked + (0.0 if ended is None else steps_excess_s(lines, step + 1, ended + total, median)))
         return costs
 
+    def emergency_save_estimate_s(self) -> float:
+        """How long an emergency save keeps a leaving node: with memory replicas (once a
+        save measured it), until its shards are in memory on nodes that stay (their
+        keepers upload them afterwards); else the whole checkpoint."""
+        if self.spec.checkpoint.memory_replicas and self.replication_seconds:
+            return statistics.median(self.replication_seconds[-5:])
+        return self.checkpoint_estimate_s()
+
     def emergency_notice_s(self, margin_s: float) -> float:
         """The notice a spot preemption must give for an emergency checkpoint: finish the
         step under way, save, and keep ``margin_s`` spare."""
-        return self.step_time_estimate_s() + self.checkpoint_estimate_s() + margin_s
+        return self.step_time_estimate_s() + self.emergency_save_estimate_s() + margin_s
 
     # ----------------------------------------------------------------- writing
     def resume(self, lines: list[str]) -> int:
@@ -128,6 +140,16 @@ class StepLedger:
             self._finish_step(self._pending.pop(self.step + 1), plan, detector)
 
     def _checkpoint(self, ck: dict) -> None:
+        if ck.get("replicated_s") is not None:
+            self.replication_seconds.append(ck.get("blocked_s", 0.0) + ck["replicated_s"])
+            del self.replication_seconds[:-8]
+        if ck.get("handed_off"):
+            self.handed_off = ck  # committed by the controller (control.handoff), or never
+        else:
+            self.checkpoint_done(ck)
+
+    def checkpoint_done(self, ck: dict) -> None:
+        """A save ended (rank 0's report, or the controller's for a handed-off one)."""
         if ck.get("committed"):
             self.last_checkpoint = {"step": ck["step"], "uri": ck.get("uri")}
             self.committed_step = max(self.committed_step, ck["step"])

@@ -60,7 +60,7 @@ def handle_notices(ctx, loop) -> Optional[Fault]:
         ranks = sorted(r for r, n in group.node_of.items() if n == notice.node_id)
         ctx.excluded.add(notice.node_id)
         left = notice.seconds_left(ctx.clock.time())
-        step_s, estimate = ctx.ledger.step_time_estimate_s(), ctx.ledger.checkpoint_estimate_s()
+        step_s, estimate = ctx.ledger.step_time_estimate_s(), ctx.ledger.emergency_save_estimate_s()
         margin = ctx.spec.elastic.emergency_margin_s
         needed = ctx.ledger.emergency_notice_s(margin)
         base = dict(step=ctx.ledger.step, node_id=notice.node_id, deadline=notice.deadline, source=notice.source,
@@ -71,13 +71,14 @@ def handle_notices(ctx, loop) -> Optional[Fault]:
         elif loop.preempting is not None and left >= needed:
             ctx.record(ev.PreemptionNotice(**base, action="emergency_checkpoint",
                                            reason="joins the emergency checkpoint already under way"))
+            group.broadcast("request_stop", "preemption", sorted(ctx.excluded))  # its ranks' uploads go elsewhere too
         elif left >= needed:
             ctx.record(ev.PreemptionNotice(**base, action="emergency_checkpoint", reason=(
                 f"{left:.1f}s left >= {needed:.1f}s needed (a step {step_s:.2f}s + checkpoint "
                 f"{estimate:.2f}s + margin {margin:.1f}s)")))
             loop.preempting = notice
             loop.grow_to = None  # the restart after the checkpoint picks the size
-            group.broadcast("request_stop", "preemption")
+            group.broadcast("request_stop", "preemption", sorted(ctx.excluded))
             warm_standbys(ctx, ctx.best_size())  # the node's replacements start during the checkpoint
         else:  # too short, also beside an emergency checkpoint under way: that save cannot finish before the node goes
             why = (f"only {left:.1f}s left, an emergency checkpoint needs {needed:.1f}s: restoring the last "

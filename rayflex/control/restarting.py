@@ -11,6 +11,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from rayflex.constants import knob
+from rayflex.control.handoff import commit_handed_off
 from rayflex.control.states import Attempt, Failed, Placing, Restarting
 from rayflex.control.warming import warm_replacements, warm_standbys
 from rayflex.errors import RayflexError, WorkerError
@@ -33,6 +34,7 @@ def restart(ctx, state: Restarting):
     survivors = collect_survivors(ctx, attempt, set(fault.bad_ranks), raised,
                                   warm=(lambda: warm_replacements(ctx, node_of, gone)) if gone else None)
     _name_lost_nodes(ctx, fault, node_of, named=unreachable)
+    commit_handed_off(ctx)  # an emergency save's keepers upload it: committed before a step is chosen
     decision = ctx.policy.decide(kind=fault.kind, step=ctx.ledger.step + 1, committed_step=ctx.ledger.committed_step,
                                  usable_slots=ctx.usable_slots(), error=fault.error, diagnosis=fault.diagnosis)
     return follow_decision(ctx, decision, survivors, state.fault_time, lambda: worker_error(fault))

@@ -25,6 +25,7 @@ class ReplicaClient:
     def __init__(self, run: str, node_id: str):
         self.run, self.node_id = run, node_id
         self._handles: dict[str, Any] = {}
+        self.leaving_nodes: set[str] = set()  # nodes a spot notice named (``leaving``)
 
     def _keeper(self, node_id: str) -> Optional[Any]:
         import ray
@@ -53,30 +54,62 @@ class ReplicaClient:
         return out
 
     # ----------------------------------------------------------------- saving
-    def keep(self, step: int, name: str, data: bytes, *, digest: str, wait_for_replica: bool) -> bool:
-        """Give ``name`` of ``step`` to this node's keeper (which replicates it). Returns at
-        once unless ``wait_for_replica``: then only once a peer on another node holds it
-        (an emergency save, whose node may be gone before its upload ends). False when no
-        copy is known to be kept."""
+    def keep(self, step: int, name: str, data: bytes, *, digest: str, off_node: bool) -> list[str]:
+        """Give ``name`` of ``step`` to this node's keeper (which replicates it) and wait
+        until it holds it — with ``off_node``, also until its peers on other nodes do.
+        Returns the nodes whose keepers confirmed a copy (empty: storage only)."""
         keeper = self._keeper(self.node_id)
         if keeper is None:
             log.warning("no replica keeper on node %s: step %d %s is kept in storage only",
                         self.node_id[:12], step, name)
-            return False
+            return []
         import numpy as np
 
-        ref = keeper.put.remote(step, name, np.frombuffer(data, dtype=np.uint8), digest=digest,
-                                origin_node=self.node_id)
-        if not wait_for_replica:
-            return True
         timeout = knob("REPLICA_TIMEOUT_S")
         try:
-            got = self._get(ref, timeout)
-            replicated = [self._get(r, timeout).get("kept") for r in got["replicas"]]
+            got = self._get(keeper.put.remote(step, name, np.frombuffer(data, dtype=np.uint8), digest=digest,
+                                              origin_node=self.node_id), timeout)
         except Exception as e:  # noqa: BLE001 - a keeper gone or slow: storage still gets the file
-            log.warning("step %d %s: memory replica not confirmed (%s); storage only", step, name, e)
+            log.warning("step %d %s: not kept in memory (%s); storage only", step, name, e)
+            return []
+        holders = [self.node_id] if got.get("kept") else []
+        if not off_node:
+            return holders
+        for node, ref in zip(got.get("replica_nodes", []), got.get("replicas", [])):
+            try:
+                if self._get(ref, timeout).get("kept"):
+                    holders.append(node)
+            except Exception as e:  # noqa: BLE001 - that peer went: the others may hold it
+                log.warning("step %d %s: replica on %s not confirmed: %s", step, name, node[:12], e)
+        return holders
+
+    def leaving(self, nodes) -> None:
+        """``nodes`` are about to go (a spot notice): an emergency save hands its uploads
+        to keepers elsewhere."""
+        self.leaving_nodes = set(nodes or ())
+
+    def upload_keeper(self, holders: list[str]) -> Optional[str]:
+        """The node whose keeper should upload a file held on ``holders`` in an emergency
+        save: this node's if it stays, else a holder's that stays; None: upload it yourself."""
+        staying = [n for n in holders if n not in self.leaving_nodes]
+        if self.node_id in staying:
+            return self.node_id
+        return staying[0] if staying else None
+
+    def hand_off(self, node_id: str, step: int, name: str, uri: str) -> bool:
+        """Ask the keeper on ``node_id`` to upload its copy of ``name`` to ``uri``; True once
+        it accepted (the upload itself goes on after this rank is gone)."""
+        keeper = self._keeper(node_id)
+        if keeper is None:
             return False
-        return bool(got.get("kept")) and any(replicated)
+        try:
+            got = self._get(keeper.upload.remote(step, name, uri), knob("REPLICA_TIMEOUT_S"))
+        except Exception as e:  # noqa: BLE001 - that keeper went: upload it yourself
+            log.warning("step %d %s: keeper on %s did not take the upload: %s", step, name, node_id[:12], e)
+            return False
+        if not got["accepted"]:
+            log.warning("step %d %s: keeper on %s refused the upload: %s", step, name, node_id[:12], got["why"])
+        return bool(got["accepted"])
 
     def committed(self, step: int) -> None:
         """Tell every keeper ``step`` is committed (older steps are superseded)."""
@@ -138,7 +171,8 @@ class ReplicaClient:
 
     # ----------------------------------------------------------------- DCP's reader and writer
     def writer(self, path: str, *, step: int, emergency: bool, **options):
-        """DCP's writer for a save of ``step`` that also keeps each shard file in memory."""
+        """DCP's writer for a save of ``step`` that also keeps each shard file in memory
+        (``emergency``: and hands its upload to a keeper, see ``ReplicatingWriter``)."""
         from rayflex.replicas.dcp_io import ReplicatingWriter
 
         return ReplicatingWriter(path, step=step, client=self, emergency=emergency, **options)

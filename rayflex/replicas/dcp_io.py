@@ -63,23 +63,50 @@ class _KeepingFileSystem(PrefixFileSystem):
 
 
 class ReplicatingWriter(CheckpointWriter):
-    """``CheckpointWriter`` whose shard files also go to memory replicas (first, when
-    ``emergency``: a preempted node's shards are safe off it before the upload starts)."""
+    """``CheckpointWriter`` whose shard files also go to memory replicas: each is confirmed
+    on its node's keeper and its peers' (``kept``) before it is uploaded.
+
+    In an ``emergency`` save (a spot notice) the rank uploads nothing: it hands each file's
+    upload to a keeper that stays — its own node's if the node is not leaving, else a peer's
+    holding the confirmed replica — and is done once that keeper took it. A preempted node
+    then needs the notice to replicate, not to upload; the controller commits the step when
+    the keepers' uploads are done (``storage.checkpoint.commit_handed_off``). A file no
+    keeper can take is uploaded by the rank as usual.
+    """
 
     def __init__(self, path: str, *, step: int, client, emergency: bool = False, **kwargs) -> None:
         super().__init__(path, **kwargs)
-        self.step, self.client, self.emergency = step, client, emergency
+        self.uri, self.step, self.client, self.emergency = path, step, client, emergency
         self.fs = _KeepingFileSystem(self.fs.fs, self._keep_and_upload)
-        self.kept: dict[str, bool] = {}  # shard file -> a memory copy was handed over (confirmed, if emergency)
+        self.kept: dict[str, list[str]] = {}  # shard file -> nodes whose keepers confirmed a copy
+        self.handed_off: dict[str, str] = {}  # shard file -> node whose keeper uploads it
+        self.kept_until: Optional[float] = None  # time.time() when the last file was confirmed in memory
+        self.upload_delay_s = 0.0  # test fault injection: a slow link to storage (RAYFLEX_SLOW_UPLOAD)
+
+    @property
+    def off_node(self) -> bool:
+        """Every shard file of this rank has a confirmed copy on another node."""
+        return bool(self.kept) and all(any(n != self.client.node_id for n in nodes) for nodes in self.kept.values())
 
     def _keep_and_upload(self, path: str, data: bytes) -> None:
         name = path.rsplit("/", 1)[-1]
         digest = digest_of(data)
+        leaving = self.client.node_id in self.client.leaving_nodes
         try:
-            self.kept[name] = self.client.keep(self.step, name, data, digest=digest, wait_for_replica=self.emergency)
+            # An emergency save on a node that stays needs only its own node's copy.
+            self.kept[name] = self.client.keep(self.step, name, data, digest=digest,
+                                               off_node=leaving or not self.emergency)
         except Exception as e:  # noqa: BLE001 - memory is an extra: storage is the checkpoint
             log.warning("step %d %s: not kept in memory: %s", self.step, name, e)
-            self.kept[name] = False
+            self.kept[name] = []
+        self.kept_until = max(self.kept_until or 0.0, time.time())
+        if self.emergency:
+            target = self.client.upload_keeper(self.kept[name])
+            if target is not None and self.client.hand_off(target, self.step, name, rfs.join(self.uri, name)):
+                self.handed_off[name] = target
+                return
+        if self.upload_delay_s:
+            time.sleep(self.upload_delay_s)
         fs = self.fs.fs
         rfs.with_retries(lambda: fs.pipe_file(path, data), what=f"write {rfs.redact_uri(path)}")
         rfs.with_retries(lambda: fs.pipe_file(path + DIGEST_SUFFIX, digest.encode()),

@@ -12,6 +12,11 @@ previous commit superseded goes at once, and a file that fits in no budget is re
 restore then reads it from storage). A plain class: ``ray.remote`` at spawn time
 (``replicas.keepers``) makes it an actor, and unit tests use it as is.
 
+In an emergency save (a spot notice) a rank hands the *upload* of its file to a keeper
+off its leaving node (``upload``): the rank is done once its bytes are in memory on a node
+that stays, and the keeper writes them to storage while the node goes; the controller
+commits the step once every keeper's uploads of it are done (``uploads``).
+
 Bytes travel as uint8 numpy arrays: Ray moves those through the object store without
 pickling copies (one copy in, and a reader on the same node maps the result without
 another), which is what makes a restore from memory several times faster than storage.
@@ -23,6 +28,8 @@ import hashlib
 import logging
 import os
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,6 +38,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 PRIMARY, REPLICA = "primary", "replica"  # a copy on the node that saved it / on a peer
+PENDING, UPLOADED = "pending", "uploaded"  # a handed-off upload's state (else "failed: <why>")
 DEFAULT_BUDGET_FRACTION = 0.25  # of the node's RAM when CheckpointConfig.memory_budget_gb is None
 
 
@@ -49,7 +57,11 @@ class Shard:
 
 
 class ReplicaKeeper:
-    def __init__(self, run: str, node_id: str, budget_bytes: Optional[int] = None):
+    def __init__(self, run: str, node_id: str, budget_bytes: Optional[int] = None,
+                 knobs: Optional[dict[str, str]] = None):
+        from rayflex.constants import adopt_knobs
+
+        adopt_knobs(knobs)  # the controller's RAYFLEX_* settings (storage endpoint, test faults)
         self.run, self.node_id = run, node_id
         self.budget_bytes = int(budget_bytes) if budget_bytes else default_budget_bytes()
         self._shards: dict[int, dict[str, Shard]] = {}  # step -> file name -> shard
@@ -64,6 +76,8 @@ class ReplicaKeeper:
         # the copies cost the node. RSS also counts object-store pages a call mapped, which
         # are the object store's memory, shared and freed with the call.
         self.baseline_private = self.peak_private = _private_bytes()
+        self._uploads: dict[int, dict[str, str]] = {}  # step -> file name -> PENDING / UPLOADED / failed
+        self._upload_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rayflex-replica-upload")
 
     # ----------------------------------------------------------------- peers
     def set_peers(self, peers: list[Any], peer_nodes: list[str]) -> None:
@@ -78,26 +92,29 @@ class ReplicaKeeper:
     def put(self, step: int, name: str, data, *, digest: str, origin_node: str,
             role: str = PRIMARY) -> dict:
         """Keep ``name`` of ``step``; a primary is forwarded to every peer. Returns what
-        happened and, for a primary, the refs of the peers' ``put``s (a caller that must
-        know the replica landed — an emergency save — waits on them)."""
+        happened and, for a primary, the refs of the peers' ``put``s and their nodes (a
+        caller that must know where the replicas landed waits on them)."""
         data = np.frombuffer(data, dtype=np.uint8)
         got = digest_of(data)
         if got != digest:  # damaged in transit: keeping it would only poison a restore
             self.refused.append({"step": step, "file": name, "why": "digest mismatch on arrival"})
-            return {"kept": False, "why": "digest mismatch on arrival", "replicas": []}
+            return {"kept": False, "why": "digest mismatch on arrival", "replicas": [], "replica_nodes": []}
         # The argument is a view of the object store's buffer: the keeper's own copy is what it keeps.
         owned = data.copy()
         kept, why = self._admit(step, name, Shard(owned, digest, role, origin_node))
         self._note_memory()
-        replicas = []
+        replicas, replica_nodes = [], []
         if role == PRIMARY:
-            for peer in list(self._peers):
+            with self._lock:
+                peers = list(zip(self._peers, self._peer_nodes))
+            for peer, peer_node in peers:
                 try:
                     replicas.append(peer.put.remote(step, name, owned, digest=digest, origin_node=origin_node,
                                                     role=REPLICA))
+                    replica_nodes.append(peer_node)
                 except Exception as e:  # noqa: BLE001 - a peer gone with its node: the next placement replaces it
                     log.warning("keeper %s: replica of %s (step %d) not sent: %s", self.node_id[:12], name, step, e)
-        return {"kept": kept, "why": why, "replicas": replicas}
+        return {"kept": kept, "why": why, "replicas": replicas, "replica_nodes": replica_nodes}
 
     def _admit(self, step: int, name: str, shard: Shard) -> tuple[bool, str]:
         # A file costs twice its size while it arrives (the object store's buffer it came
@@ -110,7 +127,7 @@ class ReplicaKeeper:
                 self.held_bytes -= len(old.data)
             # Older steps make room, oldest first, but only for a file that then fits: the
             # step being written is never evicted for itself.
-            older = sorted(s for s in self._shards if s < step)
+            older = sorted(s for s in self._shards if s < step and not self._uploading(s))
             reclaimable = sum(len(sh.data) for s in older for sh in self._shards[s].values())
             if self.held_bytes - reclaimable + need <= self.budget_bytes:
                 for victim in older:
@@ -136,14 +153,58 @@ class ReplicaKeeper:
     def committed(self, step: int) -> None:
         """``step`` is committed in storage: every older step is superseded."""
         with self._lock:
-            for old in [s for s in self._shards if s < step]:
+            for old in [s for s in self._shards if s < step and not self._uploading(s)]:
                 self._drop_step(old)
+            for old in [s for s in self._uploads if s < step]:
+                self._uploads.pop(old)
 
     def drop_after(self, step: int) -> None:
         """A restart resumes from ``step``: later steps were never committed (or were rolled back)."""
         with self._lock:
-            for newer in [s for s in self._shards if s > step]:
+            for newer in [s for s in self._shards if s > step and not self._uploading(s)]:
                 self._drop_step(newer)
+
+    # ----------------------------------------------------------------- handed-off uploads
+    def upload(self, step: int, name: str, uri: str) -> dict:
+        """Write the kept ``name`` of ``step`` to ``uri`` (and its digest sidecar) in the
+        background; ``{"accepted": bool, "why": str}`` at once. The file stays held while
+        it uploads: ``committed``/``drop_after`` never drop a step with an upload pending."""
+        with self._lock:
+            shard = self._shards.get(step, {}).get(name)
+            if shard is None:
+                return {"accepted": False, "why": f"no {name} of step {step} held on node {self.node_id[:12]}"}
+            self._uploads.setdefault(step, {})[name] = PENDING
+        self._upload_pool.submit(self._upload, step, name, uri, shard)
+        return {"accepted": True, "why": ""}
+
+    def _upload(self, step: int, name: str, uri: str, shard: Shard) -> None:
+        from rayflex.constants import slow_upload
+        from rayflex.replicas.holders import DIGEST_SUFFIX
+        from rayflex.storage import fs as rfs
+
+        try:
+            fault = slow_upload()  # test fault injection: a slow link to storage
+            if fault is not None and fault.applies_to(step):
+                time.sleep(fault.seconds)
+            fs, path = rfs.resolve(uri)
+            data = shard.data.tobytes()
+            rfs.with_retries(lambda: fs.pipe_file(path, data), what=f"write {rfs.redact_uri(uri)}")
+            rfs.with_retries(lambda: fs.pipe_file(path + DIGEST_SUFFIX, shard.digest.encode()),
+                             what=f"write {rfs.redact_uri(uri)}{DIGEST_SUFFIX}")
+            state = UPLOADED
+        except Exception as e:  # noqa: BLE001 - reported to the controller, which then does not commit
+            log.error("keeper %s: upload of step %d %s failed: %s", self.node_id[:12], step, name, e)
+            state = f"failed: {type(e).__name__}: {e}"
+        with self._lock:
+            self._uploads.setdefault(step, {})[name] = state
+
+    def uploads(self, step: int) -> dict[str, str]:
+        """The handed-off uploads of ``step``: file name -> PENDING, UPLOADED or "failed: ..."."""
+        with self._lock:
+            return dict(self._uploads.get(step, {}))
+
+    def _uploading(self, step: int) -> bool:
+        return PENDING in self._uploads.get(step, {}).values()
 
     # ----------------------------------------------------------------- restoring
     def inventory(self, step: int) -> dict[str, dict]:

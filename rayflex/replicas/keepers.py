@@ -38,6 +38,7 @@ class KeeperSet:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from rayflex.constants import knob_env
         from rayflex.replicas.keeper import ReplicaKeeper
 
         alive = {n.node_id for n in topology.nodes}
@@ -50,7 +51,7 @@ class KeeperSet:
             actor = ray.remote(ReplicaKeeper).options(
                 name=keeper_name(self.run, node), num_cpus=0, max_concurrency=8, max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False),
-            ).remote(self.run, node, self.budget_bytes)
+            ).remote(self.run, node, self.budget_bytes, knob_env())
             self.keepers[node] = actor
         peers = choose_peers(topology, sorted(self.keepers), self.copies)  # every keeper left is on a live node
         for node, chosen in peers.items():
@@ -71,6 +72,36 @@ class KeeperSet:
             except Exception as e:  # noqa: BLE001 - dead keeper
                 out[node] = {"error": f"{type(e).__name__}: {e}"}
         return out
+
+    def wait_uploads(self, step: int, timeout_s: float, poll_s: float = 0.2) -> dict[str, str]:
+        """Wait until no live keeper has an upload of ``step`` pending (an emergency save
+        handed them over); returns file name -> final state (``keeper.UPLOADED`` or
+        "failed: ..."; still PENDING if ``timeout_s`` ran out). A keeper that died took
+        its pending files with it: they are absent here, and the step's check against
+        DCP's ``.metadata`` names them."""
+        import time
+
+        import ray
+
+        from rayflex.replicas.keeper import PENDING
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states: dict[str, str] = {}
+            refs = {node: k.uploads.remote(step) for node, k in self.keepers.items()}
+            for node, ref in refs.items():
+                try:
+                    states.update(ray.get(ref, timeout=max(1.0, deadline - time.monotonic())))
+                except Exception as e:  # noqa: BLE001 - gone with its node
+                    log.warning("replica keeper on %s did not report its uploads: %s", node[:12], e)
+            if PENDING not in states.values() or time.monotonic() >= deadline:
+                return states
+            time.sleep(poll_s)
+
+    def committed(self, step: int) -> None:
+        """``step`` is committed: every keeper drops the older steps."""
+        for actor in self.keepers.values():
+            actor.committed.remote(step)
 
     def clear(self) -> None:
         import ray

@@ -290,7 +290,8 @@ class AsyncCheckpointer:
                 upload_process.prewarm_uploader()
                 block = None
         if block is None and self.replicas is not None:
-            # An emergency save's shards are safe off its (preempted) node before the upload starts.
+            # An emergency save's ranks hand their uploads to keepers that stay (the commit
+            # is then the controller's, once those uploads are done: commit_handed_off).
             writer = self.replicas.writer(path, step=step, emergency=reason == "emergency", **options)
         elif block is None:
             writer = CheckpointWriter(path, **options)
@@ -314,17 +315,28 @@ class AsyncCheckpointer:
         report = {"step": step, "reason": reason, "blocked_s": blocked, "bytes": nbytes, "uri": path,
                   "state_dict_s": t_sd - t0, "waited_for_previous_s": waited,
                   "upload": "process" if block is not None else ("thread" if self.use_async else "sync")}
-        self._inflight = self._finisher.submit(self._finish, upload, report, extra, time.time())
+        self._inflight = self._finisher.submit(self._finish, upload, report, extra, time.time(), writer)
         if not self.use_async:
             reports += self.wait()
         return reports
 
-    def _finish(self, upload: Future, report: dict, extra: dict, started: float) -> dict:
+    def _finish(self, upload: Future, report: dict, extra: dict, started: float, writer: Any = None) -> dict:
         try:
             upload.result()
-            if self.rank == 0:
-                self._commit(report["step"], extra)
-            report["committed"] = True
+            if getattr(writer, "off_node", False):  # how long a notice must be to save this way
+                report["replicated_s"] = writer.kept_until - started
+            if getattr(writer, "emergency", False):
+                # Uploads were handed to keepers: the controller commits once they are done.
+                if self.rank == 0:
+                    _write_bytes(fs_join(mf.step_dir(self.root, report["step"]), EXTRA_FILE),
+                                 json.dumps(extra).encode())
+                    report["handed_off"] = {"world_size": getattr(self.mesh, "world_size", 1),
+                                            "mesh": self._mesh_dims(), "keep": self.keep}
+                report["committed"] = False
+            else:
+                if self.rank == 0:
+                    self._commit(report["step"], extra)
+                report["committed"] = True
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException;
@@ -370,16 +382,13 @@ class AsyncCheckpointer:
     def _commit(self, step: int, extra: dict) -> None:
         # Written before the marker so the manifest's checksums cover it too.
         _write_bytes(fs_join(mf.step_dir(self.root, step), EXTRA_FILE), json.dumps(extra).encode())
-        mesh = {name: getattr(self.mesh, name, 1) for name in ("pp", "dp", "tp", "dp_replicate")}
-        world = getattr(self.mesh, "world_size", 1)
-        mf.commit(self.root, step, world_size=world, mesh=mesh, extra={"reason": "rayflex"})
+        commit_step(self.root, step, world_size=getattr(self.mesh, "world_size", 1), mesh=self._mesh_dims(),
+                    keep=self.keep)
         if self.replicas is not None:
             self.replicas.committed(step)  # the older steps' memory copies are superseded
-        try:
-            mf.apply_retention(self.root, self.keep)
-            mf.gc_uncommitted(self.root)
-        except Exception as e:  # noqa: BLE001 - housekeeping must not fail a committed save
-            log.warning("checkpoint housekeeping failed: %s", e)
+
+    def _mesh_dims(self) -> dict[str, int]:
+        return {name: getattr(self.mesh, name, 1) for name in ("pp", "dp", "tp", "dp_replicate")}
 
     # ----------------------------------------------------------------- load
     def load_latest(self, state: TrainState) -> Optional[dict]:
@@ -436,6 +445,33 @@ class AsyncCheckpointer:
         return info
 
 
+def commit_step(root: str, step: int, *, world_size: int, mesh: dict, keep: int) -> None:
+    """Commit ``step`` (every file of it written), then drop what retention no longer keeps."""
+    mf.commit(root, step, world_size=world_size, mesh=mesh, extra={"reason": "rayflex"})
+    try:
+        mf.apply_retention(root, keep)
+        mf.gc_uncommitted(root)
+    except Exception as e:  # noqa: BLE001 - housekeeping must not fail a committed save
+        log.warning("checkpoint housekeeping failed: %s", e)
+
+
+def commit_handed_off(root: str, step: int, *, world_size: int, mesh: dict, keep: int) -> None:
+    """Commit an emergency save whose uploads keepers finished (the ranks are gone): only
+    if every shard file DCP's ``.metadata`` names is in storage, whole; else CheckpointError
+    naming what is missing (the step then stays uncommitted and is never loaded)."""
+    from rayflex.storage.dcp_io import missing_shard_files
+
+    step_uri = mf.step_dir(root, step)
+    missing = missing_shard_files(step_uri)
+    if missing:
+        raise CheckpointError(f"step {step} cannot be committed: {'; '.join(missing)}")
+    try:
+        _read_bytes(fs_join(step_uri, EXTRA_FILE))
+    except FileNotFoundError:
+        raise CheckpointError(f"step {step} cannot be committed: {EXTRA_FILE} is missing (rank 0 did not finish)")
+    commit_step(root, step, world_size=world_size, mesh=mesh, keep=keep)
+
+
 def _low_priority(fn: Callable) -> Callable:
     """Run ``fn`` with this thread's CPU priority lowered (``RAYFLEX_UPLOAD_NICE``, Linux):
     serializing and sending shards then uses the cycles training leaves idle instead of
@@ -482,6 +518,9 @@ def _maybe_slow_upload(writer, step: int) -> None:
     variable across restarts, so a bound keeps the saves after a recovery fast."""
     fault = slow_upload()
     if fault is None or not fault.applies_to(step):
+        return
+    if hasattr(writer, "upload_delay_s"):  # a replicating writer: its upload, not its memory copy, is slow
+        writer.upload_delay_s = fault.seconds
         return
     original = writer.write_data
 

@@ -36,3 +36,27 @@ class CheckpointWriter(FsspecWriter):
         fs.fs = self.fs.fs  # the instance DCP already made from these options
         self.fs = fs
 
+
+
+def missing_shard_files(step_uri: str) -> list[str]:
+    """What keeps the DCP checkpoint at ``step_uri`` from being whole: its ``.metadata``
+    absent, or a shard file it names absent or shorter than the bytes it places there."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    from rayflex.storage.manifest import file_sizes
+
+    try:
+        metadata = FsspecReader(step_uri, **rfs.fsspec_kwargs(step_uri)).read_metadata()
+    except FileNotFoundError:
+        return [".metadata is missing (DCP's save did not finish)"]
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    sizes = file_sizes(step_uri)
+    problems = []
+    for name, size in sorted(needed.items()):
+        if name not in sizes:
+            problems.append(f"{name} is missing")
+        elif sizes[name] < size:
+            problems.append(f"{name} has {sizes[name]} bytes, .metadata places data up to byte {size}")
+    return problems

@@ -154,6 +154,13 @@ def _list_files(fs, path: str) -> dict:
     return out
 
 
+def file_sizes(uri: str, options: Optional[StorageOptions] = None) -> dict[str, int]:
+    """relpath -> size of every file under ``uri`` (fresh: not a cached listing)."""
+    fs, path = resolve(uri, options)
+    found = with_retries(lambda: _list_files(fs, path), what=f"list {redact_uri(uri)}")
+    return {rel: int(info["size"]) for rel, info in found.items()}
+
+
 def _etag(info: dict) -> Optional[str]:
     value = info.get("ETag") or info.get("etag")
     return str(value).strip('"') if value else None

@@ -570,9 +570,14 @@ class TrainWorker:
         return flight_recorder.read_flight_record(self.rank, self._step, self._phase, self._group_labels,
                                                   self._attempt_start, list(self._step_starts), self._p2p_log)
 
-    def request_stop(self, reason: str = "stop") -> None:
+    def request_stop(self, reason: str = "stop", leaving_nodes: Optional[list[str]] = None) -> None:
         """Stop at the next step boundary (agreed by every rank), leaving a checkpoint there
-        (``reason="preemption"``: even if periodic checkpoints are off)."""
+        (``reason="preemption"``: even if periodic checkpoints are off; ``leaving_nodes``:
+        the nodes the notices named, whose ranks hand their uploads to memory replicas
+        elsewhere)."""
+        replicas = getattr(getattr(self, "checkpointer", None), "replicas", None)
+        if leaving_nodes and replicas is not None:
+            replicas.leaving(leaving_nodes)
         self._stop_reason = reason
         self._stop.set()
 
