@@ -45,9 +45,11 @@ class RestoreRank:
         from rayflex.storage.fs import fsspec_kwargs
 
         writer = ReplicatingWriter(uri, step=1, client=ReplicaClient(self.run, self.node_id),
-                                   emergency=True, single_file_per_rank=True, sync_files=False, **fsspec_kwargs(uri))
+                                   single_file_per_rank=True, sync_files=False, **fsspec_kwargs(uri))
         t0 = time.perf_counter()
         dcp.save(self.state, storage_writer=writer)
+        if not writer.off_node:  # every copy confirmed (own node and the peer) before the upload
+            raise RuntimeError(f"not kept on both nodes: {writer.kept}")
         return {"save_s": time.perf_counter() - t0, "kept": writer.kept, "bytes": self.nbytes}
 
     def load(self, uri: str, source: str) -> dict:

@@ -250,13 +250,7 @@ def _gather(refs: list, timeout_s: float, phase: str, ranks: Optional[list] = No
             except RayActorError as e:
                 dead[rank_of[ref]] = _short_error(e)
             except Exception as e:  # noqa: BLE001 - re-raised below unless a rank died
-                if "EADDRINUSE" in str(e):
-                    # Rank 0's rendezvous port, free when node_info chose it, was taken before
-                    # its TCPStore bound it (another process on the node): a failed start of
-                    # this attempt, retried with a new port — not an error of the run.
-                    dead[rank_of[ref]] = f"rendezvous port taken: {_short_error(e)}"
-                else:
-                    raised = raised or e
+                raised = raised or e
         if pinger is not None and pending and not dead:
             frozen = pinger.silent()
     if frozen:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -114,10 +114,12 @@ class ProcessGroups:
         self.sockets.register(dist.distributed_c10d._get_default_store(), rank, world_size)
 
 
-def open_process_groups(layout: ProcessGroupLayout, *, init_method: str, rank: int, world_size: int,
-                        timeout: timedelta, device: Optional[torch.device] = None) -> ProcessGroups:
-    """Join the default group, then create the control (if the layout has one) and
-    checkpoint groups, in that order on every rank.
+def open_process_groups(layout: ProcessGroupLayout, *, rank: int, world_size: int, timeout: timedelta,
+                        init_method: Optional[str] = None, store: Optional[Callable[[], Any]] = None,
+                        device: Optional[torch.device] = None) -> ProcessGroups:
+    """Join the default group (through ``store()``, a rendezvous store factory, or
+    ``init_method``), then create the control (if the layout has one) and checkpoint
+    groups, in that order on every rank.
 
     ``device``: the CUDA device this rank trains on is made current first, so NCCL and
     the device mesh use it (the mesh would otherwise guess ``rank % device_count``, or
@@ -130,8 +132,10 @@ def open_process_groups(layout: ProcessGroupLayout, *, init_method: str, rank: i
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
     sockets = GlooSockets() if layout.default_is_gloo else None
-    dist.init_process_group(layout.default_backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timeout)
+    # ``store`` (rendezvous.rendezvous_store): made here, after the snapshot, so its
+    # connections count as the default group's, as init_method's would.
+    dist.init_process_group(layout.default_backend, init_method=init_method, store=store() if store else None,
+                            rank=rank, world_size=world_size, timeout=timeout)
     if sockets is None:
         sockets = GlooSockets()
     control = dist.new_group(backend=layout.control_backend) if layout.control_backend else None

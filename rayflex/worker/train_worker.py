@@ -9,6 +9,7 @@ each step, so ranks agree on the step boundary where it happens.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ import torch
 from rayflex.data.dataset import Prefetcher, open_dataset
 from rayflex.data.sampler import SAMPLE_ORDER
 from rayflex.worker.process_groups import open_process_groups, process_group_layout
+from rayflex.worker.rendezvous import RendezvousPort, rendezvous_store
 from rayflex.worker.instrument import ActivationCounter, pipeline_wait_timer
 from rayflex.mesh.plan import MeshPlan
 from rayflex.worker import flight_recorder
@@ -148,6 +150,7 @@ class TrainWorker:
         from rayflex.constants import adopt_knobs
 
         adopt_knobs(knobs)
+        self._rendezvous: Optional[RendezvousPort] = None  # rank 0: the port node_info offered, held
         # Before the first process group: torch reads the size once per process.
         self._p2p_log = (flight_recorder.P2PLog.install(spec.elastic.flight_recorder)
                          if flight_recorder.enable(spec.elastic.flight_recorder) else None)
@@ -218,8 +221,12 @@ class TrainWorker:
                 ip = ray.util.get_node_ip_address()
             except Exception:
                 ip = "127.0.0.1"
-        return {"rank": self.rank, "node_id": self.node_id, "ip": ip, "pid": os.getpid(),
-                "port": free_port() if self.rank == 0 else None}
+        if self._rendezvous is not None:  # offered for an attempt that never set up
+            self._rendezvous.close()
+        # Rank 0's port is held (bound, listening) until this attempt's setup serves the store on it.
+        self._rendezvous = RendezvousPort() if self.rank == 0 else None
+        port = self._rendezvous.port if self._rendezvous is not None else None
+        return {"rank": self.rank, "node_id": self.node_id, "ip": ip, "pid": os.getpid(), "port": port}
 
     def ping(self) -> int:
         """Liveness while a setup call runs on another actor thread (the controller names
@@ -241,11 +248,12 @@ class TrainWorker:
         # device's backend, a gloo control group for host scalars where that backend cannot
         # take them (NCCL), and the checkpoint's own gloo group (DCP runs in a background
         # thread, so its collectives must never interleave with training's).
-        self.groups = open_process_groups(process_group_layout(self.device.type),
-                                          init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                                          world_size=self.plan.world_size,
-                                          timeout=timedelta(seconds=knob("COLLECTIVE_TIMEOUT_S")),
-                                          device=self.device)
+        timeout = timedelta(seconds=knob("COLLECTIVE_TIMEOUT_S"))
+        store = functools.partial(rendezvous_store, master_addr, master_port, rank=self.rank,
+                                  world_size=self.plan.world_size, timeout=timeout,
+                                  held=self._rendezvous)
+        self.groups = open_process_groups(process_group_layout(self.device.type), store=store, rank=self.rank,
+                                          world_size=self.plan.world_size, timeout=timeout, device=self.device)
         self._gloo = self.groups.sockets
         self.ckpt_group = self.groups.checkpoint
         t_pg = time.time()
