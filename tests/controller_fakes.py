@@ -297,9 +297,11 @@ class FakeGroup:
             act(self)
         self.cluster.on_release = []
         leaving = getattr(self.cluster, "die_while_leaving", ())  # a test kills these as they leave
+        uploading = frozenset(getattr(self.cluster, "upload_while_leaving", ()))  # these still upload
         return Release(left=frozenset(r for r in ranks if self._live(r) and not self.actors[r].frozen
-                                      and r not in leaving),
-                       died={r: "ActorDiedError: the actor died" for r in ranks if not self._live(r) or r in leaving})
+                                      and r not in leaving and r not in uploading),
+                       died={r: "ActorDiedError: the actor died" for r in ranks if not self._live(r) or r in leaving},
+                       uploading=uploading & frozenset(ranks))
 
     def shutdown(self, graceful_s: float = 5.0) -> None:
         self.kill(range(len(self.actors)))

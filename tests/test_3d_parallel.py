@@ -143,7 +143,7 @@ def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, job
                      "restored": (info["restored"] or {}).get("step"), "mesh": plan.describe(),
                      # this rank's piece of a qkv weight: rows split over tp, then over dp by FSDP
                      "qkv": (tuple(qkv.shape), tuple(qkv.to_local().shape), [str(p) for p in qkv.placements])}
-        assert worker.release(10, 0)
+        assert worker.release(10, 0) == "left"
     return out
 
 

@@ -232,6 +232,18 @@ def test_a_worker_that_freezes_while_leaving_the_failed_attempt_is_named_as_a_ha
     assert result["status"] == "finished" and result["world_size"] == 4
 
 
+def test_a_survivor_still_uploading_is_replaced_without_being_called_a_hang(tmp_path):
+    def kill_while_rank_0_uploads(group):
+        kill_rank(1)(group)
+        group.cluster.upload_while_leaving = (0,)
+
+    spec = _spec(tmp_path, every=2, restart_while_warming=False)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, kill_while_rank_0_uploads)])
+    assert _timeline(c).of(ev.HangDetected) == [], "it left; only its process is not reused"
+    assert _timeline(c).of(ev.Restarted)[0].reused_workers == 2, "the uploading leaver is not reused"
+    assert result["status"] == "finished" and result["world_size"] == 4
+
+
 class _InlineExecutor:
     """Runs each submitted call at once (the recorder's background writes, under a fake clock)."""
 

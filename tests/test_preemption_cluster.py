@@ -15,7 +15,9 @@ from rayflex.testing.reference import single_process_losses
 from conftest import loopback_cluster, run_events, small_gpt, wait_until_running
 
 pytestmark = pytest.mark.cluster
-STEPS = 40  # long enough that a notice is acted on mid-run even when steps are quick
+# Long enough that a notice is acted on mid-run even when steps are quick: on an idle
+# machine a step takes ~0.04 s, and 40 steps were over before a metadata notice was seen.
+STEPS = 120
 
 
 def _trainer(dataset_uri, tmp_path, name, *, every=100, steps=STEPS, **elastic):
@@ -39,6 +41,20 @@ def _drain(cluster, node_id, seconds):
     ok, why = gcs.drain_node(node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
                              "spot termination (test)", int((time.time() + seconds) * 1000))
     assert ok, why
+
+
+def preempt_and_wait(cluster, node_id, notice_s, handle, timeout_s):
+    """A spot notice for ``node_id``, the node removed at its deadline (the cloud takes it),
+    and the run's result; returns (result, deadline)."""
+    deadline = time.time() + notice_s
+    _drain(cluster, node_id, notice_s)
+    victim = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+    timer = threading.Timer(max(0.0, deadline - time.time()), cluster.remove_node, args=(victim,))
+    timer.start()
+    try:
+        return handle.wait(timeout_s=timeout_s), deadline
+    finally:
+        timer.join()
 
 
 def _assert_emergency(events, node_id, result, trainer, notice_time, deadline):
@@ -99,16 +115,7 @@ def test_drain_notice_triggers_emergency_checkpoint(three_nodes, dataset_uri, tm
     handle = trainer.submit()
     node = _worker_node(wait_until_running(handle, 4), head)
     noticed_at = time.time()
-    deadline = noticed_at + 10
-    _drain(three_nodes, node, 10)
-    # The cloud takes the node at the deadline.
-    victim = next(n for n in three_nodes.list_all_nodes() if n.node_id == node)
-    timer = threading.Timer(max(0.0, deadline - time.time()), three_nodes.remove_node, args=(victim,))
-    timer.start()
-    try:
-        result = handle.wait(timeout_s=240)
-    finally:
-        timer.join()
+    result, deadline = preempt_and_wait(three_nodes, node, 10, handle, timeout_s=240)
     _assert_emergency(run_events(tmp_path, "drain"), node, result, trainer, noticed_at, deadline)
 
 
@@ -150,7 +157,7 @@ def test_metadata_endpoint_notice_triggers_emergency_checkpoint(three_nodes, dat
         head = ray.get_runtime_context().get_node_id()
         # Longer than the others: the notice agents (one small actor per node) must be up
         # and polling before the run would end.
-        trainer = _trainer(dataset_uri, tmp_path, "imds", steps=48, watch_ray_drain=False, metadata_url=url)
+        trainer = _trainer(dataset_uri, tmp_path, "imds", watch_ray_drain=False, metadata_url=url)
         handle = trainer.submit()
         node = _worker_node(wait_until_running(handle, 4), head)
         noticed_at = time.time()

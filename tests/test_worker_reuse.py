@@ -38,7 +38,7 @@ def test_renumbered_process_checkpoints_its_own_shards(dataset_uri, tmp_path):
             for r in got["runs"]:
                 assert r.get("state") == "done" and r["step"] == steps, r
                 assert not r["checkpoint_errors"], r["checkpoint_errors"][0][-600:]
-            assert got["released"] == [True] * len(order)
+            assert got["released"] == ["left"] * len(order)
 
     from rayflex.storage import manifest as mf
 
@@ -78,7 +78,7 @@ def test_a_process_still_uploading_is_not_offered_for_reuse(dataset_uri, running
     upload gets a second to fail."""
     import rayflex as rf
     from rayflex.mesh.plan import plan_mesh
-    from rayflex.worker.status import WorkerState
+    from rayflex.worker.status import Leaving, WorkerState
     from rayflex.worker.train_worker import TrainWorker
 
     spec = rf.Trainer(model=small_gpt(), data=rf.DataConfig(uri=dataset_uri, seq_len=SEQ_LEN, global_batch=4),
@@ -91,7 +91,8 @@ def test_a_process_still_uploading_is_not_offered_for_reuse(dataset_uri, running
     finally:
         torch.set_num_threads(threads)  # a worker sets its own; this is the test's process
     upload = worker.checkpointer = _Upload(running)
-    assert worker.release(timeout_s=2.0, checkpoint_grace_s=0.0, abort=True) is (not running)
+    assert worker.release(timeout_s=2.0, checkpoint_grace_s=0.0, abort=True) == \
+        (Leaving.UPLOADING if running else Leaving.LEFT)
     assert max(upload.waited) >= 1.0
     assert (worker._state == WorkerState.RELEASED) is (not running)
     if not running:

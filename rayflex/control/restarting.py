@@ -141,6 +141,9 @@ def collect_survivors(ctx, attempt: Attempt, bad_ranks: set[int], raised: frozen
         if r in released.died:  # a second fault while the first is handled: named like the first
             ctx.record(ev.WorkerDied(step=ctx.ledger.step, rank=r, node_id=group.node_of.get(r, ""),
                                      error=f"while leaving the failed attempt: {released.died[r]}"))
+        elif r in released.uploading:  # it left; its process goes with the upload it still ran
+            log.info("rank %d left the failed attempt with a checkpoint upload still running; its process is "
+                     "replaced", r)
         elif r not in released.left:  # frozen (or stuck) while leaving: named as a hang, then replaced
             timeout_s = knob("RELEASE_TIMEOUT_S")
             log.warning("rank %d did not leave the failed attempt within %.0fs; killing it", r, timeout_s)

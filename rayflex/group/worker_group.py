@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 from rayflex.mesh.plan import MeshPlan
 from rayflex.worker.actor import TrainWorkerActor
-from rayflex.worker.status import WorkerStatus
+from rayflex.worker.status import Leaving, WorkerStatus
 from rayflex.config import TrainSpec
 from rayflex.constants import knob, knob_env
 from rayflex.group.actors import kill_quietly
@@ -182,18 +182,22 @@ class RayWorkerGroup:
                 last_progress = time.time()
             elif ready and time.time() - last_progress > knob("RELEASE_SETTLE_S"):
                 break  # the rest wait on a frozen or dead peer: the caller kills them
-        left, died = set(), {}
+        left, uploading, died = set(), set(), {}
         for r, ref in refs.items():
             if ref not in ready:
                 continue
             try:
-                if ray.get(ref):
-                    left.add(r)
+                answer = ray.get(ref)
             except RayActorError as e:  # its process is gone (killed, or its node with it)
                 died[r] = _short_error(e)
+                continue
             except Exception:  # noqa: BLE001 - it could not leave: the caller kills it
-                pass
-        return Release(frozenset(left), died)
+                continue
+            if answer == Leaving.LEFT:
+                left.add(r)
+            elif answer == Leaving.UPLOADING:
+                uploading.add(r)
+        return Release(frozenset(left), died, frozenset(uploading))
 
     def shutdown(self, graceful_s: float = 5.0) -> None:
         """Let ranks release their process groups, then kill every actor."""
@@ -210,9 +214,11 @@ class RayWorkerGroup:
 @dataclass(frozen=True)
 class Release:
     """How the ranks asked to leave an attempt did: ``left`` it cleanly (reusable), ``died``
-    meanwhile (rank -> error); any other did not leave in time."""
+    meanwhile (rank -> error), left with a checkpoint upload still running (``uploading``:
+    not reusable, replaced); any other did not leave in time (stuck)."""
     left: frozenset = frozenset()
     died: dict = field(default_factory=dict)
+    uploading: frozenset = frozenset()
 
 
 def _gather(refs: list, timeout_s: float, phase: str, ranks: Optional[list] = None,

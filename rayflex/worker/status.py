@@ -18,6 +18,13 @@ class WorkerState(enum.StrEnum):
     FAILED = "failed"  # the training loop raised
     RELEASED = "released"  # left the attempt (its process may be reused)
 
+class Leaving(enum.StrEnum):
+    """How a rank's ``release`` went."""
+
+    LEFT = "left"  # the process is free for the next attempt
+    STUCK = "stuck"  # its training loop was still blocked: a hang, the process is replaced
+    UPLOADING = "uploading"  # a checkpoint upload still ran: it left, but its process is replaced
+
 # Phases a rank reports, so a hang can be attributed to what the rank was doing.
 PHASES = ("idle", "setup", "data", "forward_backward", "optimizer", "collective", "checkpoint", "done")
 

@@ -31,7 +31,7 @@ from rayflex.worker.instrument import ActivationCounter, pipeline_wait_timer
 from rayflex.mesh.plan import MeshPlan
 from rayflex.worker import flight_recorder
 from rayflex.worker.collective_faults import collective_fault_for, committed
-from rayflex.worker.status import FlightRecord, StepRecord, WorkerState, WorkerStatus
+from rayflex.worker.status import FlightRecord, Leaving, StepRecord, WorkerState, WorkerStatus
 from rayflex.worker.meta_init import build_sharded_stages
 from rayflex.worker.parallelize import (build_device_mesh, build_schedule, clip_grads_, data_parallel_mesh,
                                         shard_stage, tp_grad_summed_params)
@@ -601,7 +601,7 @@ class TrainWorker:
             return not self._thread.is_alive()
         return True
 
-    def release(self, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0, abort: bool = False) -> bool:
+    def release(self, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0, abort: bool = False) -> Leaving:
         """Leave the current attempt so this process can be reused by the next one.
 
         The loop is asked to stop. ``abort`` (a peer died or raised: the attempt is broken):
@@ -609,10 +609,10 @@ class TrainWorker:
         cannot), this rank's process-group connections are shut down, so a collective
         blocked here or in a peer waiting on this rank fails now instead of at the
         collective timeout (see ``gloo_abort``). Then the groups and every object holding
-        them are freed. Returns False if the loop is still stuck after ``timeout_s``; the
-        controller then kills this process. It is also False, and for the same reason, when a
-        checkpoint upload is still running after the grace: a reused process must never
-        write into a later attempt's checkpoints."""
+        them are freed. Returns ``Leaving.STUCK`` if the loop is still blocked after
+        ``timeout_s``, ``Leaving.UPLOADING`` if a checkpoint upload still runs after the grace
+        (a reused process must never write into a later attempt's checkpoints): the
+        controller then kills this process. Else ``Leaving.LEFT``."""
         self._stop.set()
         grace = min(checkpoint_grace_s, timeout_s / 2)
         if abort:
@@ -624,7 +624,7 @@ class TrainWorker:
             if self._thread.is_alive():
                 log.warning("rank %d: training loop still blocked in phase %r after %.0fs", self.rank,
                             self._phase, timeout_s)
-                return False
+                return Leaving.STUCK
         # An upload whose peers are gone (aborted above) fails within moments: give it one
         # second even with no grace, so only a truly stuck upload costs a process.
         self._wait_for_save(max(grace, 1.0))
@@ -634,10 +634,10 @@ class TrainWorker:
             # of a timeline that was rolled back). Only a dead process cannot do that.
             log.warning("rank %d: a checkpoint upload is still running after %.1fs; this process is not "
                         "reused (it is killed, so the upload can never land later)", self.rank, grace)
-            return False
+            return Leaving.UPLOADING
         self.shutdown(checkpoint_grace_s=0)
         self._state = WorkerState.RELEASED
-        return True
+        return Leaving.LEFT
 
     def _wait_for_save(self, timeout_s: float) -> None:
         if self.checkpointer is not None and timeout_s > 0:

@@ -1,4 +1,5 @@
-"""python -m rayflex.chaos [--mode sequential|overlap] [--seed N ...] [--faults 12] [--steps-per-fault 40]:
+"""python -m rayflex.chaos [--mode sequential|overlap] [--seed N ...] [--faults 12] [--steps-per-fault 40]
+[--memory-replicas N]:
 prints the JSON report (``python -m rayflex.testing.chaos`` is the same command)."""
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps-per-fault", type=int, default=40)
     ap.add_argument("--mode", choices=MODES, default="sequential",
                     help="overlap: every second fault lands while the run recovers from the one before")
+    ap.add_argument("--memory-replicas", type=int, default=0,
+                    help="CheckpointConfig.memory_replicas of the run (0: restores read storage)")
     ap.add_argument("--workdir", default="")
     ap.add_argument("--out", help="also write the JSON report here (Ray's log lines share stdout)")
     args = ap.parse_args(argv)
@@ -30,7 +33,8 @@ def main(argv=None) -> int:
     for seed in args.seed:
         workdir = os.path.join(args.workdir, f"seed{seed}") if args.workdir else ""
         reports.append(run_chaos(ChaosConfig(seed=seed, faults=args.faults, steps_per_fault=args.steps_per_fault,
-                                             workdir=workdir, mode=args.mode)))
+                                             workdir=workdir, mode=args.mode,
+                                             memory_replicas=args.memory_replicas)))
         print(f"seed {seed}: {'PASSED' if reports[-1]['passed'] else 'FAILED'} in {reports[-1]['wall_s']:.0f}s",
               file=sys.stderr)
         text = json.dumps({"runs": reports, "passed": all(r["passed"] for r in reports)}, indent=2, default=str)

@@ -45,6 +45,9 @@ class ChaosConfig:
     # "sequential": each fault hits a healthy run; "overlap": every second fault lands
     # while the run is still recovering from the one before (overlap.py).
     mode: str = "sequential"
+    # CheckpointConfig.memory_replicas: restarts read what they can from the keepers'
+    # copies (the invariants are the same: bitwise equal to the storage replay).
+    memory_replicas: int = 0
     timing: FaultTiming = field(default_factory=FaultTiming)
     workdir: str = ""
     timeout_s: float = 1800.0
@@ -120,7 +123,7 @@ def _trainer(cfg: ChaosConfig, data_uri: str, storage: str, name: str):
         data=rf.DataConfig(uri=data_uri, seq_len=32, global_batch=12, log_samples=True),
         run=rf.RunConfig(name=name, storage=storage, steps=cfg.steps),
         scaling=rf.ScalingConfig(num_workers=cfg.workers, min_workers=2),
-        checkpoint=rf.CheckpointConfig(every_steps=cfg.checkpoint_every, keep=4),
+        checkpoint=rf.CheckpointConfig(every_steps=cfg.checkpoint_every, keep=4, memory_replicas=cfg.memory_replicas),
         elastic=rf.ElasticConfig(max_failures=4 * cfg.faults, max_preemptions=2 * cfg.faults,
                                  resource_wait_s=120, restart_while_warming=cfg.restart_while_warming))
 
@@ -243,6 +246,8 @@ def run_chaos(cfg: ChaosConfig) -> dict:
         checks["faults_accounted"] = {"ok": ok, "detail": rows}
         report["world_sizes"] = [e.world_size for e in timeline.of(ev.PlanChosen)]
         report["restarts"] = len(timeline.of(ev.Restarted))
+        if cfg.memory_replicas:  # where each restore read its shard files from (summed over ranks)
+            report["restore_sources"] = [{"step": e.step, **e.sources} for e in timeline.of(ev.CheckpointLoaded)]
         if checks["finished_every_step"]["ok"]:
             t1 = time.time()
             segments = segments_from_events(timeline.events, last)
