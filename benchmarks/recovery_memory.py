@@ -12,7 +12,11 @@ as the checkpoint store:
 * ``fault_to_resumed``: the real training path, SIGKILL of a rank and removal of a node,
   each with and without memory replicas (alternating), from the fault to the first step
   the restarted run completes. The model is sized so a restore moves real bytes
-  (``--memory-model``); storage is S3 in both.
+  (``--memory-vocab``/``--memory-d-model``); storage is S3 in both.
+
+The committed results: ``--steps 16 --every 4 --fault-at 11 --memory-rounds 3`` (the fault
+three steps after a save: ``recovery_memory.json``) and ``--fault-at 8`` (during the save of
+step 8: ``recovery_memory_fault_during_save.json``).
 """
 
 from __future__ import annotations

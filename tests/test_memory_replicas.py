@@ -259,3 +259,38 @@ def test_bad_replica_settings_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match="memory_budget_gb"):
         rf.CheckpointConfig(memory_replicas=1, memory_budget_gb=0)
     assert rf.CheckpointConfig(memory_replicas=1, memory_budget_gb=0.5).memory_budget_bytes == 2**29
+
+
+def test_a_save_abandoned_mid_way_writes_nothing_more_to_storage(tmp_path):
+    """A peer died while this rank's save was being kept in memory: the save can never
+    commit, so its upload must not start (the process could then not be reused: the
+    upload might land in a later attempt's step)."""
+    import threading
+
+    import pytest
+
+    from rayflex.storage.dcp_io import CheckpointWriter
+
+    abandoned = threading.Event()
+
+    class AbortedWhileKeeping(InProcessClient):
+        def keep(self, *args, **kwargs):
+            held = super().keep(*args, **kwargs)
+            abandoned.set()  # the release's abort lands here
+            return held
+
+    keepers = _keepers()
+    step_dir = tmp_path / "step_00000003"
+    writer = ReplicatingWriter(str(step_dir), step=3, client=AbortedWhileKeeping("node-a", keepers),
+                               abandoned=abandoned, single_file_per_rank=True)
+    with pytest.raises(BaseException, match="can never commit"):
+        dcp.save(_state(0), storage_writer=writer)
+    assert not any(p.name.endswith(".distcp") for p in step_dir.iterdir()), "no shard uploaded"
+    assert keepers["node-a"].inventory(3), "the memory copy (harmless) is there"
+
+    # Without replicas: a save abandoned before it starts opens no file at all.
+    plain_dir = tmp_path / "step_00000004"
+    with pytest.raises(BaseException, match="can never commit"):
+        dcp.save(_state(0), storage_writer=CheckpointWriter(str(plain_dir), abandoned=abandoned,
+                                                            single_file_per_rank=True))
+    assert not plain_dir.exists() or not any(plain_dir.iterdir())

@@ -77,7 +77,9 @@ class ReplicatingWriter(CheckpointWriter):
     def __init__(self, path: str, *, step: int, client, emergency: bool = False, **kwargs) -> None:
         super().__init__(path, **kwargs)
         self.uri, self.step, self.client, self.emergency = path, step, client, emergency
+        abandoned = self.fs.abandoned
         self.fs = _KeepingFileSystem(self.fs.fs, self._keep_and_upload)
+        self.fs.abandoned = abandoned
         self.kept: dict[str, list[str]] = {}  # shard file -> nodes whose keepers confirmed a copy
         self.handed_off: dict[str, str] = {}  # shard file -> node whose keeper uploads it
         self.kept_until: Optional[float] = None  # time.time() when the last file was confirmed in memory
@@ -90,6 +92,7 @@ class ReplicatingWriter(CheckpointWriter):
 
     def _keep_and_upload(self, path: str, data: bytes) -> None:
         name = path.rsplit("/", 1)[-1]
+        self.fs.check_abandoned()
         digest = digest_of(data)
         leaving = self.client.node_id in self.client.leaving_nodes
         try:
@@ -100,6 +103,7 @@ class ReplicatingWriter(CheckpointWriter):
             log.warning("step %d %s: not kept in memory: %s", self.step, name, e)
             self.kept[name] = []
         self.kept_until = max(self.kept_until or 0.0, time.time())
+        self.fs.check_abandoned()  # the copies in memory are harmless; an upload now could land in a later attempt's step
         if self.emergency:
             target = self.client.upload_keeper(self.kept[name])
             if target is not None and self.client.hand_off(target, self.step, name, rfs.join(self.uri, name)):

@@ -19,6 +19,7 @@ import base64
 import io
 import json
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -233,6 +234,7 @@ class AsyncCheckpointer:
         self.keep = keep
         self.mesh = mesh
         self._inflight: Optional[Future] = None
+        self._abandoned: Optional[threading.Event] = None
         self._staging: Optional[HostStaging] = None
         # One background thread finishes (waits for, then commits) one save at a time.
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayflex-ckpt-commit")
@@ -281,6 +283,7 @@ class AsyncCheckpointer:
         options = dict(single_file_per_rank=True, sync_files=False, thread_count=self.upload_threads,
                        **fsspec_kwargs(path))
         block = self._staging.block if self.use_async else None
+        self._abandoned = threading.Event()  # this save's: set by abandon()
         if block is not None:
             from rayflex.storage import upload_process
 
@@ -292,9 +295,10 @@ class AsyncCheckpointer:
         if block is None and self.replicas is not None:
             # An emergency save's ranks hand their uploads to keepers that stay (the commit
             # is then the controller's, once those uploads are done: commit_handed_off).
-            writer = self.replicas.writer(path, step=step, emergency=reason == "emergency", **options)
+            writer = self.replicas.writer(path, step=step, emergency=reason == "emergency",
+                                          abandoned=self._abandoned, **options)
         elif block is None:
-            writer = CheckpointWriter(path, **options)
+            writer = CheckpointWriter(path, abandoned=self._abandoned, **options)
         _maybe_slow_upload(writer, step)
         group = self.group
         if self.use_async:
@@ -345,6 +349,13 @@ class AsyncCheckpointer:
             report["error"] = f"{type(e).__name__}: {e}"
         report["total_s"] = time.time() - started
         return report
+
+    def abandon(self) -> None:
+        """The attempt is over and its collectives aborted: the save in flight can never
+        commit. It writes no further file (``storage.dcp_io.SaveAbandoned``), so it ends
+        soon and this process can be reused; a file already being written finishes."""
+        if self._abandoned is not None:
+            self._abandoned.set()
 
     def close(self) -> None:
         """Let go of the staging buffers (unpinning a shared block): the attempt is over."""

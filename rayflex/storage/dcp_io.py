@@ -12,28 +12,52 @@ not valid`` during an outage). Here directories are made only where they exist
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from typing import Optional
 
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
 
 from rayflex.storage import fs as rfs
 
 
+class SaveAbandoned(RuntimeError):
+    """The attempt a save belongs to is over (a peer died): the save can never commit, so
+    none of its files is written from here on, and the rank is free to leave."""
+
+
 class PrefixFileSystem(FileSystem):
-    """DCP's fsspec filesystem, except that ``mkdir`` never reaches a bucket."""
+    """DCP's fsspec filesystem, except that ``mkdir`` never reaches a bucket, and no file is
+    opened for writing once ``abandoned`` is set."""
+
+    abandoned: Optional[threading.Event] = None
 
     def mkdir(self, path: str | os.PathLike) -> None:
         rfs.ensure_dir(self.fs, os.fspath(path))
 
+    def check_abandoned(self) -> None:
+        if self.abandoned is not None and self.abandoned.is_set():
+            raise SaveAbandoned("the attempt this checkpoint belongs to is over; it can never commit")
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" in mode:
+            self.check_abandoned()
+        with super().create_stream(path, mode) as stream:
+            yield stream
+
 
 class CheckpointWriter(FsspecWriter):
     """``FsspecWriter`` that writes object-store checkpoints as prefixes (no bucket calls);
-    ``kwargs`` are the fsspec constructor options (``fs.fsspec_kwargs``)."""
+    ``kwargs`` are the fsspec constructor options (``fs.fsspec_kwargs``). ``abandoned``: set
+    when the save can no longer commit (``AsyncCheckpointer.abandon``)."""
 
-    def __init__(self, path: str, **kwargs) -> None:
+    def __init__(self, path: str, abandoned: Optional[threading.Event] = None, **kwargs) -> None:
         super().__init__(path, **kwargs)
         fs = PrefixFileSystem()
         fs.fs = self.fs.fs  # the instance DCP already made from these options
+        fs.abandoned = abandoned
         self.fs = fs
 
 

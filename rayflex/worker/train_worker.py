@@ -619,6 +619,8 @@ class TrainWorker:
             if self.checkpointer is not None and grace > 0:
                 self.checkpointer.settle(grace)  # the loop thread may be blocked: do not race it
             self._abort_collectives()
+            if self.checkpointer is not None:
+                self.checkpointer.abandon()  # it cannot commit now: let it stop before its next file
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
