@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rayflex.replicas.keeper import PRIMARY, REPLICA
-
+PRIMARY, REPLICA = "primary", "replica"  # a copy on the node that saved it / on a peer
 DIGEST_SUFFIX = ".blake2b"  # beside each shard file in storage: what a memory copy must match
 OWN_COPY, STORAGE = "own_copy", "storage"  # a restore's sources, with REPLICA
 

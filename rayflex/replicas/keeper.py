@@ -35,9 +35,10 @@ from typing import Any, Optional
 
 import numpy as np
 
+from rayflex.replicas.holders import DIGEST_SUFFIX, PRIMARY, REPLICA
+
 log = logging.getLogger(__name__)
 
-PRIMARY, REPLICA = "primary", "replica"  # a copy on the node that saved it / on a peer
 PENDING, UPLOADED = "pending", "uploaded"  # a handed-off upload's state (else "failed: <why>")
 DEFAULT_BUDGET_FRACTION = 0.25  # of the node's RAM when CheckpointConfig.memory_budget_gb is None
 
@@ -179,7 +180,6 @@ class ReplicaKeeper:
 
     def _upload(self, step: int, name: str, uri: str, shard: Shard) -> None:
         from rayflex.constants import slow_upload
-        from rayflex.replicas.holders import DIGEST_SUFFIX
         from rayflex.storage import fs as rfs
 
         try:
