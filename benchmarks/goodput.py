@@ -49,14 +49,15 @@ def trainer(data: str, storage: str, name: str, steps: int, *, margin: float, ev
 
 def run_with_node_losses(cluster, data: str, storage: str, name: str, minutes: float, period: float,
                          every: int | str, mtbf_prior_s: float) -> dict:
-    """Train for ``minutes``; every ``period`` s a random non-head node vanishes with no
-    notice (the work since the last checkpoint is lost) and a replacement joins 10 s later.
-    The schedule is seeded: every interval under test meets the same losses."""
+    """Train for ``minutes``; every ``period`` s the non-head node hosting the most ranks
+    vanishes with no notice (the work since the last checkpoint is lost) and a replacement
+    joins 10 s later. Every interval under test meets the same losses, each of which costs
+    a restart (a node without ranks is never the one lost: node ids are random per cluster,
+    so a seeded pick among all nodes hit ranks in one run and nothing in the next)."""
     import ray
 
     handle = trainer(data, storage, name, steps=100_000, margin=2.0, every=every, mtbf_prior_s=mtbf_prior_s).submit()
     t0 = time.time()
-    rng = random.Random(0)
     head = ray.get_runtime_context().get_node_id()
     next_loss, add_at, losses = t0 + period, [], 0
     while time.time() - t0 < minutes * 60:
@@ -66,9 +67,14 @@ def run_with_node_losses(cluster, data: str, storage: str, name: str, minutes: f
             cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
         if now >= next_loss:
             next_loss += period
-            nodes = sorted((n for n in cluster.list_all_nodes() if n.node_id != head), key=lambda n: n.node_id)
-            if nodes:
-                cluster.remove_node(rng.choice(nodes))
+            ranks_on: dict[str, int] = {}
+            for w in handle.status().get("workers") or []:
+                if w.get("node_id") and w["node_id"] != head:
+                    ranks_on[w["node_id"]] = ranks_on.get(w["node_id"], 0) + 1
+            victim = next((n for n in cluster.list_all_nodes()
+                           if ranks_on and n.node_id == max(ranks_on, key=ranks_on.get)), None)
+            if victim is not None:
+                cluster.remove_node(victim)
                 losses += 1
                 add_at.append(now + 10)
         time.sleep(0.25)
