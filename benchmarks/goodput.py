@@ -192,12 +192,23 @@ def main() -> None:
     setup_logging()
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     from rayflex.data.dataset import write_synthetic_dataset
-    from rayflex.local_ray import loopback_cluster
 
     tmp = tempfile.mkdtemp(prefix="rayflex-bench-")
-    data = write_synthetic_dataset(f"file://{tmp}/data", num_samples=4096, seq_len=64)
-    if args.interval_sweep:
-        return interval_sweep(args, data, tmp)
+    try:
+        data = write_synthetic_dataset(f"file://{tmp}/data", num_samples=4096, seq_len=64)
+        if args.interval_sweep:
+            return interval_sweep(args, data, tmp)
+        preemptions(args, data, tmp)
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def preemptions(args, data: str, tmp: str) -> None:
+    """rayflex with notices vs no preemptions vs restoring the last periodic checkpoint."""
+    from rayflex.local_ray import loopback_cluster
+
     results = {}
     for label, period, margin in (("no_preemptions", None, 2.0), ("rayflex", args.period, 2.0),
                                   ("restore_last_periodic", args.period, 1e9)):
