@@ -52,7 +52,10 @@ class _Upload:
     """An AsyncCheckpointer stand-in whose save is (or is not) still uploading."""
 
     def __init__(self, running: bool):
-        self.running, self.waited = running, []
+        self.running, self.waited, self.abandoned = running, [], False
+
+    def abandon(self) -> None:  # the attempt's collectives are aborted: it can never commit
+        self.abandoned = True
 
     def busy(self) -> bool:
         return self.running
@@ -94,6 +97,7 @@ def test_a_process_still_uploading_is_not_offered_for_reuse(dataset_uri, running
     assert worker.release(timeout_s=2.0, checkpoint_grace_s=0.0, abort=True) == \
         (Leaving.UPLOADING if running else Leaving.LEFT)
     assert max(upload.waited) >= 1.0
+    assert upload.abandoned, "the save that can no longer commit is told to write nothing more"
     assert (worker._state == WorkerState.RELEASED) is (not running)
     if not running:
         assert upload.closed, "a clean release lets go of the attempt's staging buffers"
