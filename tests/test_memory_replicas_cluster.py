@@ -144,6 +144,10 @@ def test_a_notice_shorter_than_the_upload_is_enough_the_replicas_upload_after_th
     st = wait_until_running(handle, 2)
     node = next(iter(node_returns.worker_nodes))
     assert any(w["node_id"] == node.node_id for w in st["workers"])
+    import ray
+
+    for n in (node_returns.head_node.node_id, node.node_id):  # the keepers are up (an attempt's first
+        ray.get(_keeper_of(n, name).stats.remote(), timeout=60)  # seconds may have none yet: storage only)
     result, deadline = preempt_and_wait(node_returns, node.node_id, notice_s, handle, timeout_s=180)
     assert result.status == "finished" and result.steps_completed == steps, result.status
     events = run_events(tmp_path, name)

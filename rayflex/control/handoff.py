@@ -25,6 +25,11 @@ def commit_handed_off(ctx) -> None:
     """Commit the emergency save rank 0 reported as handed off, if any (then forget it)."""
     ck, ctx.ledger.handed_off = ctx.ledger.handed_off, None
     if ck is None:
+        if ctx.keepers:
+            # An emergency save whose ranks went before rank 0 reported it: it will not be
+            # committed, but its keepers' uploads must end before a new attempt can write
+            # the same step's files (a late one would land among them).
+            ctx.keepers.wait_uploads(None, knob("HANDOFF_UPLOAD_TIMEOUT_S"))
         return
     from rayflex.replicas.keeper import UPLOADED
     from rayflex.storage.checkpoint import commit_handed_off as commit_step

@@ -198,10 +198,13 @@ class ReplicaKeeper:
         with self._lock:
             self._uploads.setdefault(step, {})[name] = state
 
-    def uploads(self, step: int) -> dict[str, str]:
-        """The handed-off uploads of ``step``: file name -> PENDING, UPLOADED or "failed: ..."."""
+    def uploads(self, step: Optional[int] = None) -> dict[str, str]:
+        """The handed-off uploads of ``step``: file name -> PENDING, UPLOADED or "failed: ...";
+        of every step (keys ``"<step>/<file>"``) when ``step`` is None."""
         with self._lock:
-            return dict(self._uploads.get(step, {}))
+            if step is not None:
+                return dict(self._uploads.get(step, {}))
+            return {f"{s}/{name}": state for s, files in self._uploads.items() for name, state in files.items()}
 
     def _uploading(self, step: int) -> bool:
         return PENDING in self._uploads.get(step, {}).values()

@@ -73,12 +73,12 @@ class KeeperSet:
                 out[node] = {"error": f"{type(e).__name__}: {e}"}
         return out
 
-    def wait_uploads(self, step: int, timeout_s: float, poll_s: float = 0.2) -> dict[str, str]:
-        """Wait until no live keeper has an upload of ``step`` pending (an emergency save
-        handed them over); returns file name -> final state (``keeper.UPLOADED`` or
-        "failed: ..."; still PENDING if ``timeout_s`` ran out). A keeper that died took
-        its pending files with it: they are absent here, and the step's check against
-        DCP's ``.metadata`` names them."""
+    def wait_uploads(self, step: Optional[int], timeout_s: float, poll_s: float = 0.2) -> dict[str, str]:
+        """Wait until no live keeper has an upload of ``step`` (None: of any step) pending
+        (an emergency save handed them over); returns file name -> final state
+        (``keeper.UPLOADED`` or "failed: ..."; still PENDING if ``timeout_s`` ran out). A
+        keeper that died took its pending files with it: they are absent here, and the
+        step's check against DCP's ``.metadata`` names them."""
         import time
 
         import ray
