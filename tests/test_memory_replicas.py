@@ -205,7 +205,7 @@ def _wait_uploads(keeper, step):
 
 def test_an_emergency_save_on_a_leaving_node_hands_its_upload_to_the_replica_and_commits_after_it(tmp_path):
     from rayflex.storage import manifest as mf
-    from rayflex.storage.checkpoint import commit_handed_off
+    from rayflex.storage.checkpoint import commit_if_whole
 
     root = f"file://{tmp_path}/ckpt"
     keepers = _keepers()
@@ -214,7 +214,7 @@ def test_an_emergency_save_on_a_leaving_node_hands_its_upload_to_the_replica_and
     assert writer.handed_off == {shard: "node-b"}, "the upload goes to the node that stays"
     assert keepers["node-a"].uploads(9) == {}
     assert _wait_uploads(keepers["node-b"], 9) == {shard: "uploaded"}
-    commit_handed_off(root, 9, world_size=1, mesh={"dp": 1}, keep=2)
+    commit_if_whole(root, 9, world_size=1, mesh={"dp": 1}, keep=2)
     assert mf.latest_committed(root) == 9
     loaded = _state(0)
     dcp.load(loaded, storage_reader=MemoryFirstReader(path, step=9, holders={}, client=writer.client))
@@ -234,7 +234,7 @@ def test_a_handed_off_step_whose_keeper_went_is_never_committed(tmp_path):
 
     from rayflex.errors import CheckpointError
     from rayflex.storage import manifest as mf
-    from rayflex.storage.checkpoint import commit_handed_off
+    from rayflex.storage.checkpoint import commit_if_whole
 
     root = f"file://{tmp_path}/ckpt"
     keepers = _keepers()
@@ -242,7 +242,7 @@ def test_a_handed_off_step_whose_keeper_went_is_never_committed(tmp_path):
     writer, _, _ = _emergency_save(root, keepers, "node-a", leaving=["node-a"])
     shard = next(iter(writer.kept))
     with pytest.raises(CheckpointError, match=f"{shard} is missing"):
-        commit_handed_off(root, 9, world_size=1, mesh={"dp": 1}, keep=2)
+        commit_if_whole(root, 9, world_size=1, mesh={"dp": 1}, keep=2)
     assert mf.latest_committed(root) is None
 
 

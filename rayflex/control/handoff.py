@@ -32,7 +32,7 @@ def commit_handed_off(ctx) -> None:
             ctx.keepers.wait_uploads(None, knob("HANDOFF_UPLOAD_TIMEOUT_S"))
         return
     from rayflex.replicas.keeper import UPLOADED
-    from rayflex.storage.checkpoint import commit_handed_off as commit_step
+    from rayflex.storage.checkpoint import commit_if_whole
 
     step, info = ck["step"], ck["handed_off"]
     t0 = time.monotonic()
@@ -42,7 +42,7 @@ def commit_handed_off(ctx) -> None:
         if failed:
             raise RuntimeError("uploads by the memory replicas' keepers did not finish: "
                                + "; ".join(f"{name}: {state}" for name, state in failed.items()))
-        commit_step(ctx.spec.checkpoint_uri, step, world_size=info["world_size"], mesh=info["mesh"],
+        commit_if_whole(ctx.spec.checkpoint_uri, step, world_size=info["world_size"], mesh=info["mesh"],
                     keep=info["keep"])
     except Exception as e:  # noqa: BLE001 - the restart then resumes from the last committed step
         log.error("emergency checkpoint of step %d not committed: %s", step, e)

@@ -70,7 +70,7 @@ class ReplicatingWriter(CheckpointWriter):
     upload to a keeper that stays — its own node's if the node is not leaving, else a peer's
     holding the confirmed replica — and is done once that keeper took it. A preempted node
     then needs the notice to replicate, not to upload; the controller commits the step when
-    the keepers' uploads are done (``storage.checkpoint.commit_handed_off``). A file no
+    the keepers' uploads are done (``control.handoff``). A file no
     keeper can take is uploaded by the rank as usual.
     """
 

@@ -294,7 +294,7 @@ class AsyncCheckpointer:
                 block = None
         if block is None and self.replicas is not None:
             # An emergency save's ranks hand their uploads to keepers that stay (the commit
-            # is then the controller's, once those uploads are done: commit_handed_off).
+            # is then the controller's, once those uploads are done: control.handoff).
             writer = self.replicas.writer(path, step=step, emergency=reason == "emergency",
                                           abandoned=self._abandoned, **options)
         elif block is None:
@@ -332,8 +332,7 @@ class AsyncCheckpointer:
             if getattr(writer, "emergency", False):
                 # Uploads were handed to keepers: the controller commits once they are done.
                 if self.rank == 0:
-                    _write_bytes(fs_join(mf.step_dir(self.root, report["step"]), EXTRA_FILE),
-                                 json.dumps(extra).encode())
+                    self._write_extra(report["step"], extra)
                     report["handed_off"] = {"world_size": getattr(self.mesh, "world_size", 1),
                                             "mesh": self._mesh_dims(), "keep": self.keep}
                 report["committed"] = False
@@ -391,12 +390,14 @@ class AsyncCheckpointer:
             wait_futures([inflight], timeout=timeout_s)
 
     def _commit(self, step: int, extra: dict) -> None:
-        # Written before the marker so the manifest's checksums cover it too.
-        _write_bytes(fs_join(mf.step_dir(self.root, step), EXTRA_FILE), json.dumps(extra).encode())
+        self._write_extra(step, extra)  # before the marker, so the manifest's checksums cover it too
         commit_step(self.root, step, world_size=getattr(self.mesh, "world_size", 1), mesh=self._mesh_dims(),
                     keep=self.keep)
         if self.replicas is not None:
             self.replicas.committed(step)  # the older steps' memory copies are superseded
+
+    def _write_extra(self, step: int, extra: dict) -> None:
+        _write_bytes(fs_join(mf.step_dir(self.root, step), EXTRA_FILE), json.dumps(extra).encode())
 
     def _mesh_dims(self) -> dict[str, int]:
         return {name: getattr(self.mesh, name, 1) for name in ("pp", "dp", "tp", "dp_replicate")}
@@ -466,7 +467,7 @@ def commit_step(root: str, step: int, *, world_size: int, mesh: dict, keep: int)
         log.warning("checkpoint housekeeping failed: %s", e)
 
 
-def commit_handed_off(root: str, step: int, *, world_size: int, mesh: dict, keep: int) -> None:
+def commit_if_whole(root: str, step: int, *, world_size: int, mesh: dict, keep: int) -> None:
     """Commit an emergency save whose uploads keepers finished (the ranks are gone): only
     if every shard file DCP's ``.metadata`` names is in storage, whole; else CheckpointError
     naming what is missing (the step then stays uncommitted and is never loaded)."""
