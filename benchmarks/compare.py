@@ -49,7 +49,6 @@ import os
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,13 +57,13 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 import recovery  # noqa: E402  - Ray Train harness, loopback cluster, fault injection
 from common import emit, machine, setup_logging  # noqa: E402
+from rounds import SKIP, alternate, median_or_none as _median, over_rounds, paired_ratios, step_figures  # noqa: E402
 
 WORKERS, SEQ, BATCH = 4, 64, 32
 GPT = dict(vocab_size=256, seq_len=SEQ, d_model=128, n_layers=4, n_heads=4)  # = overhead.model_spec()
 TOKENS_PER_STEP = BATCH * SEQ
 SYSTEMS = ("rayflex", "ray_train", "torchrun")
 MAX_RESTARTS = 3
-SKIP = 2  # warm-up steps left out of the step-time median
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compare_torchrun_worker.py")
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORKERS),
             "--max-restarts", str(MAX_RESTARTS), "--local-addr", "127.0.0.1"]
@@ -80,52 +79,12 @@ recovery.GPT, recovery.SEQ, recovery.GB, recovery.WORKERS = GPT, SEQ, BATCH, WOR
 log = recovery.log
 
 
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def summarize(times: dict[int, float], ckpt_gaps: set[int], t_launch: float) -> dict:
-    """Step-time figures from {step: wall time the step finished} of one uninterrupted attempt.
-    ``ckpt_gaps``: steps whose gap from the previous step contains a checkpoint save."""
-    gaps = {s: times[s] - times[s - 1] for s in times if s - 1 in times and s > SKIP}
-    plain = _median(g for s, g in gaps.items() if s not in ckpt_gaps)
-    with_ckpt = _median(g for s, g in gaps.items() if s in ckpt_gaps)
-    overall = statistics.mean(gaps.values()) if gaps else None
-    return {"tokens_per_s": TOKENS_PER_STEP / plain if plain else None, "median_step_s": plain,
-            "tokens_per_s_with_checkpoints": TOKENS_PER_STEP / overall if overall else None,
-            "time_to_first_step_s": times[min(times)] - t_launch if times else None,
-            "checkpoint_step_excess_s": with_ckpt - plain if plain and with_ckpt is not None else None,
-            "steps_completed": max(times) if times else 0}
-
-
 ROUND_KEYS = ("tokens_per_s", "median_step_s", "tokens_per_s_with_checkpoints", "time_to_first_step_s",
               "checkpoint_blocked_s", "checkpoint_step_excess_s", "final_loss")
 
 
-def over_rounds(runs: list[dict]) -> dict:
-    """One system's clean runs: each figure's median over the rounds, its (min, max), and the runs."""
-    ok = [r for r in runs if "error" not in r]
-    out: dict = {"rounds": runs, "spread": {}}
-    if not ok:
-        return {**out, "error": runs[0].get("error") if runs else "no run"}
-    for key in ROUND_KEYS:
-        values = [r[key] for r in ok if isinstance(r.get(key), (int, float))]
-        if values:
-            out[key] = statistics.median(values)
-            out["spread"][key] = [min(values), max(values)]
-    return out
-
-
-def paired_ratios(runs: list[dict], base_runs: list[dict]) -> dict:
-    """Round by round, the system's figure over rayflex's in the same round: median, min, max."""
-    out = {}
-    for key in ROUND_KEYS:
-        values = [a[key] / b[key] for a, b in zip(runs, base_runs)
-                  if isinstance(a.get(key), (int, float)) and isinstance(b.get(key), (int, float)) and b[key]]
-        if values:
-            out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
-    return out
+def summarize(times: dict[int, float], ckpt_gaps: set[int], t_launch: float) -> dict:
+    return step_figures(times, ckpt_gaps, t_launch, TOKENS_PER_STEP)
 
 
 def save_gaps(steps: int, every: int, *, after: bool) -> set[int]:
@@ -354,7 +313,7 @@ def main() -> None:
         return r
 
     load_before = os.getloadavg()
-    rounds: dict[str, list] = {s: [] for s in systems}
+    rounds: dict[str, list] = {}
     try:
         ray_systems = [s for s in ("rayflex", "ray_train") if s in systems]
         rf_storage, rt_storage = f"file://{tmp}/rayflex", f"{tmp}/raytrain"
@@ -366,12 +325,13 @@ def main() -> None:
         clean = {"rayflex": lambda r: rayflex_clean(data, rf_storage, f"rf-clean-{r}", args),
                  "ray_train": lambda r: ray_train_clean(data, rt_storage, f"rt-clean-{r}", args),
                  "torchrun": lambda r: torchrun(data, tmp, f"tr-clean-{r}", args, fault=False)}
-        for r in range(args.rounds):
-            for system in systems:
-                got = attempt(system, f"clean run, round {r + 1}/{args.rounds}", lambda: clean[system](r))
-                if system in ray_systems:
-                    got["after_run"] = lc.settle()
-                rounds[system].append(got)
+        def clean_run(system: str, r: int) -> dict:
+            got = attempt(system, f"clean run, round {r + 1}/{args.rounds}", lambda: clean[system](r))
+            if system in ray_systems:
+                got["after_run"] = lc.settle()
+            return got
+
+        rounds = alternate(systems, args.rounds, clean_run)
         if not args.skip_recovery:
             if "torchrun" in systems:
                 recov["torchrun"] = attempt("torchrun", "kill rank 1", lambda: torchrun(data, tmp, "tr-kill", args,
@@ -391,7 +351,7 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
     for system in systems:
-        results[system] = over_rounds(rounds[system])
+        results[system] = over_rounds(rounds[system], ROUND_KEYS)
     for system in systems:
         r, k = results[system], recov[system]
         if k is not None:
@@ -405,7 +365,7 @@ def main() -> None:
             ratios[system] = {key: (results[system].get(key) / base[key]
                                     if isinstance(results[system].get(key), (int, float)) and base.get(key) else None)
                               for key, _, _ in METRICS if key not in ("steps_lost",)}
-            ratio_spread[system] = paired_ratios(rounds[system], rounds["rayflex"])
+            ratio_spread[system] = paired_ratios(rounds[system], rounds["rayflex"], ROUND_KEYS)
     command = shlex.join(["python", os.path.relpath(os.path.abspath(sys.argv[0])), *sys.argv[1:]])
     emit({"benchmark": "compare", "machine": machine(), "command": command,
           "workload": {"model": "gpt-4x128-v256", "gpt": GPT, "seq_len": SEQ, "global_batch": BATCH,

@@ -85,10 +85,15 @@ def run_with_node_losses(cluster, data: str, storage: str, name: str, minutes: f
 
     events_file = os.path.join(storage.removeprefix("file://"), name, "events.jsonl")
     with open(events_file) as f:
-        chosen = [e for e in map(json.loads, f) if e.get("kind") == "checkpoint_interval_chosen"]
+        events = [json.loads(line) for line in f]
+    chosen = [e for e in events if e.get("kind") == "checkpoint_interval_chosen"]
+    commits = [e for e in events if e.get("kind") == "checkpoint_committed"]
     return {"every_steps": every, "wall_s": wall, "steps_completed": raw["steps_completed"],
             "steps_per_s": raw["steps_completed"] / wall, "goodput": raw.get("goodput"), "losses": losses,
             "restarts": raw.get("restarts"), "lost_steps": raw.get("lost_steps"),
+            "checkpoints": len(commits), "checkpoint_steps": [e.get("step") for e in commits],
+            "checkpoint_blocked_s": [round(e.get("blocked_s") or 0.0, 4) for e in commits],
+            "checkpoint_total_s": [round(e.get("total_s") or 0.0, 3) for e in commits],
             "auto_choices": [{k: e.get(k) for k in ("step", "every_steps", "interval_s", "cost_s", "mtbf_s", "faults")}
                              for e in chosen]}
 

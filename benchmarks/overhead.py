@@ -1,11 +1,14 @@
 """rayflex vs a plain torch.multiprocessing + gloo FSDP2 script: same model, data, batch,
-steps and world size, measured in the same run (alternating, median of rounds).
+steps and world size, measured in the same run by compare.py's method (``rounds.py``:
+the median wall-clock gap between finished steps after warm-up; the systems alternate in
+``--rounds`` rounds; medians, spreads and the round-by-round ratio's spread).
 
-    python benchmarks/overhead.py [--steps 40] [--rounds 2]
+    python benchmarks/overhead.py [--steps 40] [--rounds 5] [--out F]
     python benchmarks/overhead.py --recorder [--steps 40] [--rounds 4]
 
-Prints JSON: tokens/s of each, their ratio (goal >= 0.95) and rayflex's time from
-``fit()`` to the first finished step. ``--recorder``: rayflex with the collective flight
+Prints JSON: tokens/s of each, their ratio (goal >= 0.95; compare.py's rayflex-vs-torchrun
+ratio should fall inside this one's spread) and rayflex's time from ``fit()`` to the first
+finished step. ``--recorder``: rayflex with the collective flight
 recorder on (the default, ``ElasticConfig.flight_recorder=2000``) vs off, alternating
 in rounds; the ratio's median and spread over the rounds (goal >= 0.98).
 """
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -21,8 +26,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import emit, machine, setup_logging  # noqa: E402
+from rounds import SKIP, alternate, median_or_none, over_rounds, paired_ratios, step_figures  # noqa: E402
 
 SEQ, BATCH, WORKERS = 64, 32, 4
+TOKENS_PER_STEP = BATCH * SEQ
+KEYS = ("tokens_per_s", "median_step_s", "time_to_first_step_s", "final_loss")
 
 
 def model_spec():
@@ -55,9 +63,8 @@ def _plain_rank(rank: int, world: int, port: int, data_uri: str, steps: int, out
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ds = TokenDataset(data_uri)
     sampler = GlobalSampler(len(ds), BATCH, 0, block_rows=ds.block_rows)  # rayflex's order (DataConfig defaults)
-    times = []
+    finished = {}
     for step in range(steps):
-        t0 = time.perf_counter()
         rows = ds.rows(sampler.indices(step, rank, world))
         x, y = rows[:, :SEQ], rows[:, 1:SEQ + 1]
         opt.zero_grad(set_to_none=True)
@@ -67,8 +74,8 @@ def _plain_rank(rank: int, world: int, port: int, data_uri: str, steps: int, out
         opt.step()
         lv = loss.detach().clone()
         dist.all_reduce(lv)  # the peer also reports a global loss each step
-        times.append(time.perf_counter() - t0)
-    out.put((rank, times))
+        finished[step + 1] = time.time()
+    out.put((rank, finished))
     dist.destroy_process_group()
 
 
@@ -80,15 +87,16 @@ def run_plain(data_uri: str, steps: int) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
+    t0 = time.time()
     procs = [ctx.Process(target=_plain_rank, args=(r, WORKERS, port, data_uri, steps, q)) for r in range(WORKERS)]
     for p in procs:
         p.start()
     per_rank = dict(q.get(timeout=900) for _ in procs)
     for p in procs:
         p.join(60)
-    step_times = [max(per_rank[r][s] for r in per_rank) for s in range(steps)]
-    steady = step_times[2:]
-    return {"tokens_per_s": BATCH * SEQ / statistics.median(steady), "median_step_s": statistics.median(steady)}
+    # A step is finished once its last rank finished it (the loss all-reduce makes them close).
+    finished = {s: max(per_rank[r][s] for r in per_rank) for s in per_rank[0]}
+    return step_figures(finished, set(), t0, TOKENS_PER_STEP)
 
 
 def run_rayflex(data_uri: str, storage: str, steps: int, name: str, flight_recorder: int = 2000) -> dict:
@@ -102,9 +110,10 @@ def run_rayflex(data_uri: str, storage: str, steps: int, name: str, flight_recor
                          elastic=rf.ElasticConfig(flight_recorder=flight_recorder))
     t0 = time.time()
     result = trainer.fit(progress=False)
-    times = [m["step_time_s"] for m in result.metrics][2:]
-    return {"tokens_per_s": BATCH * SEQ / statistics.median(times), "median_step_s": statistics.median(times),
-            "time_to_first_step_s": result.metrics[0]["time"] - t0, "final_loss": result.final_loss}
+    out = step_figures({m["step"]: m["time"] for m in result.metrics}, set(), t0, TOKENS_PER_STEP)
+    out.update(final_loss=result.final_loss,
+               median_worker_step_time_s=median_or_none(m["step_time_s"] for m in result.metrics[SKIP:]))
+    return out
 
 
 def recorder_overhead(data: str, storage: str, steps: int, rounds: int) -> None:
@@ -130,7 +139,8 @@ def recorder_overhead(data: str, storage: str, steps: int, rounds: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--recorder", action="store_true", help="flight recorder on vs off instead of vs plain torch")
     args = ap.parse_args()
     setup_logging()
@@ -143,23 +153,26 @@ def main() -> None:
     if args.recorder:
         recorder_overhead(data, f"file://{tmp}/runs", args.steps, args.rounds)
         return
-    rf_runs, plain_runs = [], []
-    for i in range(args.rounds):  # alternate so drift on a shared machine hits both
-        rf_runs.append(run_rayflex(data, f"file://{tmp}/runs", args.steps, f"overhead-{i}"))
-        print(f"round {i}: rayflex {rf_runs[-1]}", file=sys.stderr)
-        plain_runs.append(run_plain(data, args.steps))
-        print(f"round {i}: plain {plain_runs[-1]}", file=sys.stderr)
-    rf_tps = statistics.median(r["tokens_per_s"] for r in rf_runs)
-    plain_tps = statistics.median(r["tokens_per_s"] for r in plain_runs)
+    runs = alternate(["rayflex", "plain_torch"], args.rounds, lambda system, r: (
+        run_rayflex(data, f"file://{tmp}/runs", args.steps, f"overhead-{r}") if system == "rayflex"
+        else run_plain(data, args.steps)))
+    for system, rs in runs.items():
+        for r, got in enumerate(rs):
+            print(f"round {r}: {system} {got}", file=sys.stderr)
+    shutil.rmtree(tmp, ignore_errors=True)
+    results = {system: over_rounds(rs, KEYS) for system, rs in runs.items()}
+    by_round = paired_ratios(runs["rayflex"], runs["plain_torch"], ["tokens_per_s"])["tokens_per_s"]
     emit({"benchmark": "overhead", "machine": machine(),
+          "command": shlex.join(["python", "benchmarks/overhead.py", *sys.argv[1:]]),
           "workload": {"model": "gpt-4x128", "seq_len": SEQ, "global_batch": BATCH, "workers": WORKERS,
-                       "steps": args.steps, "rounds": args.rounds, "nodes": 1},
-          "results": {"rayflex": {"tokens_per_s": rf_tps,
-                                  "time_to_first_step_s": statistics.median(r["time_to_first_step_s"] for r in rf_runs),
-                                  "rounds": rf_runs},
-                      "plain_torch": {"tokens_per_s": plain_tps, "rounds": plain_runs}},
-          "ratios": {"rayflex_over_plain_torch_tokens_per_s": rf_tps / plain_tps}})
-
+                       "steps": args.steps, "rounds": args.rounds, "nodes": 1,
+                       "order": "alternating: rayflex, plain torch, rayflex, ...",
+                       "step_time": f"median wall-clock gap between finished steps after step {SKIP} "
+                                    "(benchmarks/rounds.py, the method compare.py uses)"},
+          "results": results,
+          "ratios": {"rayflex_over_plain_torch_tokens_per_s": results["rayflex"]["tokens_per_s"]
+                     / results["plain_torch"]["tokens_per_s"],
+                     "by_round": by_round}}, out=args.out)
 
 if __name__ == "__main__":
     main()

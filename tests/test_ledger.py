@@ -92,6 +92,14 @@ def test_a_saves_cost_is_what_it_blocked_plus_the_slowdown_of_the_steps_beside_i
     assert ledger.save_costs_s() == [pytest.approx(0.05 + 3 * 0.2)]
     # What a failure now would lose: the steps trained since the save of step 10.
     assert ledger.training_s_since(10) == pytest.approx(3 * 0.3 + 7 * 0.1)
+    # A save whose upload was still running when its attempt failed: its cost is unknown.
+    unfinished = {"committed": True, "step": 20, "uri": "mem://20", "blocked_s": 0.05, "total_s": 1.0}
+    rec = StepRecord(step=21, loss=1.0, step_time_s=0.1, lr=1e-3, grad_norm=1.0, time=t + 0.1, samples=8)
+    ledger.absorb(0, dataclasses.replace(_status(0, 21, unfinished), records=[rec]), plan, _Detector())
+    ledger.restored(20)
+    # The new attempt has none of the old one's steps, but the costs measured there stay
+    # (recomputed now, the save of step 10 would look free: only its 0.05 s blocked copy).
+    assert ledger.save_costs_s() == [pytest.approx(0.05 + 3 * 0.2)]
 
 
 def test_with_memory_replicas_a_spot_notice_needs_time_to_replicate_not_to_upload(tmp_path):

@@ -26,6 +26,10 @@ class StepLedger:
         self.last_checkpoint: Optional[dict] = None
         self.checkpoint_seconds: list[float] = []
         self._saves: list[tuple[int, float, float]] = []  # (step, blocked_s, total_s) of recent commits
+        # What each save cost training, measured once, when the steps beside its upload are
+        # all in (or its attempt ended): save step -> seconds. Kept across attempts; a save
+        # measured after a restart would find none of its neighbours and look free.
+        self._save_costs: dict[int, float] = {}
         # Memory replicas: how long recent saves took until every shard was in memory on
         # another node, and an emergency save whose keepers upload it (the controller commits).
         self.replication_seconds: list[float] = []
@@ -74,18 +78,27 @@ class StepLedger:
         """The training time each recent save cost: what it blocked, plus how much longer
         than the median step the steps beside its upload took (an asynchronous upload
         shares the host's cores, memory bandwidth and links with training). A step's time
-        never includes the blocked copy: the save runs between two steps."""
+        never includes the blocked copy: the save runs between two steps. Only saves whose
+        upload window this ledger saw close count (a restart that cut one short, or a
+        commit reported after its attempt ended, leaves that save unmeasured)."""
+        self._measure_saves()
+        return [self._save_costs[step] for step, _, _ in self._saves if step in self._save_costs][-5:]
+
+    def _measure_saves(self) -> None:
+        """Freeze the cost of every save whose upload window closed in this attempt."""
         with self._lock:
             recent = [m for m in self._metrics[-200:] if m["step"] > self.start_step]
         if not recent:
-            return [blocked for _, blocked, _ in self._saves[-5:]]
+            return
         lines = {m["step"]: m for m in recent}
         median = statistics.median(m["step_time_s"] for m in recent[-50:])
-        costs = []
-        for step, blocked, total in self._saves[-5:]:
+        for step, blocked, total in self._saves:
             ended = lines.get(step, {}).get("time")
-            costs.append(blocked + (0.0 if ended is None else steps_excess_s(lines, step + 1, ended + total, median)))
-        return costs
+            if step not in self._save_costs and ended is not None and recent[-1]["time"] >= ended + total:
+                self._save_costs[step] = blocked + steps_excess_s(lines, step + 1, ended + total, median)
+        kept = {step for step, _, _ in self._saves}
+        for step in [s for s in self._save_costs if s not in kept]:
+            del self._save_costs[step]
 
     def emergency_save_estimate_s(self) -> float:
         """How long an emergency save keeps a leaving node: with memory replicas (once a
@@ -117,6 +130,7 @@ class StepLedger:
         says how many did)."""
         while self.step < step and (self.step + 1) in self._pending and self._plan is not None:
             self._finish_step(self._pending.pop(self.step + 1), self._plan, None)
+        self._measure_saves()  # the ending attempt's steps are about to leave the window
         self.step = self.start_step = step
         self.committed_step = max(self.committed_step, step)
         with self._lock:
