@@ -236,6 +236,9 @@ class AsyncCheckpointer:
         self._inflight: Optional[Future] = None
         self._abandoned: Optional[threading.Event] = None
         self._staging: Optional[HostStaging] = None
+        from rayflex.storage.dcp_io import SavePlanCache
+
+        self._plans = SavePlanCache()
         # One background thread finishes (waits for, then commits) one save at a time.
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayflex-ckpt-commit")
         self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayflex-ckpt-upload")
@@ -305,9 +308,9 @@ class AsyncCheckpointer:
             # Planning (a gather on the checkpoint group) and the upload both run in the
             # background thread; training only waited for the copy above.
             upload = self._uploader.submit(_low_priority(dcp.save), tensors, storage_writer=writer,
-                                           process_group=group)
+                                           planner=self._plans.planner(), process_group=group)
         else:
-            dcp.save(tensors, storage_writer=writer, process_group=group)
+            dcp.save(tensors, storage_writer=writer, planner=self._plans.planner(), process_group=group)
             upload = Future()
             upload.set_result(None)
         # Blocked: everything training waited for here, including a previous save that was
@@ -357,7 +360,9 @@ class AsyncCheckpointer:
             self._abandoned.set()
 
     def close(self) -> None:
-        """Let go of the staging buffers (unpinning a shared block): the attempt is over."""
+        """Let go of the staging buffers (unpinning a shared block) and the cached save
+        plans: the attempt is over."""
+        self._plans.clear()
         if self._staging is not None:
             self._staging.close()
             self._staging = None

@@ -61,6 +61,41 @@ class CheckpointWriter(FsspecWriter):
         self.fs = fs
 
 
+class SavePlanCache:
+    """DCP's save-plan caching, scoped to one checkpointer (one attempt's mesh and state).
+
+    Without it every save re-plans: each rank lists its write items, rank 0 gathers every
+    plan, de-duplicates them and builds the metadata, and scatters the plans back — pickling
+    hundreds of items per rank each time (40% of a save's CPU for a small GPT, all of it
+    running beside training in an asynchronous save). ``DefaultSavePlanner(
+    enable_plan_caching=True)`` sends an empty plan when a rank's plan is unchanged and rank
+    0 reuses the global plan and metadata. DCP keys its cache by planner class, process-wide;
+    a key per checkpointer keeps a reused process's next attempt (another world size, another
+    split) from reading this one's plans, and ``clear`` drops them when the attempt ends.
+    Every rank of an attempt builds its checkpointer at setup, so all start uncached
+    together and fill their caches in the same save."""
+
+    _CACHES = ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan",
+               "_cached_metadata")
+
+    def __init__(self) -> None:
+        import uuid
+
+        self.key = f"rayflex-{uuid.uuid4().hex}"
+
+    def planner(self):
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = self.key  # DCP's attribute (its default is the class name)
+        return planner
+
+    def clear(self) -> None:
+        from torch.distributed.checkpoint.planner import SavePlanner
+
+        for name in self._CACHES:
+            getattr(SavePlanner, name, {}).pop(self.key, None)
+
 
 def missing_shard_files(step_uri: str) -> list[str]:
     """What keeps the DCP checkpoint at ``step_uri`` from being whole: its ``.metadata``
