@@ -113,7 +113,7 @@ def rayflex_clean(data: str, storage: str, name: str, args) -> dict:
                                                                        grad_clip=recovery.CLIP,
                                                                        min_lr_ratio=recovery.MIN_LR_RATIO)),
                          scaling=rf.ScalingConfig(num_workers=WORKERS, min_workers=2, max_workers=WORKERS),
-                         checkpoint=rf.CheckpointConfig(every_steps=args.every, keep=2),
+                         checkpoint=rf.CheckpointConfig(every_steps=args.every, keep=2, upload=args.rayflex_upload),
                          elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60))
     t0 = time.time()
     handle = trainer.submit()
@@ -242,30 +242,46 @@ def torchrun(data: str, root: str, name: str, args, *, fault: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------- report
-METRICS = (("tokens_per_s", "tokens/s", "{:,.0f}"), ("time_to_first_step_s", "first step (s)", "{:.1f}"),
-           ("checkpoint_blocked_s", "ckpt blocked (ms)", "ms"),
-           ("checkpoint_step_excess_s", "ckpt step excess (ms)", "ms"), ("recovery_s", "recovery (s)", "{:.1f}"),
-           ("steps_lost", "steps lost", "{:d}"), ("final_loss", "final loss", "{:.3f}"))
+METRICS = (("tokens_per_s", "tokens/s (steps without a save; min-max over rounds)", "{:,.0f}"),
+           ("tokens_per_s_with_checkpoints", "tokens/s (all steps)", "{:,.0f}"),
+           ("time_to_first_step_s", "launch to first step (s)", "{:.1f}"),
+           ("checkpoint_blocked_s", "blocked per checkpoint (ms)", "ms"),
+           ("checkpoint_step_excess_s", "step slowdown around a checkpoint (ms)", "ms"),
+           ("recovery_s", "recovery: kill to first resumed step (s)", "{:.1f}"),
+           ("steps_lost", "steps lost", "{:d}"), ("final_loss", "final loss", "{:.4f}"))
+LABELS = {"rayflex": "rayflex", "ray_train": "Ray Train `TorchTrainer` (FSDP2 in the loop)",
+          "torchrun": "`torchrun --max-restarts 3` (plain FSDP2 script)"}
 
 
-def markdown(results: dict, ratios: dict) -> str:
+def markdown(results: dict, by_round: dict) -> str:
+    """The README's table (medians over rounds; tokens/s with its min-max) and the
+    round-by-round ratios of each peer to rayflex."""
     def fmt(v, spec):
         if v is None:
             return "-"
-        return f"{v * 1e3:,.1f}" if spec == "ms" else spec.format(v)
+        return f"{v * 1e3:,.0f}" if spec == "ms" else spec.format(v)
 
-    head = "| system | " + " | ".join(label for _, label, _ in METRICS) + " |"
-    rows = [head, "|" + "---|" * (len(METRICS) + 1)]
+    rows = ["| system | " + " | ".join(label for _, label, _ in METRICS) + " |", "|" + "---|" * (len(METRICS) + 1)]
     for system, r in results.items():
-        cells = []
-        for key, _, spec in METRICS:
-            cell = fmt(r.get(key), spec)
-            ratio = ratios.get(system, {}).get(key)
-            if system != "rayflex" and ratio is not None and key not in ("steps_lost", "final_loss"):
-                cell += f" ({ratio:.2f}x)"
-            cells.append(cell)
-        rows.append(f"| {system} | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n\n(x): the system's value over rayflex's"
+        cells = [fmt(r.get(key), spec) for key, _, spec in METRICS]
+        lo_hi = r.get("spread", {}).get("tokens_per_s")
+        if lo_hi:
+            cells[0] += f" ({lo_hi[0]:,.0f}-{lo_hi[1]:,.0f})"
+        rows.append(f"| {LABELS.get(system, system)} | " + " | ".join(cells) + " |")
+    notes = []
+    for system, ratios in by_round.items():
+        tps = ratios.get("tokens_per_s")
+        if system != "rayflex" and tps:
+            notes.append(f"{system} / rayflex tokens/s round by round: {tps['median']:.2f} "
+                         f"({tps['min']:.2f}-{tps['max']:.2f})")
+    return "\n".join(rows) + ("\n\n" + "; ".join(notes) if notes else "")
+
+
+def table_from(path: str) -> str:
+    """The README table from a committed result (``--table-from benchmarks/results/compare.json``)."""
+    with open(path) as f:
+        got = json.load(f)
+    return markdown(got["results"], got.get("ratios_vs_rayflex_by_round", {}))
 
 
 def main() -> None:
@@ -280,10 +296,16 @@ def main() -> None:
     ap.add_argument("--torchrun-nice", type=int, default=15,
                     help="niceness of the torchrun tree; 15 = Ray's default worker niceness, which the "
                          "rayflex and Ray Train workers run at (matters only on a busy machine)")
+    ap.add_argument("--rayflex-upload", default="auto", choices=("auto", "thread", "process"),
+                    help="rayflex's CheckpointConfig.upload (where an async save's bytes are written from)")
+    ap.add_argument("--table-from", metavar="JSON", help="only print the README table of a committed result")
     ap.add_argument("--keep-dir", action="store_true", help="keep the temporary data, logs and checkpoints")
     ap.add_argument("--markdown", action="store_true", help="also print the markdown table to stderr")
     ap.add_argument("--out", help="also write the JSON here (Ray's driver log lines can share stdout)")
     args = ap.parse_args()
+    if args.table_from:
+        print(table_from(args.table_from))
+        return
     args.fault_at = args.fault_at if args.fault_at is not None else args.every + args.every // 2
     args.rt_report_every_step = False  # recovery.run_ray_train reads it
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -385,7 +407,8 @@ def main() -> None:
                                     "up throughout; then the kill runs (torchrun, rayflex, Ray Train)",
                        "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
                        "rayflex": {"scaling": {"num_workers": WORKERS, "min_workers": 2, "max_workers": WORKERS},
-                                   "checkpoint": "async sharded DCP, keep 2", "max_failures": 3},
+                                   "checkpoint": f"async sharded DCP, keep 2, upload={args.rayflex_upload!r}",
+                                   "max_failures": 3},
                        "ray_train": {"train_loop": "recovery._rt_train_loop (fully_shard, sync dcp.save + "
                                                    "ray.train.report(checkpoint=...) every interval)",
                                      "max_failures": 3},
@@ -395,7 +418,7 @@ def main() -> None:
           "results": results, "ratios_vs_rayflex": ratios,
           "ratios_vs_rayflex_by_round": ratio_spread}, out=args.out)
     if args.markdown:
-        print(markdown({s: results[s] for s in systems}, ratios), file=sys.stderr)
+        print(markdown({s: results[s] for s in systems}, ratio_spread), file=sys.stderr)
 
 
 if __name__ == "__main__":
