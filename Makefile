@@ -50,7 +50,7 @@ test-fast: venv emulators
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=5 -m "not cluster and not slow and not multiproc" tests
 
 bench: venv
-	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/overhead.py --rounds 5 --out benchmarks/results/overhead.json
 
 # Three long chaos runs (12 faults each); the report is benchmarks/results/chaos.json.
 chaos: venv
