@@ -27,11 +27,10 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from rayflex.replicas.holders import DIGEST_SUFFIX, OWN_COPY, REPLICA, STORAGE, Holder
 from rayflex.replicas.keeper import digest_of
 from rayflex.storage import fs as rfs
-from rayflex.storage.dcp_io import CheckpointWriter, PrefixFileSystem
+from rayflex.storage.dcp_io import SHARD_SUFFIX, CheckpointWriter, PrefixFileSystem
 
 log = logging.getLogger(__name__)
 
-SHARD_SUFFIX = ".distcp"
 
 
 class _CapturedFile(io.BytesIO):

@@ -24,7 +24,6 @@ another), which is what makes a restore from memory several times faster than st
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -36,6 +35,7 @@ from typing import Any, Optional
 import numpy as np
 
 from rayflex.replicas.holders import DIGEST_SUFFIX, PRIMARY, REPLICA
+from rayflex.storage.manifest import content_hasher
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,9 @@ DEFAULT_BUDGET_FRACTION = 0.25  # of the node's RAM when CheckpointConfig.memory
 def digest_of(data) -> str:
     """The content hash replicas are checked with (the shard's ``.blake2b`` sidecar holds
     the same); hashlib releases the GIL on large buffers."""
-    return hashlib.blake2b(data, digest_size=32).hexdigest()
+    hasher = content_hasher()
+    hasher.update(data)
+    return hasher.hexdigest()
 
 
 @dataclass

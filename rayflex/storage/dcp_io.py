@@ -20,6 +20,7 @@ from typing import Optional
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
 
 from rayflex.storage import fs as rfs
+from rayflex.storage import manifest as mf
 
 
 class SaveAbandoned(RuntimeError):
@@ -27,9 +28,29 @@ class SaveAbandoned(RuntimeError):
     none of its files is written from here on, and the rank is free to leave."""
 
 
+SHARD_SUFFIX = ".distcp"  # DCP's shard files (one per rank with single_file_per_rank)
+
+
+class _HashingStream:
+    """A write stream that also hashes what goes through it (DCP only appends)."""
+
+    def __init__(self, stream, hasher) -> None:
+        self._stream, self._hasher = stream, hasher
+
+    def write(self, data) -> int:
+        written = self._stream.write(data)
+        self._hasher.update(data)
+        return written
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 class PrefixFileSystem(FileSystem):
-    """DCP's fsspec filesystem, except that ``mkdir`` never reaches a bucket, and no file is
-    opened for writing once ``abandoned`` is set."""
+    """DCP's fsspec filesystem, except that ``mkdir`` never reaches a bucket, no file is
+    opened for writing once ``abandoned`` is set, and each shard file gets the digest of
+    its bytes beside it (``manifest.DIGEST_SUFFIX``; not on S3, where the commit uses the
+    ETag): the commit then records it without reading the file back."""
 
     abandoned: Optional[threading.Event] = None
 
@@ -42,10 +63,21 @@ class PrefixFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):
-        if "w" in mode:
-            self.check_abandoned()
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        self.check_abandoned()
+        if not os.fspath(path).endswith(SHARD_SUFFIX) or rfs.is_s3(self.fs):
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        hasher = mf.content_hasher()
         with super().create_stream(path, mode) as stream:
-            yield stream
+            yield _HashingStream(stream, hasher)
+        digest_path = f"{os.fspath(path)}{mf.DIGEST_SUFFIX}"
+        rfs.with_retries(lambda: self.fs.pipe_file(digest_path, hasher.hexdigest().encode()),
+                         what=f"write {rfs.redact_uri(digest_path)}")
 
 
 class CheckpointWriter(FsspecWriter):

@@ -24,8 +24,13 @@ Fingerprints, and why two kinds:
   and it cannot be recomputed if the checkpoint is copied to another kind of storage;
   such a copy is then checked by size only (with a warning). S3 itself checksums data at
   rest and TLS protects it in transit, so the ETag is the cheap check that matters.
-* ``blake2b:<hex>`` elsewhere (local disk, memory): a streamed content hash. Commit reads
-  every byte once (usually from page cache, just written); verify reads them again.
+* ``blake2b:<hex>`` elsewhere (local disk, GCS, Azure, memory): a content hash. The writer
+  hashes each shard file as it writes it and leaves the digest beside it
+  (``<file>.blake2b``, :data:`DIGEST_SUFFIX`); commit records that digest instead of reading
+  the file back (rank 0 would otherwise read the whole checkpoint, every rank's shards,
+  after every save — a download on GCS or Azure). Files without one (small extras, an
+  uploader process's shards) are read and hashed at commit. Verify reads every byte again,
+  with the digest size the manifest recorded.
 
 Verification always compares the same kind the manifest recorded.
 
@@ -56,6 +61,14 @@ METADATA = ".metadata"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _HASH_CHUNK = 4 << 20
+# Beside a shard file: the blake2b (32-byte) digest of its bytes, written by the writer
+# (storage.dcp_io) or a replica keeper; the commit records it as the file's fingerprint.
+DIGEST_SUFFIX = ".blake2b"
+
+
+def content_hasher():
+    """The hash a writer computes over a shard file's bytes (its ``DIGEST_SUFFIX`` sidecar)."""
+    return hashlib.blake2b(digest_size=32)
 
 
 def step_dir(root: str, step: int) -> str:
@@ -166,9 +179,9 @@ def _etag(info: dict) -> Optional[str]:
     return str(value).strip('"') if value else None
 
 
-def _blake2b(fs, path: str) -> str:
+def _blake2b(fs, path: str, digest_size: int = 16) -> str:
     def _hash() -> str:
-        digest = hashlib.blake2b(digest_size=16)
+        digest = hashlib.blake2b(digest_size=digest_size)
         with fs.open(path, "rb") as f:
             for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
                 digest.update(chunk)
@@ -192,11 +205,24 @@ def _fingerprint(fs, path: str, info: dict) -> str:
     return _blake2b(fs, path)
 
 
+def _written_digest(fs, path: str, rel: str, files: dict) -> Optional[str]:
+    """The fingerprint a file's writer left beside it (``DIGEST_SUFFIX``), if any: what the
+    commit records without reading the file. Not on S3, whose ETag costs nothing either."""
+    if rel + DIGEST_SUFFIX not in files or is_s3(fs):
+        return None
+    digest = with_retries(lambda: fs.cat_file(f"{path}/{rel}{DIGEST_SUFFIX}"),
+                          what=f"read {rel}{DIGEST_SUFFIX}").decode().strip()
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        logger.warning("ignoring %s%s: not a blake2b digest (%r); hashing the file", rel, DIGEST_SUFFIX, digest[:80])
+        return None
+    return "blake2b:" + digest
+
+
 def _current_fingerprint(fs, path: str, info: dict, recorded: str) -> Optional[str]:
     """The fingerprint of the same kind as ``recorded``; None where it cannot be taken."""
     kind = recorded.split(":", 1)[0]
-    if kind == "blake2b":
-        return _blake2b(fs, path)
+    if kind == "blake2b":  # 16 bytes when the commit hashed the file, 32 from a writer's digest
+        return _blake2b(fs, path, digest_size=len(recorded.split(":", 1)[1]) // 2)
     if kind == "etag" and is_s3(fs):
         return _s3_etag(fs, path, info)
     logger.warning("cannot compute a %r fingerprint for %s on this storage; checked its "
@@ -243,7 +269,8 @@ def commit(root: str, step: int, *, world_size: int, mesh: dict, extra: Optional
             f"({len(files)} other files present). DCP writes it last, so the save has not "
             "finished or failed. Fix: commit only after every rank's save completed")
     records = {rel: FileRecord(size=int(info["size"]),
-                               fingerprint=_fingerprint(fs, f"{path}/{rel}", info))
+                               fingerprint=_written_digest(fs, path, rel, files)
+                               or _fingerprint(fs, f"{path}/{rel}", info))
                for rel, info in sorted(files.items())}
     manifest = Manifest(step=step, world_size=int(world_size), mesh=dict(mesh), files=records,
                         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -1,0 +1,75 @@
+"""What a save costs beside training: saves after an attempt's first reuse its DCP save plan
+(storage.dcp_io.SavePlanCache) and still write the state of their step; the commit records the
+digests the writer took instead of reading every shard back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoint_helpers import tiny_state
+
+
+def test_later_saves_reuse_the_plan_and_still_write_the_current_values(tmp_path):
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    from rayflex.storage.checkpoint import AsyncCheckpointer
+
+    root = f"file://{tmp_path}/ckpt"
+    state = tiny_state(seed=1)
+    model, opt = state.modules[0], state.optimizers[0]
+    ckpt = AsyncCheckpointer(root, rank=0, use_async=True, keep=3)
+    key = ckpt._plans.key
+    for step in (3, 4, 5):
+        if step > 3:  # new values under an unchanged plan
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+        ckpt.save(state, step=step)
+        [report] = ckpt.wait(timeout_s=60)
+        assert report.get("committed"), report.get("error")
+        assert key in SavePlanner._cached_metadata, "the plan of the first save is kept for the next"
+    other = AsyncCheckpointer(f"file://{tmp_path}/other", rank=0)
+    assert other._plans.key != key, "another attempt in this process plans for itself"
+
+    fresh = tiny_state(seed=9)
+    info = AsyncCheckpointer(root, rank=0).load_latest(fresh)
+    assert info["step"] == 5
+    for a, b in zip(model.parameters(), fresh.modules[0].parameters()):
+        assert torch.equal(a, b), "the last save wrote the weights of its step, not the first save's"
+    saved, loaded = opt.state_dict()["state"], fresh.optimizers[0].state_dict()["state"]
+    assert all(torch.equal(saved[k][n], loaded[k][n]) for k in saved for n in saved[k])
+
+    ckpt.close()
+    assert not any(key in getattr(SavePlanner, name) for name in ckpt._plans._CACHES), "the attempt's plans go with it"
+
+
+def test_the_commit_records_the_writers_digests_without_reading_the_shards_back(tmp_path, monkeypatch):
+    from rayflex.errors import CheckpointError
+    from rayflex.storage import manifest as mf
+    from rayflex.storage.checkpoint import AsyncCheckpointer
+
+    root = f"file://{tmp_path}/ckpt"
+    read_back = []
+    real_blake2b = mf._blake2b
+    monkeypatch.setattr(mf, "_blake2b", lambda fs, path, digest_size=16: (
+        read_back.append(path.rsplit("/", 1)[-1]), real_blake2b(fs, path, digest_size))[1])
+    ckpt = AsyncCheckpointer(root, rank=0, use_async=True, keep=3)
+    ckpt.save(tiny_state(seed=2), step=3)
+    [report] = ckpt.wait(timeout_s=60)
+    assert report.get("committed"), report.get("error")
+    manifest = mf.read_manifest(root, 3)
+    shards = [rel for rel in manifest.files if rel.endswith(".distcp")]
+    assert shards and not any(name.endswith(".distcp") for name in read_back), \
+        "rank 0 did not read a shard back to fingerprint it"
+    for rel in shards:
+        written = (tmp_path / "ckpt" / "step_00000003" / (rel + mf.DIGEST_SUFFIX)).read_text()
+        assert manifest.files[rel].fingerprint == "blake2b:" + written
+
+    # Verify still reads every byte: a byte flipped in storage after the commit is caught.
+    mf.verify(root, 3)
+    shard = tmp_path / "ckpt" / "step_00000003" / shards[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum differs"):
+        mf.verify(root, 3)
