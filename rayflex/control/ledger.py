@@ -27,8 +27,8 @@ class StepLedger:
         self.checkpoint_seconds: list[float] = []
         self._saves: list[tuple[int, float, float]] = []  # (step, blocked_s, total_s) of recent commits
         # What each save cost training, measured once, when the steps beside its upload are
-        # all in (or its attempt ended): save step -> seconds. Kept across attempts; a save
-        # measured after a restart would find none of its neighbours and look free.
+        # all in: save step -> seconds. Kept across attempts; a save measured after a restart
+        # would find none of its neighbours and look free.
         self._save_costs: dict[int, float] = {}
         # Memory replicas: how long recent saves took until every shard was in memory on
         # another node, and an emergency save whose keepers upload it (the controller commits).

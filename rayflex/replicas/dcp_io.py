@@ -32,7 +32,6 @@ from rayflex.storage.dcp_io import SHARD_SUFFIX, CheckpointWriter, PrefixFileSys
 log = logging.getLogger(__name__)
 
 
-
 class _CapturedFile(io.BytesIO):
     """An in-memory shard file that keeps its bytes when DCP closes it."""
 
