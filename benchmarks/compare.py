@@ -304,6 +304,9 @@ def main() -> None:
     ap.add_argument("--out", help="also write the JSON here (Ray's driver log lines can share stdout)")
     args = ap.parse_args()
     if args.table_from:
+        if not os.path.isfile(args.table_from):
+            ap.error(f"--table-from {args.table_from}: no such file; give a compare.py result, "
+                     "e.g. benchmarks/results/compare.json")
         print(table_from(args.table_from))
         return
     args.fault_at = args.fault_at if args.fault_at is not None else args.every + args.every // 2

@@ -73,3 +73,20 @@ def test_the_commit_records_the_writers_digests_without_reading_the_shards_back(
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="checksum differs"):
         mf.verify(root, 3)
+
+
+def test_a_digest_file_that_is_not_a_digest_is_ignored_and_the_file_hashed(tmp_path, caplog):
+    import hashlib
+
+    from rayflex.storage import manifest as mf
+
+    step = tmp_path / "ckpt" / "step_00000003"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"meta")
+    (step / "__0_0.distcp").write_bytes(b"shard bytes")
+    (step / ("__0_0.distcp" + mf.DIGEST_SUFFIX)).write_text("not a digest\n")
+    manifest = mf.commit(f"file://{tmp_path}/ckpt", 3, world_size=1, mesh={})
+    assert manifest.files["__0_0.distcp"].fingerprint == \
+        "blake2b:" + hashlib.blake2b(b"shard bytes", digest_size=16).hexdigest()
+    assert "not a blake2b digest" in caplog.text
+    mf.verify(f"file://{tmp_path}/ckpt", 3)

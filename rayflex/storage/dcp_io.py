@@ -63,18 +63,15 @@ class PrefixFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        self.check_abandoned()
-        if not os.fspath(path).endswith(SHARD_SUFFIX) or rfs.is_s3(self.fs):
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        hasher = mf.content_hasher()
+        writing = "w" in mode
+        if writing:
+            self.check_abandoned()
+        shard = writing and os.fspath(path).endswith(SHARD_SUFFIX) and not rfs.is_s3(self.fs)
+        hasher = mf.content_hasher() if shard else None
         with super().create_stream(path, mode) as stream:
-            yield _HashingStream(stream, hasher)
+            yield stream if hasher is None else _HashingStream(stream, hasher)
+        if hasher is None:
+            return
         digest_path = f"{os.fspath(path)}{mf.DIGEST_SUFFIX}"
         rfs.with_retries(lambda: self.fs.pipe_file(digest_path, hasher.hexdigest().encode()),
                          what=f"write {rfs.redact_uri(digest_path)}")
