@@ -103,8 +103,9 @@ def test_reading_rows_imports_neither_pandas_nor_arrow_compute(tmp_path):
     code = ("import sys\nfrom rayflex.data.dataset import TokenDataset\n"
             f"ds = TokenDataset({uri!r})\nrows = ds.rows(__import__('numpy').arange(len(ds)))\n"
             "print(rows.shape, sorted(m for m in ('pandas', 'pyarrow.compute') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "torch.Size([48, 17]) []", out
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
+    assert done.stdout.strip() == "torch.Size([48, 17]) []", done.stdout
 
 
 def test_rows_of_unequal_length_are_refused_with_the_fix(tmp_path):

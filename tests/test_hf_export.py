@@ -174,14 +174,14 @@ def _checkpoint_state(spec: rf.TrainSpec, step: int) -> dict:
     blocks (no exporter involved)."""
     import torch.distributed.checkpoint as dcp
 
+    from rayflex.storage.dcp_io import CheckpointReader
     from rayflex.storage.manifest import step_dir
 
     stage = build_stage(spec.model, list(range(spec.model.num_blocks)))
     state = stage.state_dict()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*in a single process")
-        dcp.load({"model": state}, checkpoint_id=step_dir(spec.checkpoint_uri, step).removeprefix("file://"),
-                 no_dist=True)
+        dcp.load({"model": state}, storage_reader=CheckpointReader(step_dir(spec.checkpoint_uri, step)), no_dist=True)
     stage.load_state_dict(state)
     return stage.eval()
 

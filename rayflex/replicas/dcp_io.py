@@ -22,12 +22,10 @@ import os
 import time
 from typing import Optional
 
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
 from rayflex.replicas.holders import DIGEST_SUFFIX, OWN_COPY, REPLICA, STORAGE, Holder
 from rayflex.replicas.keeper import digest_of
 from rayflex.storage import fs as rfs
-from rayflex.storage.dcp_io import SHARD_SUFFIX, CheckpointWriter, PrefixFileSystem
+from rayflex.storage.dcp_io import SHARD_SUFFIX, CheckpointReader, CheckpointWriter, PrefixFileSystem
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +176,7 @@ class _MemoryFirstFileSystem:
             yield fetched
 
 
-class MemoryFirstReader(FsspecReader):
+class MemoryFirstReader(CheckpointReader):
     def __init__(self, path: str, *, step: int, holders: dict[str, list[Holder]], client,
                  missing: Optional[dict[str, str]] = None, **kwargs) -> None:
         super().__init__(path, **kwargs)

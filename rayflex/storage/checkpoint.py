@@ -38,6 +38,8 @@ from rayflex.storage.fs import resolve, with_retries
 log = logging.getLogger(__name__)
 
 EXTRA_FILE = "rayflex_state.json"
+# The optimizer's hyper-parameters (lr, betas, eps, ...): one entry per parameter under it.
+HPARAMS_KEY = "optim_hparams"
 
 
 @dataclass(kw_only=True)
@@ -59,7 +61,17 @@ class TrainState:
     sample_order: Optional[int] = None  # rayflex.data.sampler.SAMPLE_ORDER of the run
     config: dict = field(default_factory=dict)
 
-    def tensor_state(self) -> dict[str, Any]:
+    def tensor_state(self, *, packed: bool = True) -> dict[str, Any]:
+        """What DCP saves and loads: the model and optimizer state dicts (flattened), and —
+        ``packed`` — the optimizer's non-tensor hyper-parameters as one entry per parameter.
+
+        A flattened optimizer state dict holds every hyper-parameter of every parameter as
+        its own entry (``param_groups.<fqn>.lr``, ``.betas``, ... eleven for AdamW): three
+        entries in four of a GPT's checkpoint, each planned, pickled, written and described
+        in .metadata by every save. Packed, a parameter's are one tuple of (name, value)
+        pairs, ``optim_hparams.<fqn>`` (keyed by parameter, so any pipeline split saves and
+        loads the same entries); loading unpacks them. ``packed=False``: the layout of
+        checkpoints written before."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict)
 
@@ -68,7 +80,10 @@ class TrainState:
         for module, opt in zip(self.modules, self.optimizers):
             model.update(get_model_state_dict(module))
             optim.update(get_optimizer_state_dict(module, opt, options=opts))
-        return {"model": model, "optim": optim}
+        if not packed:
+            return {"model": model, "optim": optim}
+        hparams = [key for key, value in optim.items() if _is_hparam(key, value)]
+        return {"model": model, "optim": optim, HPARAMS_KEY: _pack_hparams((key, optim.pop(key)) for key in hparams)}
 
     def identity(self) -> tuple:
         """Changes when a tensor the checkpoint reads is re-created (an optimizer that
@@ -101,9 +116,12 @@ class TrainState:
 
         # Each stage takes its own keys out of the merged dicts (keys are global FQNs).
         opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+        optim = dict(state["optim"])
+        for fqn, pairs in state.get(HPARAMS_KEY, {}).items():
+            optim.update((f"{_PG}{fqn}.{name}", value) for name, value in pairs)
         for module, opt in zip(self.modules, self.optimizers):
             set_model_state_dict(module, state["model"], options=StateDictOptions(strict=False))
-            set_optimizer_state_dict(module, opt, state["optim"], options=opts)
+            set_optimizer_state_dict(module, opt, optim, options=opts)
 
     def extra_state(self) -> dict[str, Any]:
         buf = io.BytesIO()
@@ -199,9 +217,14 @@ class HostStaging:
             # The copies were queued on the training thread's current stream, behind the
             # optimizer step that wrote the tensors; they must land before training resumes.
             torch.cuda.current_stream().synchronize()
-        optim = self._staged["optim"]
+        optim, hparams = self._staged["optim"], []
         for key, group, field_name in self._scalars:
-            optim[key] = group[field_name]
+            value = group[field_name]
+            if _is_hparam(key, value):
+                hparams.append((key, value))
+            else:  # a tensor-valued one (lr as a tensor): staged by reference, as before
+                optim[key] = value
+        self._staged[HPARAMS_KEY] = _pack_hparams(hparams)
         return self._staged
 
     def close(self) -> None:
@@ -412,7 +435,8 @@ class AsyncCheckpointer:
         """Load the newest committed, verified checkpoint into ``state``; None if none."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        from rayflex.storage.dcp_io import CheckpointReader
 
         choice: list[Any] = [None]
         if self.rank == 0:
@@ -440,13 +464,14 @@ class AsyncCheckpointer:
             return None
         path = mf.step_dir(self.root, info["step"])
         self._staging = None  # loading replaces the optimizer's state tensors
-        tensors = state.tensor_state()
         holders, missing = info.pop("holders", None), info.pop("missing", None)
         if holders is not None:
             reader = self.replicas.reader(path, step=info["step"], holders=holders, missing=missing,
                                           **fsspec_kwargs(path))
         else:
-            reader = FsspecReader(path, **fsspec_kwargs(path))
+            reader = CheckpointReader(path, **fsspec_kwargs(path))
+        # Checkpoints written before the hyper-parameters were packed hold one entry each.
+        tensors = state.tensor_state(packed=packed_hparams(reader.read_metadata().state_dict_metadata))
         t_load = time.perf_counter()
         dcp.load(tensors, storage_reader=reader, process_group=self.group)
         info["load_s"] = time.perf_counter() - t_load
@@ -562,6 +587,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+_PG = "param_groups."  # the prefix of hyper-parameter keys in a flattened optimizer state dict
+
+
+def _is_hparam(key: str, value: Any) -> bool:
+    """A non-tensor hyper-parameter entry of a flattened optimizer state dict."""
+    return key.startswith(_PG) and not isinstance(value, torch.Tensor)
+
+
+def _pack_hparams(entries) -> dict[str, tuple]:
+    """{parameter fqn: ((name, value), ...)} from (``param_groups.<fqn>.<name>``, value) pairs."""
+    packed: dict[str, list] = {}
+    for key, value in entries:
+        fqn, name = key[len(_PG):].rsplit(".", 1)
+        packed.setdefault(fqn, []).append((name, value))
+    return {fqn: tuple(pairs) for fqn, pairs in packed.items()}
+
+
+def packed_hparams(entries) -> bool:
+    """Whether a checkpoint's entries (.metadata keys) hold packed hyper-parameters."""
+    return any(key.startswith(HPARAMS_KEY + ".") for key in entries)
 
 
 def _walk(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:

@@ -119,11 +119,10 @@ class CheckpointWeights:
     _infos: Optional[dict] = field(default=None, repr=False)
 
     def _reader(self):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
+        from rayflex.storage.dcp_io import CheckpointReader
         from rayflex.storage.fs import fsspec_kwargs
 
-        return FsspecReader(self.step_uri, **fsspec_kwargs(self.step_uri))
+        return CheckpointReader(self.step_uri, **fsspec_kwargs(self.step_uri))
 
     def tensors(self) -> dict[str, "SavedTensor"]:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata

@@ -78,15 +78,15 @@ def replay(spec, segments: list[Segment], storage: str) -> str:
 
 def load_full(step_uri: str) -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint, unsharded, keyed by its flattened name."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+    from rayflex.storage.dcp_io import CheckpointReader
     from rayflex.storage.fs import fsspec_kwargs
 
     # Explicit storage options (endpoint included): fsspec caches filesystems by their
     # arguments, and one made for an earlier endpoint must not be reused. No checkpoint_id:
     # DCP would reset the reader to it through a filesystem built without these options.
-    reader = FsspecReader(step_uri, **fsspec_kwargs(step_uri), skip_instance_cache=True)
+    reader = CheckpointReader(step_uri, **fsspec_kwargs(step_uri), skip_instance_cache=True)
     nested = _load_state_dict_from_keys(storage_reader=reader)
     flat: dict[str, torch.Tensor] = {}
 
