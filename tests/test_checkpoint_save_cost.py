@@ -10,10 +10,16 @@ import torch
 from checkpoint_helpers import tiny_state
 
 
-def test_later_saves_reuse_the_plan_and_still_write_the_current_values(tmp_path):
+def test_later_saves_reuse_the_plan_and_still_write_the_current_values(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import default_planner
     from torch.distributed.checkpoint.planner import SavePlanner
 
     from rayflex.storage.checkpoint import AsyncCheckpointer
+
+    planned = []
+    real_plan = default_planner.create_default_local_save_plan
+    monkeypatch.setattr(default_planner, "create_default_local_save_plan",
+                        lambda *a, **k: (planned.append(1), real_plan(*a, **k))[1])
 
     root = f"file://{tmp_path}/ckpt"
     state = tiny_state(seed=1)
@@ -28,6 +34,7 @@ def test_later_saves_reuse_the_plan_and_still_write_the_current_values(tmp_path)
         [report] = ckpt.wait(timeout_s=60)
         assert report.get("committed"), report.get("error")
         assert key in SavePlanner._cached_metadata, "the plan of the first save is kept for the next"
+    assert len(planned) == 1, "the rank's own plan is listed once, then reused"
     other = AsyncCheckpointer(f"file://{tmp_path}/other", rank=0)
     assert other._plans.key != key, "another attempt in this process plans for itself"
 
@@ -90,3 +97,18 @@ def test_a_digest_file_that_is_not_a_digest_is_ignored_and_the_file_hashed(tmp_p
         "blake2b:" + hashlib.blake2b(b"shard bytes", digest_size=16).hexdigest()
     assert "not a blake2b digest" in caplog.text
     mf.verify(f"file://{tmp_path}/ckpt", 3)
+
+
+def test_a_ranks_plan_is_reused_only_for_the_same_tensors_under_the_same_keys():
+    from rayflex.storage.dcp_io import SavePlanCache
+
+    cache, weight = SavePlanCache(), torch.ones(3)
+    assert cache.reusable_local_plan({"w": weight, "lr": 0.1}) is None, "nothing planned yet"
+    cache.keep_local_plan({"w": weight, "lr": 0.1}, "plan")
+    assert cache.reusable_local_plan({"w": weight, "lr": 0.01}) == "plan", "a new lr is a new value, not a new item"
+    for changed in ({"w": weight.clone(), "lr": 0.1},  # a re-created tensor (new staging, loaded state)
+                    {"w": weight}, {"w": weight, "lr": 0.1, "x": 1}, {"w": weight, "eps": 0.1},
+                    {"w": weight, "lr": torch.tensor(0.1)}):
+        assert cache.reusable_local_plan(changed) is None, changed
+    cache.clear()
+    assert cache.reusable_local_plan({"w": weight, "lr": 0.1}) is None

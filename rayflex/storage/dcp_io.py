@@ -256,7 +256,13 @@ class SavePlanCache:
     a key per checkpointer keeps a reused process's next attempt (another world size, another
     split) from reading this one's plans, and ``clear`` drops them when the attempt ends.
     Every rank of an attempt builds its checkpointer at setup, so all start uncached
-    together and fill their caches in the same save."""
+    together and fill their caches in the same save.
+
+    Each rank's own plan is kept too: DCP would list the write items of every DTensor again
+    (its local shape and global offset) only to find the plan unchanged. It is reused while
+    the state dict holds the very same objects under the same keys — an asynchronous save's
+    staged tensors are built once per staging — so any re-staged or re-created tensor plans
+    afresh."""
 
     _CACHES = ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan",
                "_cached_metadata")
@@ -265,19 +271,85 @@ class SavePlanCache:
         import uuid
 
         self.key = f"rayflex-{uuid.uuid4().hex}"
+        # (the flattened state dict's (key, tensor or None) pairs, this rank's full plan);
+        # holding the tensors keeps their ids from being reused by new objects.
+        self._local: Optional[tuple[list, object]] = None
 
     def planner(self):
-        from torch.distributed.checkpoint import DefaultSavePlanner
+        return _planner_class()(self)
 
-        planner = DefaultSavePlanner(enable_plan_caching=True)
-        planner._cached_plans_key = self.key  # DCP's attribute (its default is the class name)
-        return planner
+    def reusable_local_plan(self, flat_state: dict):
+        if self._local is None:
+            return None
+        entries, plan = self._local
+        if len(entries) != len(flat_state):
+            return None
+        for (key, kept), (now_key, now) in zip(entries, flat_state.items()):
+            if key != now_key or (kept is not None and kept is not now) or (kept is None) != (not _is_tensor(now)):
+                return None
+        return plan
+
+    def keep_local_plan(self, flat_state: dict, plan) -> None:
+        self._local = ([(k, v if _is_tensor(v) else None) for k, v in flat_state.items()], plan)
 
     def clear(self) -> None:
         from torch.distributed.checkpoint.planner import SavePlanner
 
         for name in self._CACHES:
             getattr(SavePlanner, name, {}).pop(self.key, None)
+        self._local = None
+
+
+def _is_tensor(value) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+_PLANNER = None
+
+
+def _planner_class():
+    """DCP's default save planner with plan caching, this rank's plan kept between saves
+    (``SavePlanCache``), and DTensor shards resolved to their local tensor directly."""
+    global _PLANNER
+    if _PLANNER is not None:
+        return _PLANNER
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.default_planner import _compare_save_plans
+    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+    from torch.distributed.tensor import DTensor
+
+    class CachedSavePlanner(DefaultSavePlanner):
+        def __init__(self, cache: SavePlanCache) -> None:
+            super().__init__(enable_plan_caching=True)
+            self._cached_plans_key = cache.key  # DCP's attribute (its default is the class name)
+            self._plan_cache = cache
+
+        def create_local_plan(self) -> SavePlan:
+            kept = self._plan_cache.reusable_local_plan(self.state_dict)
+            if kept is None:
+                plan = super().create_local_plan()
+                self._plan_cache.keep_local_plan(self.state_dict, self.plan)
+                return plan
+            # What DefaultSavePlanner.create_local_plan does after listing the items.
+            self.plan = kept
+            cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+            if cached is not None and (cached is kept or _compare_save_plans(kept, cached)):
+                return SavePlan([], usable=False)
+            self._pending_local_plan = kept
+            return kept
+
+        def lookup_object(self, index):
+            # DTensor.__get_tensor_shard__ is to_local() through autograd: ~10% of a save's
+            # CPU for a small GPT; a staged DTensor's local tensor is the shard itself.
+            obj = self.state_dict.get(index.fqn)
+            if isinstance(obj, DTensor) and not any(p.is_partial() for p in obj.placements):
+                return obj._local_tensor
+            return super().lookup_object(index)
+
+    _PLANNER = CachedSavePlanner
+    return _PLANNER
 
 
 def missing_shard_files(step_uri: str) -> list[str]:
