@@ -104,6 +104,12 @@ class CheckpointWriter(FsspecWriter):
         fs.abandoned = abandoned
         self.fs = fs
 
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)  # .metadata written
+        # DCP then broadcasts this object from rank 0 to every rank, which unpickles it; no
+        # rank reads its storage index (where each entry lies in which file: a third of it).
+        metadata.storage_data = {}
+
     def _write_data(self, planner, file_queue: queue.Queue):
         """DCP's ``_write_data`` (the files of this rank's plan, ``thread_count`` at a time),
         each tensor written as its bytes."""
