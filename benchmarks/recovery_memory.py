@@ -59,17 +59,16 @@ class RestoreRank:
     def load(self, uri: str, source: str) -> dict:
         import torch
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
         from rayflex.replicas.client import ReplicaClient
         from rayflex.replicas.dcp_io import MemoryFirstReader
+        from rayflex.storage.dcp_io import CheckpointReader
         from rayflex.storage.fs import fsspec_kwargs
 
         target = {k: torch.empty_like(v) for k, v in self.state.items()}
         client = ReplicaClient(self.run, self.node_id)
         t0 = time.perf_counter()
         if source == "s3":
-            reader = FsspecReader(uri, **fsspec_kwargs(uri), skip_instance_cache=True)
+            reader = CheckpointReader(uri, **fsspec_kwargs(uri), skip_instance_cache=True)
         else:
             holders, _ = client.locate(1, uri, ["__0_0.distcp"])
             mine = source == "own_copy"

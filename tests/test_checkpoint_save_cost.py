@@ -112,3 +112,12 @@ def test_a_ranks_plan_is_reused_only_for_the_same_tensors_under_the_same_keys():
         assert cache.reusable_local_plan(changed) is None, changed
     cache.clear()
     assert cache.reusable_local_plan({"w": weight, "lr": 0.1}) is None
+
+    import weakref
+
+    replaced = torch.ones(1 << 16)  # a staging buffer that a new staging replaced
+    cache.keep_local_plan({"w": replaced}, "plan")
+    gone = weakref.ref(replaced)
+    del replaced
+    assert gone() is None, "the kept plan does not keep a replaced staging's buffers alive"
+    assert cache.reusable_local_plan({"w": torch.ones(1 << 16)}) is None

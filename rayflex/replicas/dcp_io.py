@@ -119,7 +119,7 @@ class _FetchedRanges(io.RawIOBase):
 
     def __init__(self, chunks: list[tuple[int, bytes]]) -> None:
         super().__init__()
-        self._chunks = sorted(chunks)
+        self._chunks = sorted(chunks, key=lambda c: c[0])
         self._starts = [offset for offset, _ in self._chunks]
         self._pos = 0
 

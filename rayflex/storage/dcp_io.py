@@ -159,6 +159,10 @@ class CheckpointWriter(FsspecWriter):
                     payload, descriptors = data.getbuffer(), None
                 else:
                     payload, descriptors = tensor_bytes(data), [RAW_TENSOR]
+                    expected = math.prod(item.tensor_data.chunk.sizes) * data.element_size()
+                    if payload.nbytes != expected:  # the reader would take the chunk's shape from .metadata
+                        raise ValueError(f"entry {item.index.fqn}: the tensor to write has {payload.nbytes} bytes, "
+                                         f"its planned chunk {list(item.tensor_data.chunk.sizes)} needs {expected}")
                 stream.write(payload)
                 n = payload.nbytes
                 results.append(WriteResult(index=item.index, size_in_bytes=n,
@@ -227,9 +231,9 @@ class CheckpointReader(FsspecReader):
                                          f"metadata describes {expected} ({dtype}, {list(sizes)}): the checkpoint's "
                                          f".metadata and shard files do not belong together")
                     stream.seek(info.offset)
-                    data = bytearray(stream.read(info.length)) if expected else bytearray()
-                    if len(data) != expected:
-                        raise ValueError(f"{relative_path} ends inside entry {index.fqn} ({len(data)} of "
+                    data, got = _read_exact(stream, expected)
+                    if got != expected:
+                        raise ValueError(f"{relative_path} ends inside entry {index.fqn} ({got} of "
                                          f"{expected} bytes at offset {info.offset}): the file is truncated")
                     tensor = (torch.frombuffer(data, dtype=torch.uint8).view(dtype) if expected
                               else torch.empty(0, dtype=dtype)).view(sizes)
@@ -240,6 +244,18 @@ class CheckpointReader(FsspecReader):
                                          f"checkpoint's chunk gives {list(tensor.size())}")
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)
+
+
+def _read_exact(stream, n: int) -> tuple[bytearray, int]:
+    """``n`` bytes from ``stream`` into one new buffer (no intermediate copy); (buffer, bytes read)."""
+    data = bytearray(n)
+    view, got = memoryview(data), 0
+    while got < n:
+        k = stream.readinto(view[got:])
+        if not k:
+            break
+        got += k
+    return data, got
 
 
 def _narrow(tensor, offsets, lengths):
@@ -277,8 +293,8 @@ class SavePlanCache:
         import uuid
 
         self.key = f"rayflex-{uuid.uuid4().hex}"
-        # (the flattened state dict's (key, tensor or None) pairs, this rank's full plan);
-        # holding the tensors keeps their ids from being reused by new objects.
+        # (the flattened state dict's (key, weak reference to its tensor or None) pairs, this
+        # rank's full plan): weak, so a replaced staging's buffers are freed at once.
         self._local: Optional[tuple[list, object]] = None
 
     def planner(self):
@@ -291,12 +307,14 @@ class SavePlanCache:
         if len(entries) != len(flat_state):
             return None
         for (key, kept), (now_key, now) in zip(entries, flat_state.items()):
-            if key != now_key or (kept is not None and kept is not now) or (kept is None) != (not _is_tensor(now)):
+            if key != now_key or (kept is None) == _is_tensor(now) or (kept is not None and kept() is not now):
                 return None
         return plan
 
     def keep_local_plan(self, flat_state: dict, plan) -> None:
-        self._local = ([(k, v if _is_tensor(v) else None) for k, v in flat_state.items()], plan)
+        import weakref
+
+        self._local = ([(k, weakref.ref(v) if _is_tensor(v) else None) for k, v in flat_state.items()], plan)
 
     def clear(self) -> None:
         from torch.distributed.checkpoint.planner import SavePlanner
