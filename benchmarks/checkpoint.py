@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -152,10 +153,10 @@ def main() -> None:
     from rayflex.data.dataset import write_synthetic_dataset
     from rayflex.local_ray import ensure_ray
 
-    data = write_synthetic_dataset(f"file://{tmp}/data", num_samples=2048, seq_len=SEQ, vocab_size=4096)
-    ensure_ray(WORKERS)
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     try:
+        data = write_synthetic_dataset(f"file://{tmp}/data", num_samples=2048, seq_len=SEQ, vocab_size=4096)
+        ensure_ray(WORKERS)
         for r in range(args.rounds):
             for mode in modes:
                 got = run(data, storage, f"ckpt-{mode}-{r}", args.steps, mode)
@@ -165,6 +166,7 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # the dataset and file:// runs
     nbytes = max(x["bytes_per_rank"] for rs in runs.values() for x in rs)
     floor = copy_floor_s(nbytes) if nbytes else None
     results = {}
