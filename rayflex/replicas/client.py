@@ -14,9 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from rayflex.constants import knob
-from rayflex.replicas.holders import DIGEST_SUFFIX, Holder
+from rayflex.replicas.holders import Holder
 from rayflex.replicas.keeper import PRIMARY
 from rayflex.replicas.keepers import keeper_name, node_of_keeper
+from rayflex.storage.manifest import DIGEST_SUFFIX
 
 log = logging.getLogger(__name__)
 

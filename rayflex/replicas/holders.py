@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Beside each shard file in storage: what a memory copy must match (the commit records it too).
-from rayflex.storage.manifest import DIGEST_SUFFIX  # noqa: F401
-
 PRIMARY, REPLICA = "primary", "replica"  # a copy on the node that saved it / on a peer
 OWN_COPY, STORAGE = "own_copy", "storage"  # a restore's sources, with REPLICA
 

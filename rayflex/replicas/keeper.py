@@ -34,8 +34,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from rayflex.replicas.holders import DIGEST_SUFFIX, PRIMARY, REPLICA
-from rayflex.storage.manifest import content_hasher
+from rayflex.replicas.holders import PRIMARY, REPLICA
+from rayflex.storage.manifest import DIGEST_SUFFIX, content_hasher
 
 log = logging.getLogger(__name__)
 

@@ -107,7 +107,7 @@ class TrainState:
             nested = get_optimizer_state_dict(module, opt)
             for group, saved in zip(opt.param_groups, nested["param_groups"]):
                 for fqn in saved["params"]:
-                    out += [(f"param_groups.{fqn}.{k}", group, k) for k in saved if k != "params"]
+                    out += [(f"{_PG}{fqn}.{k}", group, k) for k in saved if k != "params"]
         return out
 
     def load_tensor_state(self, state: dict[str, Any]) -> None:

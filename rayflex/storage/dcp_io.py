@@ -192,8 +192,21 @@ def tensor_bytes(tensor) -> memoryview:
 class CheckpointReader(FsspecReader):
     """DCP's fsspec reader, reading ``RAW_TENSOR`` entries as their bytes; every other entry
     (pickled objects, the ``torch.save`` archives of checkpoints written before the raw
-    format or by stock DCP) goes through DCP's own ``read_data``."""
+    format or by stock DCP) goes through DCP's own ``read_data``. ``.metadata`` is read once
+    (a loader that looks at it first does not read it again when DCP asks)."""
 
+    _metadata = None
+
+    def read_metadata(self, *args, **kwargs):
+        if args or kwargs:  # a rank's own metadata file (DCP's no-collectives mode)
+            return super().read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            self._metadata = super().read_metadata()
+        return self._metadata
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)
+        self._metadata = None  # possibly another checkpoint's
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

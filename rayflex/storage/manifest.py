@@ -205,13 +205,23 @@ def _fingerprint(fs, path: str, info: dict) -> str:
     return _blake2b(fs, path)
 
 
-def _written_digest(fs, path: str, rel: str, files: dict) -> Optional[str]:
-    """The fingerprint a file's writer left beside it (``DIGEST_SUFFIX``), if any: what the
-    commit records without reading the file. Not on S3, whose ETag costs nothing either."""
-    if rel + DIGEST_SUFFIX not in files or is_s3(fs):
+def _read_digests(fs, path: str, files: dict) -> dict[str, bytes]:
+    """{rel: content} of the digest files writers left beside their files (``DIGEST_SUFFIX``),
+    each read once. Not on S3, whose ETag costs nothing either."""
+    if is_s3(fs):
+        return {}
+    return {rel: with_retries(lambda rel=rel: fs.cat_file(f"{path}/{rel}"), what=f"read {rel}")
+            for rel in files if rel.endswith(DIGEST_SUFFIX)}
+
+
+def _written_digest(rel: str, digests: dict[str, bytes]) -> Optional[str]:
+    """The fingerprint a file's writer left beside it, if any: what the commit records
+    without reading the file. A digest file itself: the hash of the bytes already read."""
+    if rel in digests:
+        return "blake2b:" + hashlib.blake2b(digests[rel], digest_size=16).hexdigest()  # as _blake2b
+    if rel + DIGEST_SUFFIX not in digests:
         return None
-    digest = with_retries(lambda: fs.cat_file(f"{path}/{rel}{DIGEST_SUFFIX}"),
-                          what=f"read {rel}{DIGEST_SUFFIX}").decode().strip()
+    digest = digests[rel + DIGEST_SUFFIX].decode(errors="replace").strip()
     if not re.fullmatch(r"[0-9a-f]{64}", digest):
         logger.warning("ignoring %s%s: not a blake2b digest (%r); hashing the file", rel, DIGEST_SUFFIX, digest[:80])
         return None
@@ -268,9 +278,9 @@ def commit(root: str, step: int, *, world_size: int, mesh: dict, extra: Optional
             f"cannot commit step {step}: {shown}/{METADATA} is missing "
             f"({len(files)} other files present). DCP writes it last, so the save has not "
             "finished or failed. Fix: commit only after every rank's save completed")
+    digests = _read_digests(fs, path, files)
     records = {rel: FileRecord(size=int(info["size"]),
-                               fingerprint=_written_digest(fs, path, rel, files)
-                               or _fingerprint(fs, f"{path}/{rel}", info))
+                               fingerprint=_written_digest(rel, digests) or _fingerprint(fs, f"{path}/{rel}", info))
                for rel, info in sorted(files.items())}
     manifest = Manifest(step=step, world_size=int(world_size), mesh=dict(mesh), files=records,
                         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
