@@ -1,5 +1,5 @@
 """What a save costs beside training: saves after an attempt's first reuse its DCP save plan
-(storage.dcp_io.SavePlanCache) and still write the state of their step; the commit records the
+(storage.save_plan.SavePlanCache) and still write the state of their step; the commit records the
 digests the writer took instead of reading every shard back."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def test_a_digest_file_that_is_not_a_digest_is_ignored_and_the_file_hashed(tmp_p
 
 
 def test_a_ranks_plan_is_reused_only_for_the_same_tensors_under_the_same_keys():
-    from rayflex.storage.dcp_io import SavePlanCache
+    from rayflex.storage.save_plan import SavePlanCache
 
     cache, weight = SavePlanCache(), torch.ones(3)
     assert cache.reusable_local_plan({"w": weight, "lr": 0.1}) is None, "nothing planned yet"
@@ -121,3 +121,103 @@ def test_a_ranks_plan_is_reused_only_for_the_same_tensors_under_the_same_keys():
     del replaced
     assert gone() is None, "the kept plan does not keep a replaced staging's buffers alive"
     assert cache.reusable_local_plan({"w": torch.ones(1 << 16)}) is None
+
+
+def test_repeat_saves_write_the_same_metadata_without_pickling_it_again(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from rayflex.storage import save_plan
+    from rayflex.storage.checkpoint import AsyncCheckpointer
+
+    pickled = []
+    real = save_plan.metadata_file_bytes
+    monkeypatch.setattr(save_plan, "metadata_file_bytes", lambda *a: (pickled.append(1), real(*a))[1])
+    root = f"file://{tmp_path}/ckpt"
+    state = tiny_state(seed=3)
+    ckpt = AsyncCheckpointer(root, rank=0, use_async=True, keep=5)
+    for step in (3, 4):
+        ckpt.save(state, step=step)
+        [report] = ckpt.wait(timeout_s=60)
+        assert report.get("committed"), report.get("error")
+    assert len(pickled) == 1, ".metadata is pickled by the first save, then its bytes reused"
+    first, second = ((tmp_path / "ckpt" / f"step_0000000{s}" / ".metadata").read_bytes() for s in (3, 4))
+    assert first == second
+    metadata = FileSystemReader(str(tmp_path / "ckpt" / "step_00000004")).read_metadata()
+    assert metadata.storage_data and metadata.state_dict_metadata, "the file holds the whole metadata"
+    assert {i.relative_path for i in metadata.storage_data.values()} == {"__0_0.distcp"}
+
+    # Re-created optimizer state (a new staging) in the same layout: the same bytes again.
+    state.optimizers[0].load_state_dict(state.optimizers[0].state_dict())
+    ckpt.save(state, step=5)
+    assert ckpt.wait(timeout_s=60)[0].get("committed")
+    assert len(pickled) == 1
+    # Another layout (other shapes): planned and pickled again, and it is what loads.
+    torch.manual_seed(5)
+    bigger = tiny_state(seed=5)
+    bigger.modules[0] = torch.nn.Linear(8, 6)
+    bigger.optimizers[0] = torch.optim.AdamW(bigger.modules[0].parameters(), lr=1e-2)
+    bigger.modules[0](torch.randn(2, 8)).sum().backward()
+    bigger.optimizers[0].step()
+    ckpt.save(bigger, step=6)
+    [report] = ckpt.wait(timeout_s=60)
+    assert report.get("committed"), report.get("error")
+    assert len(pickled) == 2
+    fresh = tiny_state(seed=9)
+    fresh.modules[0] = torch.nn.Linear(8, 6)
+    fresh.optimizers[0] = torch.optim.AdamW(fresh.modules[0].parameters(), lr=1e-2)
+    assert AsyncCheckpointer(root, rank=0).load_latest(fresh)["step"] == 6
+    for a, b in zip(bigger.modules[0].parameters(), fresh.modules[0].parameters()):
+        assert torch.equal(a, b)
+    ckpt.close()
+
+
+def test_write_results_travel_packed_and_describe_the_same_storage_as_dcps():
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from rayflex.storage.dcp_io import RAW_TENSOR
+    from rayflex.storage.save_plan import PackedWriteResults, storage_index_of
+
+    packed = PackedWriteResults.from_rows([("model.w", (4, 0), 1, "__1_0.distcp", 0, 64, [RAW_TENSOR]),
+                                           ("optim_hparams.w", None, None, "__1_0.distcp", 64, 301, None)])
+    travelled = pickle.loads(pickle.dumps(packed))
+    assert travelled.blob == packed.blob and len(travelled) == 2
+    dcps_own = [WriteResult(index=MetadataIndex("model.w", torch.Size([4, 0]), 1), size_in_bytes=64,
+                            storage_data=_StorageInfo("__1_0.distcp", 0, 64, transform_descriptors=[RAW_TENSOR])),
+                WriteResult(index=MetadataIndex("optim_hparams.w"), size_in_bytes=301,
+                            storage_data=_StorageInfo("__1_0.distcp", 64, 301))]
+    assert storage_index_of([travelled]) == storage_index_of([dcps_own])
+    assert pickle.dumps(storage_index_of([travelled])) == pickle.dumps(storage_index_of([dcps_own])), \
+        ".metadata holds the same objects either way"
+
+
+def test_the_metadata_broadcast_after_a_save_is_empty_and_rank_zero_keeps_it_whole():
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    from rayflex.storage.save_plan import SavePlanCache
+
+    md = Metadata(state_dict_metadata={"w": TensorStorageMetadata.__new__(TensorStorageMetadata)},
+                  planner_data={"w": ("w",)})
+    cache = SavePlanCache()
+    kept = cache.rank_zero_metadata(md)
+    assert kept.state_dict_metadata is md.state_dict_metadata and kept.planner_data == md.planner_data
+    assert cache.rank_zero_metadata(md) is kept, "the same stand-in while DCP's metadata is the same"
+    sent = pickle.loads(pickle.dumps(kept))
+    assert type(sent) is Metadata and sent.state_dict_metadata == {}
+
+
+def test_the_cheap_flattening_matches_dcps_for_rayflexs_state_and_declines_the_rest():
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from rayflex.storage.save_plan import flat_view
+
+    state = tiny_state(seed=4).tensor_state()
+    assert flat_view(state) == flatten_state_dict(state)
+    assert list(flat_view(state)[0]) == list(flatten_state_dict(state)[0]), "the same order: the same plan"
+    for other in ({"a": {"b": {"c": 1}}}, {"a": [torch.ones(1)]}, {"a": {"b": [1, 2]}}, {"a.b": 1, "a": {"b": 2}}):
+        assert flat_view(other) is None, other

@@ -97,17 +97,17 @@ class TrainState:
                 ids.extend(id(v) for v in st.values() if isinstance(v, torch.Tensor))
         return tuple(ids)
 
-    def scalar_refs(self) -> list[tuple[str, dict, str]]:
-        """(flattened key, live param group, field) of every optimizer hyper-parameter in
-        the flattened state dict: a learning-rate schedule changes them between saves."""
+    def hparam_groups(self) -> list[tuple[dict, tuple[str, ...], tuple[str, ...]]]:
+        """(live param group, its hyper-parameter names, its parameters' fqns) per optimizer
+        param group: a learning-rate schedule changes the values between saves, and every
+        parameter of a group has the same ones."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         out = []
         for module, opt in zip(self.modules, self.optimizers):
             nested = get_optimizer_state_dict(module, opt)
             for group, saved in zip(opt.param_groups, nested["param_groups"]):
-                for fqn in saved["params"]:
-                    out += [(f"{_PG}{fqn}.{k}", group, k) for k in saved if k != "params"]
+                out.append((group, tuple(k for k in saved if k != "params"), tuple(saved["params"])))
         return out
 
     def load_tensor_state(self, state: dict[str, Any]) -> None:
@@ -204,7 +204,7 @@ class HostStaging:
             return buf
 
         self._staged = _walk(live, host_copy)
-        self._scalars = state.scalar_refs()
+        self._hparam_groups = state.hparam_groups()
 
     def matches(self, state: TrainState) -> bool:
         """Still the same parameter and optimizer-state tensors (nothing was re-created)?"""
@@ -217,14 +217,18 @@ class HostStaging:
             # The copies were queued on the training thread's current stream, behind the
             # optimizer step that wrote the tensors; they must land before training resumes.
             torch.cuda.current_stream().synchronize()
-        optim, hparams = self._staged["optim"], []
-        for key, group, field_name in self._scalars:
-            value = group[field_name]
-            if _is_hparam(key, value):
-                hparams.append((key, value))
-            else:  # a tensor-valued one (lr as a tensor): staged by reference, as before
-                optim[key] = value
-        self._staged[HPARAMS_KEY] = _pack_hparams(hparams)
+        optim, hparams = self._staged["optim"], {}
+        for group, names, fqns in self._hparam_groups:
+            pairs = []
+            for name in names:
+                value = group[name]
+                if isinstance(value, torch.Tensor):  # (lr as a tensor): staged by reference, as before
+                    optim.update((f"{_PG}{fqn}.{name}", value) for fqn in fqns)
+                else:
+                    pairs.append((name, value))
+            if pairs:  # one tuple, shared by the group's parameters
+                hparams.update(dict.fromkeys(fqns, tuple(pairs)))
+        self._staged[HPARAMS_KEY] = hparams
         return self._staged
 
     def close(self) -> None:
@@ -259,7 +263,7 @@ class AsyncCheckpointer:
         self._inflight: Optional[Future] = None
         self._abandoned: Optional[threading.Event] = None
         self._staging: Optional[HostStaging] = None
-        from rayflex.storage.dcp_io import SavePlanCache
+        from rayflex.storage.save_plan import SavePlanCache
 
         self._plans = SavePlanCache()
         # One background thread finishes (waits for, then commits) one save at a time.
@@ -314,7 +318,7 @@ class AsyncCheckpointer:
             from rayflex.storage import upload_process
 
             if upload_process.ready():
-                writer = upload_process.process_upload_writer(path, block, **options)
+                writer = upload_process.process_upload_writer(path, block, plans=self._plans, **options)
             else:  # still starting (or died): this save uploads from a thread, the next from it
                 upload_process.prewarm_uploader()
                 block = None
@@ -322,9 +326,9 @@ class AsyncCheckpointer:
             # An emergency save's ranks hand their uploads to keepers that stay (the commit
             # is then the controller's, once those uploads are done: control.handoff).
             writer = self.replicas.writer(path, step=step, emergency=reason == "emergency",
-                                          abandoned=self._abandoned, **options)
+                                          abandoned=self._abandoned, plans=self._plans, **options)
         elif block is None:
-            writer = CheckpointWriter(path, abandoned=self._abandoned, **options)
+            writer = CheckpointWriter(path, abandoned=self._abandoned, plans=self._plans, **options)
         _maybe_slow_upload(writer, step)
         group = self.group
         if self.use_async:

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecRe
 
 from rayflex.storage import fs as rfs
 from rayflex.storage import manifest as mf
+from rayflex.storage.save_plan import PackedWriteResults, SavePlanCache, metadata_file_bytes, storage_index_of
 
 
 class SaveAbandoned(RuntimeError):
@@ -97,25 +98,39 @@ class CheckpointWriter(FsspecWriter):
     options (``fs.fsspec_kwargs``). ``abandoned``: set when the save can no longer commit
     (``AsyncCheckpointer.abandon``)."""
 
-    def __init__(self, path: str, abandoned: Optional[threading.Event] = None, **kwargs) -> None:
+    def __init__(self, path: str, abandoned: Optional[threading.Event] = None,
+                 plans: Optional[SavePlanCache] = None, **kwargs) -> None:
+        """``plans``: the checkpointer's :class:`~rayflex.storage.save_plan.SavePlanCache`
+        (rank 0 then writes the last save's ``.metadata`` bytes again while nothing changed)."""
         super().__init__(path, **kwargs)
         fs = PrefixFileSystem()
         fs.fs = self.fs.fs  # the instance DCP already made from these options
         fs.abandoned = abandoned
         self.fs = fs
+        self.plans = plans
 
     def finish(self, metadata, results) -> None:
-        super().finish(metadata, results)  # .metadata written
-        # DCP then broadcasts this object from rank 0 to every rank, which unpickles it; no
-        # rank reads its storage index (where each entry lies in which file: a third of it).
-        metadata.storage_data = {}
+        """Rank 0: write ``.metadata`` (DCP's ``finish``, from packed write results)."""
+        data = (self.plans.metadata_file(metadata, results) if self.plans is not None
+                else metadata_file_bytes(metadata, storage_index_of(results)))
+        # DCP's names: one .metadata, or a rank's own when the save ran without collectives.
+        final = self._get_metadata_path(None if self.use_collectives or self.rank is None else self.rank)
+        tmp_path = f"{final}.tmp"
+        with self.fs.create_stream(tmp_path, "wb") as stream:
+            stream.write(data)
+            if self.sync_files:
+                with contextlib.suppress(AttributeError, OSError):
+                    os.fsync(stream.fileno())
+        if self.fs.exists(final):
+            self.fs.rm_file(final)
+        self.fs.rename(tmp_path, final)
 
     def _write_data(self, planner, file_queue: queue.Queue):
         """DCP's ``_write_data`` (the files of this rank's plan, ``thread_count`` at a time),
         each tensor written as its bytes."""
         from torch.futures import Future
 
-        results: list = []
+        rows: list = []
         errors: list[BaseException] = []
         lock = threading.Lock()
 
@@ -131,7 +146,7 @@ class CheckpointWriter(FsspecWriter):
                     errors.append(e)
                     return
                 with lock:
-                    results.extend(written)
+                    rows.extend(written)
 
         helpers = [threading.Thread(target=drain, name="rayflex-shard-writer", daemon=True)
                    for _ in range(1, self.thread_count)]
@@ -143,15 +158,14 @@ class CheckpointWriter(FsspecWriter):
         if errors:
             raise errors[0]
         done: Future = Future()
-        done.set_result(results)
+        done.set_result(PackedWriteResults.from_rows(rows))
         return done
 
-    def _write_file(self, planner, path, name: str, items) -> list:
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
+    def _write_file(self, planner, path, name: str, items) -> list[tuple]:
+        """Write ``items`` to the file ``name``; a ``PackedWriteResults`` row per item."""
         from torch.distributed.checkpoint.planner import WriteItemType
-        from torch.distributed.checkpoint.storage import WriteResult
 
-        results, offset = [], 0
+        rows, offset = [], 0
         with self.fs.create_stream(path, "wb") as stream:
             for item in items:
                 data = planner.resolve_data(item)
@@ -165,14 +179,14 @@ class CheckpointWriter(FsspecWriter):
                                          f"its planned chunk {list(item.tensor_data.chunk.sizes)} needs {expected}")
                 stream.write(payload)
                 n = payload.nbytes
-                results.append(WriteResult(index=item.index, size_in_bytes=n,
-                                           storage_data=_StorageInfo(name, offset, n,
-                                                                     transform_descriptors=descriptors)))
+                index = item.index
+                rows.append((index.fqn, None if index.offset is None else tuple(index.offset), index.index,
+                             name, offset, n, descriptors))
                 offset += n
             if self.sync_files:
                 with contextlib.suppress(AttributeError, OSError):
                     os.fsync(stream.fileno())
-        return results
+        return rows
 
 
 def tensor_bytes(tensor) -> memoryview:
@@ -277,116 +291,6 @@ def _narrow(tensor, offsets, lengths):
         if start != 0 or length != tensor.size(dim):
             tensor = tensor.narrow(dim, start, length)
     return tensor
-
-
-class SavePlanCache:
-    """DCP's save-plan caching, scoped to one checkpointer (one attempt's mesh and state).
-
-    Without it every save re-plans: each rank lists its write items, rank 0 gathers every
-    plan, de-duplicates them and builds the metadata, and scatters the plans back — pickling
-    hundreds of items per rank each time (40% of a save's CPU for a small GPT, all of it
-    running beside training in an asynchronous save). ``DefaultSavePlanner(
-    enable_plan_caching=True)`` sends an empty plan when a rank's plan is unchanged and rank
-    0 reuses the global plan and metadata. DCP keys its cache by planner class, process-wide;
-    a key per checkpointer keeps a reused process's next attempt (another world size, another
-    split) from reading this one's plans, and ``clear`` drops them when the attempt ends.
-    Every rank of an attempt builds its checkpointer at setup, so all start uncached
-    together and fill their caches in the same save.
-
-    Each rank's own plan is kept too: DCP would list the write items of every DTensor again
-    (its local shape and global offset) only to find the plan unchanged. It is reused while
-    the state dict holds the very same objects under the same keys — an asynchronous save's
-    staged tensors are built once per staging — so any re-staged or re-created tensor plans
-    afresh."""
-
-    _CACHES = ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan",
-               "_cached_metadata")
-
-    def __init__(self) -> None:
-        import uuid
-
-        self.key = f"rayflex-{uuid.uuid4().hex}"
-        # (the flattened state dict's (key, weak reference to its tensor or None) pairs, this
-        # rank's full plan): weak, so a replaced staging's buffers are freed at once.
-        self._local: Optional[tuple[list, object]] = None
-
-    def planner(self):
-        return _planner_class()(self)
-
-    def reusable_local_plan(self, flat_state: dict):
-        if self._local is None:
-            return None
-        entries, plan = self._local
-        if len(entries) != len(flat_state):
-            return None
-        for (key, kept), (now_key, now) in zip(entries, flat_state.items()):
-            if key != now_key or (kept is None) == _is_tensor(now) or (kept is not None and kept() is not now):
-                return None
-        return plan
-
-    def keep_local_plan(self, flat_state: dict, plan) -> None:
-        import weakref
-
-        self._local = ([(k, weakref.ref(v) if _is_tensor(v) else None) for k, v in flat_state.items()], plan)
-
-    def clear(self) -> None:
-        from torch.distributed.checkpoint.planner import SavePlanner
-
-        for name in self._CACHES:
-            getattr(SavePlanner, name, {}).pop(self.key, None)
-        self._local = None
-
-
-def _is_tensor(value) -> bool:
-    import torch
-
-    return isinstance(value, torch.Tensor)
-
-
-_PLANNER = None
-
-
-def _planner_class():
-    """DCP's default save planner with plan caching, this rank's plan kept between saves
-    (``SavePlanCache``), and DTensor shards resolved to their local tensor directly."""
-    global _PLANNER
-    if _PLANNER is not None:
-        return _PLANNER
-    from torch.distributed.checkpoint import DefaultSavePlanner
-    from torch.distributed.checkpoint.default_planner import _compare_save_plans
-    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-    from torch.distributed.tensor import DTensor
-
-    class CachedSavePlanner(DefaultSavePlanner):
-        def __init__(self, cache: SavePlanCache) -> None:
-            super().__init__(enable_plan_caching=True)
-            self._cached_plans_key = cache.key  # DCP's attribute (its default is the class name)
-            self._plan_cache = cache
-
-        def create_local_plan(self) -> SavePlan:
-            kept = self._plan_cache.reusable_local_plan(self.state_dict)
-            if kept is None:
-                plan = super().create_local_plan()
-                self._plan_cache.keep_local_plan(self.state_dict, self.plan)
-                return plan
-            # What DefaultSavePlanner.create_local_plan does after listing the items.
-            self.plan = kept
-            cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
-            if cached is not None and (cached is kept or _compare_save_plans(kept, cached)):
-                return SavePlan([], usable=False)
-            self._pending_local_plan = kept
-            return kept
-
-        def lookup_object(self, index):
-            # DTensor.__get_tensor_shard__ is to_local() through autograd: ~10% of a save's
-            # CPU for a small GPT; a staged DTensor's local tensor is the shard itself.
-            obj = self.state_dict.get(index.fqn)
-            if isinstance(obj, DTensor) and not any(p.is_partial() for p in obj.placements):
-                return obj._local_tensor
-            return super().lookup_object(index)
-
-    _PLANNER = CachedSavePlanner
-    return _PLANNER
 
 
 def missing_shard_files(step_uri: str) -> list[str]:

@@ -200,7 +200,7 @@ class UploadProcess:
 
     def write(self, block: SharedBlock, request: dict) -> list:
         """Write one rank's share of a save (``request``: see ``process_upload_writer``);
-        the WriteResults DCP gathers for ``.metadata``."""
+        the write results DCP gathers for ``.metadata`` (packed: ``save_plan.PackedWriteResults``)."""
         with self._lock:
             if self._shared_key != block.key:
                 if not block.linked:
@@ -298,10 +298,11 @@ def stop_uploader() -> None:
 
 
 # ----------------------------------------------------------------- the DCP writer
-def process_upload_writer(path: str, block: SharedBlock, **writer_kwargs):
+def process_upload_writer(path: str, block: SharedBlock, plans=None, **writer_kwargs):
     """A DCP storage writer for ``path`` whose ``write_data`` runs in the uploader process.
     ``writer_kwargs``: the :class:`~rayflex.storage.dcp_io.CheckpointWriter` options
-    (``single_file_per_rank``, ``thread_count``, fsspec options...), used on both sides."""
+    (``single_file_per_rank``, ``thread_count``, fsspec options...), used on both sides;
+    ``plans``: the checkpointer's ``SavePlanCache`` (this side's ``.metadata``)."""
     from rayflex.storage.dcp_io import CheckpointWriter
 
     class ProcessUploadWriter(CheckpointWriter):
@@ -330,7 +331,7 @@ def process_upload_writer(path: str, block: SharedBlock, **writer_kwargs):
             future.set_result(results)
             return future
 
-    return ProcessUploadWriter(path, **writer_kwargs)
+    return ProcessUploadWriter(path, plans=plans, **writer_kwargs)
 
 
 # ----------------------------------------------------------------- the child
