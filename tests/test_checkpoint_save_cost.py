@@ -4,6 +4,8 @@ digests the writer took instead of reading every shard back."""
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -35,6 +37,9 @@ def test_later_saves_reuse_the_plan_and_still_write_the_current_values(tmp_path,
         assert report.get("committed"), report.get("error")
         assert key in SavePlanner._cached_metadata, "the plan of the first save is kept for the next"
     assert len(planned) == 1, "the rank's own plan is listed once, then reused"
+    assert ckpt._plans.payload_views, "the staged tensors' bytes views are kept with the plan"
+    assert AsyncCheckpointer(f"file://{tmp_path}/sync", rank=0, use_async=False)._plans.payload_views is None, \
+        "a synchronous save writes live tensors, which need not change only in place: never kept"
     other = AsyncCheckpointer(f"file://{tmp_path}/other", rank=0)
     assert other._plans.key != key, "another attempt in this process plans for itself"
 
@@ -57,9 +62,9 @@ def test_the_commit_records_the_writers_digests_without_reading_the_shards_back(
 
     root = f"file://{tmp_path}/ckpt"
     read_back = []
-    real_blake2b = mf._blake2b
-    monkeypatch.setattr(mf, "_blake2b", lambda fs, path, digest_size=16: (
-        read_back.append(path.rsplit("/", 1)[-1]), real_blake2b(fs, path, digest_size))[1])
+    real_read = mf._file_fingerprint
+    monkeypatch.setattr(mf, "_file_fingerprint", lambda fs, path, *a, **k: (
+        read_back.append(path.rsplit("/", 1)[-1]), real_read(fs, path, *a, **k))[1])
     ckpt = AsyncCheckpointer(root, rank=0, use_async=True, keep=3)
     ckpt.save(tiny_state(seed=2), step=3)
     [report] = ckpt.wait(timeout_s=60)
@@ -70,7 +75,8 @@ def test_the_commit_records_the_writers_digests_without_reading_the_shards_back(
         "rank 0 did not read a shard back to fingerprint it"
     for rel in shards:
         written = (tmp_path / "ckpt" / "step_00000003" / (rel + mf.DIGEST_SUFFIX)).read_text()
-        assert manifest.files[rel].fingerprint == "blake2b:" + written
+        assert manifest.files[rel].fingerprint == written
+        assert written == mf.fingerprint_of((tmp_path / "ckpt" / "step_00000003" / rel).read_bytes())
 
     # Verify still reads every byte: a byte flipped in storage after the commit is caught.
     mf.verify(root, 3)
@@ -83,8 +89,6 @@ def test_the_commit_records_the_writers_digests_without_reading_the_shards_back(
 
 
 def test_a_digest_file_that_is_not_a_digest_is_ignored_and_the_file_hashed(tmp_path, caplog):
-    import hashlib
-
     from rayflex.storage import manifest as mf
 
     step = tmp_path / "ckpt" / "step_00000003"
@@ -93,10 +97,33 @@ def test_a_digest_file_that_is_not_a_digest_is_ignored_and_the_file_hashed(tmp_p
     (step / "__0_0.distcp").write_bytes(b"shard bytes")
     (step / ("__0_0.distcp" + mf.DIGEST_SUFFIX)).write_text("not a digest\n")
     manifest = mf.commit(f"file://{tmp_path}/ckpt", 3, world_size=1, mesh={})
-    assert manifest.files["__0_0.distcp"].fingerprint == \
-        "blake2b:" + hashlib.blake2b(b"shard bytes", digest_size=16).hexdigest()
-    assert "not a blake2b digest" in caplog.text
+    assert manifest.files["__0_0.distcp"].fingerprint == mf.fingerprint_of(b"shard bytes") == \
+        f"crc32:{zlib.crc32(b'shard bytes'):08x}"
+    assert "not a digest this version writes" in caplog.text
     mf.verify(f"file://{tmp_path}/ckpt", 3)
+
+
+def test_checkpoints_committed_with_blake2b_digests_still_commit_and_verify(tmp_path):
+    """Steps written before the CRC-32 fingerprints: a writer's ``.blake2b`` sidecar is
+    still recorded (an uncommitted step of an older attempt being committed), and manifests
+    that recorded blake2b verify as before."""
+    import hashlib
+
+    from rayflex.errors import CheckpointError
+    from rayflex.storage import manifest as mf
+
+    step = tmp_path / "ckpt" / "step_00000003"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"meta")
+    (step / "__0_0.distcp").write_bytes(b"shard bytes")
+    (step / "__0_0.distcp.blake2b").write_text(hashlib.blake2b(b"shard bytes", digest_size=32).hexdigest())
+    manifest = mf.commit(f"file://{tmp_path}/ckpt", 3, world_size=1, mesh={})
+    assert manifest.files["__0_0.distcp"].fingerprint == \
+        "blake2b:" + hashlib.blake2b(b"shard bytes", digest_size=32).hexdigest()
+    mf.verify(f"file://{tmp_path}/ckpt", 3)
+    (step / "__0_0.distcp").write_bytes(b"shard bytez")
+    with pytest.raises(CheckpointError, match="checksum differs"):
+        mf.verify(f"file://{tmp_path}/ckpt", 3)
 
 
 def test_a_ranks_plan_is_reused_only_for_the_same_tensors_under_the_same_keys():

@@ -115,7 +115,7 @@ def test_dcp_saves_through_the_keepers_and_loads_from_memory_or_falls_back(tmp_p
     writer = ReplicatingWriter(path, step=5, client=client, single_file_per_rank=True, sync_files=False)
     dcp.save(saved, storage_writer=writer)
     shard = next(p.name for p in (tmp_path / "step_00000005").iterdir() if p.name.endswith(".distcp"))
-    assert (tmp_path / "step_00000005" / (shard + ".blake2b")).read_text() == \
+    assert (tmp_path / "step_00000005" / (shard + ".digest")).read_text() == \
         keepers["node-a"].inventory(5)[shard]["digest"]
     assert writer.kept == {shard: ["node-a", "node-b"]} and writer.off_node
 

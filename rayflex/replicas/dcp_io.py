@@ -2,7 +2,7 @@
 
 Save (``ReplicatingWriter``): DCP serializes a rank's shard file into memory instead of a
 storage stream; the bytes then go to the node's keeper (``ReplicaClient.keep``, which
-replicates them) and to storage as one object, followed by a ``<file>.blake2b`` sidecar.
+replicates them) and to storage as one object, followed by its ``<file>.digest`` sidecar.
 The sidecar is written before DCP's ``.metadata`` and the commit marker, so the manifest
 covers it: a memory copy is used only if it matches what the committed step holds.
 

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import numpy as np
 
 from rayflex.replicas.holders import PRIMARY, REPLICA
-from rayflex.storage.manifest import DIGEST_SUFFIX, content_hasher
+from rayflex.storage.manifest import DIGEST_SUFFIX, fingerprint_of
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +44,9 @@ DEFAULT_BUDGET_FRACTION = 0.25  # of the node's RAM when CheckpointConfig.memory
 
 
 def digest_of(data) -> str:
-    """The content hash replicas are checked with (the shard's ``.blake2b`` sidecar holds
-    the same); hashlib releases the GIL on large buffers."""
-    hasher = content_hasher()
-    hasher.update(data)
-    return hasher.hexdigest()
+    """The fingerprint replicas are checked with (the shard's ``manifest.DIGEST_SUFFIX``
+    sidecar holds the same)."""
+    return fingerprint_of(data)
 
 
 @dataclass

@@ -265,7 +265,7 @@ class AsyncCheckpointer:
         self._staging: Optional[HostStaging] = None
         from rayflex.storage.save_plan import SavePlanCache
 
-        self._plans = SavePlanCache()
+        self._plans = SavePlanCache(in_place_buffers=use_async)  # async: saves read the staging buffers
         # One background thread finishes (waits for, then commits) one save at a time.
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayflex-ckpt-commit")
         self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayflex-ckpt-upload")
@@ -301,6 +301,7 @@ class AsyncCheckpointer:
             if self._staging is None or not self._staging.matches(state):
                 if self._staging is not None:
                     self._staging.close()
+                self._plans.forget_local()  # nothing of the old buffers is written again
                 self._staging = HostStaging(state, shared=self.upload == "process")
             tensors = self._staging.stage()
         else:

@@ -63,8 +63,8 @@ class _HashingStream:
 
 class PrefixFileSystem(FileSystem):
     """DCP's fsspec filesystem, except that ``mkdir`` never reaches a bucket, no file is
-    opened for writing once ``abandoned`` is set, and each shard file gets the digest of
-    its bytes beside it (``manifest.DIGEST_SUFFIX``; not on S3, where the commit uses the
+    opened for writing once ``abandoned`` is set, and each shard file gets the fingerprint
+    of its bytes beside it (``manifest.DIGEST_SUFFIX``; not on S3, where the commit uses the
     ETag): the commit then records it without reading the file back."""
 
     abandoned: Optional[threading.Event] = None
@@ -82,13 +82,13 @@ class PrefixFileSystem(FileSystem):
         if writing:
             self.check_abandoned()
         shard = writing and os.fspath(path).endswith(SHARD_SUFFIX) and not rfs.is_s3(self.fs)
-        hasher = mf.content_hasher() if shard else None
+        hasher = mf.ContentDigest() if shard else None
         with super().create_stream(path, mode) as stream:
             yield stream if hasher is None else _HashingStream(stream, hasher)
         if hasher is None:
             return
         digest_path = f"{os.fspath(path)}{mf.DIGEST_SUFFIX}"
-        rfs.with_retries(lambda: self.fs.pipe_file(digest_path, hasher.hexdigest().encode()),
+        rfs.with_retries(lambda: self.fs.pipe_file(digest_path, hasher.fingerprint().encode()),
                          what=f"write {rfs.redact_uri(digest_path)}")
 
 
@@ -165,18 +165,20 @@ class CheckpointWriter(FsspecWriter):
         """Write ``items`` to the file ``name``; a ``PackedWriteResults`` row per item."""
         from torch.distributed.checkpoint.planner import WriteItemType
 
+        cache = getattr(planner, "plan_cache", None)
+        views = cache.payload_views if cache is not None else None
         rows, offset = [], 0
         with self.fs.create_stream(path, "wb") as stream:
             for item in items:
-                data = planner.resolve_data(item)
                 if item.type == WriteItemType.BYTE_IO:
-                    payload, descriptors = data.getbuffer(), None
+                    payload, descriptors = planner.resolve_data(item).getbuffer(), None
                 else:
-                    payload, descriptors = tensor_bytes(data), [RAW_TENSOR]
-                    expected = math.prod(item.tensor_data.chunk.sizes) * data.element_size()
-                    if payload.nbytes != expected:  # the reader would take the chunk's shape from .metadata
-                        raise ValueError(f"entry {item.index.fqn}: the tensor to write has {payload.nbytes} bytes, "
-                                         f"its planned chunk {list(item.tensor_data.chunk.sizes)} needs {expected}")
+                    descriptors = [RAW_TENSOR]
+                    kept = views.get(id(item)) if views is not None else None
+                    if kept is not None and kept[0] is item:
+                        payload = kept[1]
+                    else:
+                        payload = self._tensor_payload(item, planner.resolve_data(item), views)
                 stream.write(payload)
                 n = payload.nbytes
                 index = item.index
@@ -187,6 +189,20 @@ class CheckpointWriter(FsspecWriter):
                 with contextlib.suppress(AttributeError, OSError):
                     os.fsync(stream.fileno())
         return rows
+
+
+    @staticmethod
+    def _tensor_payload(item, data, views: Optional[dict]) -> memoryview:
+        """The bytes of a tensor entry, checked against its planned chunk; kept in ``views``
+        (the plan cache's, for buffers that only change in place) when they are a view."""
+        payload = tensor_bytes(data)
+        expected = math.prod(item.tensor_data.chunk.sizes) * data.element_size()
+        if payload.nbytes != expected:  # the reader would take the chunk's shape from .metadata
+            raise ValueError(f"entry {item.index.fqn}: the tensor to write has {payload.nbytes} bytes, "
+                             f"its planned chunk {list(item.tensor_data.chunk.sizes)} needs {expected}")
+        if views is not None and data.device.type == "cpu" and data.is_contiguous():
+            views[id(item)] = (item, payload)  # the item too: its id cannot be reused meanwhile
+        return payload
 
 
 def tensor_bytes(tensor) -> memoryview:

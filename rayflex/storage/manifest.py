@@ -24,13 +24,17 @@ Fingerprints, and why two kinds:
   and it cannot be recomputed if the checkpoint is copied to another kind of storage;
   such a copy is then checked by size only (with a warning). S3 itself checksums data at
   rest and TLS protects it in transit, so the ETag is the cheap check that matters.
-* ``blake2b:<hex>`` elsewhere (local disk, GCS, Azure, memory): a content hash. The writer
-  hashes each shard file as it writes it and leaves the digest beside it
-  (``<file>.blake2b``, :data:`DIGEST_SUFFIX`); commit records that digest instead of reading
-  the file back (rank 0 would otherwise read the whole checkpoint, every rank's shards,
-  after every save — a download on GCS or Azure). Files without one (small extras, an
-  uploader process's shards) are read and hashed at commit. Verify reads every byte again,
-  with the digest size the manifest recorded.
+* ``crc32:<hex>`` elsewhere (local disk, GCS, Azure, memory): a checksum of the content.
+  The writer checksums each shard file as it writes it and leaves the result beside it
+  (``<file>.digest``, :data:`DIGEST_SUFFIX`); commit records it instead of reading the file
+  back (rank 0 would otherwise read the whole checkpoint, every rank's shards, after every
+  save — a download on GCS or Azure). Files without one (small extras, an uploader
+  process's shards) are read and checksummed at commit. Verify reads every byte again.
+  CRC-32, not a cryptographic hash: it guards against corruption, truncation and a file
+  replaced by another one (sizes are recorded too), not against an adversary who can write
+  the bucket, and the writer checksums every byte of every save beside training — 0.6 ms
+  for 2.6 MB where blake2b took 2.75 ms. Checkpoints committed before record ``blake2b:``
+  (writers' digests in ``<file>.blake2b``); those are still committed and verified as such.
 
 Verification always compares the same kind the manifest recorded.
 
@@ -45,6 +49,7 @@ import hashlib
 import json
 import logging
 import re
+import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Iterable, Optional
@@ -61,14 +66,33 @@ METADATA = ".metadata"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _HASH_CHUNK = 4 << 20
-# Beside a shard file: the blake2b (32-byte) digest of its bytes, written by the writer
+# Beside a shard file: the fingerprint of its bytes (``crc32:<hex>``), written by the writer
 # (storage.dcp_io) or a replica keeper; the commit records it as the file's fingerprint.
-DIGEST_SUFFIX = ".blake2b"
+DIGEST_SUFFIX = ".digest"
+# What writers left beside shard files before: a blake2b (32-byte) hex digest.
+LEGACY_DIGEST_SUFFIX = ".blake2b"
+_WRITTEN_FINGERPRINT = re.compile(r"crc32:[0-9a-f]{8}")
 
 
-def content_hasher():
-    """The hash a writer computes over a shard file's bytes (its ``DIGEST_SUFFIX`` sidecar)."""
-    return hashlib.blake2b(digest_size=32)
+class ContentDigest:
+    """The fingerprint a writer computes over a shard file's bytes as it writes them (its
+    ``DIGEST_SUFFIX`` sidecar). zlib releases the GIL on large buffers."""
+
+    def __init__(self) -> None:
+        self._crc = 0
+
+    def update(self, data) -> None:
+        self._crc = zlib.crc32(data, self._crc)
+
+    def fingerprint(self) -> str:
+        return f"crc32:{self._crc:08x}"
+
+
+def fingerprint_of(data) -> str:
+    """The fingerprint of ``data`` (what a writer leaves beside a file of these bytes)."""
+    digest = ContentDigest()
+    digest.update(data)
+    return digest.fingerprint()
 
 
 def step_dir(root: str, step: int) -> str:
@@ -87,7 +111,7 @@ def parse_step(name: str) -> Optional[int]:
 @dataclass(frozen=True)
 class FileRecord:
     size: int
-    fingerprint: str  # "etag:..." or "blake2b:..."
+    fingerprint: str  # "etag:...", "crc32:..." (or "blake2b:..." in checkpoints committed before)
 
 
 @dataclass(frozen=True)
@@ -179,13 +203,20 @@ def _etag(info: dict) -> Optional[str]:
     return str(value).strip('"') if value else None
 
 
-def _blake2b(fs, path: str, digest_size: int = 16) -> str:
+def _file_fingerprint(fs, path: str, kind: str = "crc32", digest_size: int = 16) -> str:
+    """Read ``path`` and fingerprint it: ``crc32``, or ``blake2b`` (of ``digest_size``
+    bytes) for what checkpoints committed before recorded."""
     def _hash() -> str:
-        digest = hashlib.blake2b(digest_size=digest_size)
+        if kind == "blake2b":
+            hasher = hashlib.blake2b(digest_size=digest_size)
+            update = hasher.update
+        else:
+            hasher = ContentDigest()
+            update = hasher.update
         with fs.open(path, "rb") as f:
             for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
-                digest.update(chunk)
-        return "blake2b:" + digest.hexdigest()
+                update(chunk)
+        return "blake2b:" + hasher.hexdigest() if kind == "blake2b" else hasher.fingerprint()
     return with_retries(_hash, what=f"hash {path}")
 
 
@@ -202,37 +233,42 @@ def _fingerprint(fs, path: str, info: dict) -> str:
         etag = _s3_etag(fs, path, info)
         if etag is not None:
             return etag
-    return _blake2b(fs, path)
+    return _file_fingerprint(fs, path)
 
 
 def _read_digests(fs, path: str, files: dict) -> dict[str, bytes]:
-    """{rel: content} of the digest files writers left beside their files (``DIGEST_SUFFIX``),
-    each read once. Not on S3, whose ETag costs nothing either."""
+    """{rel: content} of the digest files writers left beside their files (``DIGEST_SUFFIX``,
+    or ``LEGACY_DIGEST_SUFFIX`` from before), each read once. Not on S3, whose ETag costs
+    nothing either."""
     if is_s3(fs):
         return {}
     return {rel: with_retries(lambda rel=rel: fs.cat_file(f"{path}/{rel}"), what=f"read {rel}")
-            for rel in files if rel.endswith(DIGEST_SUFFIX)}
+            for rel in files if rel.endswith((DIGEST_SUFFIX, LEGACY_DIGEST_SUFFIX))}
 
 
 def _written_digest(rel: str, digests: dict[str, bytes]) -> Optional[str]:
     """The fingerprint a file's writer left beside it, if any: what the commit records
-    without reading the file. A digest file itself: the hash of the bytes already read."""
+    without reading the file. A digest file itself: the fingerprint of the bytes already read."""
     if rel in digests:
-        return "blake2b:" + hashlib.blake2b(digests[rel], digest_size=16).hexdigest()  # as _blake2b
-    if rel + DIGEST_SUFFIX not in digests:
-        return None
-    digest = digests[rel + DIGEST_SUFFIX].decode(errors="replace").strip()
-    if not re.fullmatch(r"[0-9a-f]{64}", digest):
-        logger.warning("ignoring %s%s: not a blake2b digest (%r); hashing the file", rel, DIGEST_SUFFIX, digest[:80])
-        return None
-    return "blake2b:" + digest
+        return fingerprint_of(digests[rel])
+    for suffix, form, kind in ((DIGEST_SUFFIX, _WRITTEN_FINGERPRINT, ""),
+                               (LEGACY_DIGEST_SUFFIX, re.compile(r"[0-9a-f]{64}"), "blake2b:")):
+        if rel + suffix in digests:
+            digest = digests[rel + suffix].decode(errors="replace").strip()
+            if form.fullmatch(digest):
+                return kind + digest
+            logger.warning("ignoring %s%s: not a digest this version writes (%r); hashing the file",
+                           rel, suffix, digest[:80])
+    return None
 
 
 def _current_fingerprint(fs, path: str, info: dict, recorded: str) -> Optional[str]:
     """The fingerprint of the same kind as ``recorded``; None where it cannot be taken."""
     kind = recorded.split(":", 1)[0]
+    if kind == "crc32":
+        return _file_fingerprint(fs, path)
     if kind == "blake2b":  # 16 bytes when the commit hashed the file, 32 from a writer's digest
-        return _blake2b(fs, path, digest_size=len(recorded.split(":", 1)[1]) // 2)
+        return _file_fingerprint(fs, path, "blake2b", digest_size=len(recorded.split(":", 1)[1]) // 2)
     if kind == "etag" and is_s3(fs):
         return _s3_etag(fs, path, info)
     logger.warning("cannot compute a %r fingerprint for %s on this storage; checked its "
