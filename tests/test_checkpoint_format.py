@@ -149,3 +149,26 @@ def _assert_same_training_state(a, b) -> None:
     assert all(torch.equal(sa["state"][k][n], sb["state"][k][n]) for k in sa["state"] for n in sa["state"][k])
     assert [{k: v for k, v in g.items() if k != "params"} for g in sa["param_groups"]] == \
         [{k: v for k, v in g.items() if k != "params"} for g in sb["param_groups"]]
+
+
+def test_a_tensor_that_does_not_fill_its_planned_chunk_is_refused_before_it_is_written():
+    """The reader takes an entry's shape from .metadata: bytes of another size would be read
+    as a different tensor, so the writer refuses them, naming the entry."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    from rayflex.storage.dcp_io import CheckpointWriter
+
+    planned = WriteItem(index=MetadataIndex("model.w", torch.Size([0, 0])), type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([3, 3])),
+                                                    properties=TensorProperties(dtype=torch.float32),
+                                                    size=torch.Size([3, 3])))
+    views: dict = {}
+    with pytest.raises(ValueError, match=r"entry model.w: the tensor to write has 16 bytes, its planned chunk \[3, 3\]"):
+        CheckpointWriter._tensor_payload(planned, torch.zeros(2, 2), views)
+    assert not views
+    assert CheckpointWriter._tensor_payload(planned, torch.ones(3, 3), views).nbytes == 36
+    assert views[id(planned)][0] is planned, "a view of a CPU tensor is kept for the next save"
+    views = {}
+    CheckpointWriter._tensor_payload(planned, torch.ones(3, 6)[:, :3], views)
+    assert not views, "a non-contiguous tensor's bytes are a copy: never kept"

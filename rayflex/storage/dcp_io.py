@@ -190,7 +190,6 @@ class CheckpointWriter(FsspecWriter):
                     os.fsync(stream.fileno())
         return rows
 
-
     @staticmethod
     def _tensor_payload(item, data, views: Optional[dict]) -> memoryview:
         """The bytes of a tensor entry, checked against its planned chunk; kept in ``views``
