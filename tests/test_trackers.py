@@ -194,9 +194,13 @@ def test_mlflow_server_down_is_an_event_not_a_failed_run(tmp_path, monkeypatch):
     assert _tb_scalars(run_dir / "tensorboard", "train/loss") == [(1, 1.0), (2, 2.0)], "the other tracker went on"
 
 
-def test_tensorboard_files_of_a_remote_run_directory_are_uploaded(tmp_path, s3_bucket):
+def test_tensorboard_files_of_a_remote_run_directory_are_uploaded(tmp_path, s3_bucket, monkeypatch):
+    import tempfile
+
     import fsspec
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the local copy is written
+    (tmp_path / "tmp").mkdir()
     rec = Recorder(SimpleNamespace(run=rf.RunConfig(name="unit", storage=f"{s3_bucket}/runs", loggers=("tensorboard",))),
                    clock=SimpleNamespace(time=time.time))
     rec.resume()
@@ -206,8 +210,10 @@ def test_tensorboard_files_of_a_remote_run_directory_are_uploaded(tmp_path, s3_b
     s3 = fsspec.filesystem("s3")
     remote = f"{s3_bucket[len('s3://'):]}/runs/unit/tensorboard"
     assert [p for p in s3.ls(remote) if "tfevents" in p], "uploaded at the checkpoint, before the end"
+    assert list((tmp_path / "tmp").iterdir()), "written locally first"
     rec.record(ev.RunFinished(step=3))
     rec.finish()
+    assert not list((tmp_path / "tmp").iterdir()), "the local copy goes once the run's files are uploaded"
     s3.invalidate_cache()
     s3.get(remote, str(tmp_path / "tb"), recursive=True)
     assert _tb_scalars(tmp_path / "tb", "train/loss") == [(1, 1.0), (2, 2.0), (3, 3.0)]

@@ -6,13 +6,15 @@ Written with the ``tensorboard`` package's event writer and protos, not tensorbo
 imports torch: the Controller must not). A rewind closes the writer and opens a new file
 that begins with a ``SessionLog.START`` event at the first void step: TensorBoard purges
 every point at or after that step from the files before it, so a restart leaves one curve.
-A remote run directory (s3://) is written to a local folder and uploaded through
-``rayflex.storage.fs`` at every checkpoint and at the end.
+A remote run directory (s3://) is written to a local temporary folder and uploaded through
+``rayflex.storage.fs`` at every checkpoint and at the end, which then removes the folder
+(an upload that fails leaves it, with the run's curves).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 from typing import Optional
@@ -61,6 +63,8 @@ class TensorBoardTracker(Tracker):
         self._curves.close()
         self._events.close()
         self._upload()
+        if self._remote is not None:  # uploaded: the local copy of a remote run goes
+            shutil.rmtree(self._local, ignore_errors=True)
 
     # -----------------------------------------------------------------
     @staticmethod
