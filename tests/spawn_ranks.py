@@ -40,3 +40,27 @@ def _entry(target, rank, world, port, args, results) -> None:
     except BaseException:  # noqa: BLE001 - reported to the test with its traceback
         out = {"exception": traceback.format_exc()}
     results.put((rank, out))
+
+
+class JobPorts:
+    """Rendezvous ports for a pool that runs several jobs in turn: rank 0 picks each job's
+    port when the job starts and tells the job's other ranks. Ports picked up front can be
+    taken by another process before a later job binds them (a loopback Ray cluster of a
+    parallel test starts many): the job's ranks then reach that process instead ("Connection
+    reset by peer") and the pool waits out its timeout."""
+
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")  # run_ranks's: the queues travel to its processes
+        self._queues = [ctx.Queue() for _ in range(world)]
+
+    def port(self, rank: int, ranks: int, job: str, timeout_s: float = 120) -> int:
+        """The port of ``job``, run by ranks ``0..ranks-1``."""
+        if rank == 0:
+            port = free_port()
+            for q in self._queues[1:ranks]:
+                q.put((job, port))
+            return port
+        got, port = self._queues[rank].get(timeout=timeout_s)
+        assert got == job, f"rank {rank} expected the port of {job!r}, rank 0 sent {got!r}'s"
+        return port
+

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import SEQ_LEN
-from spawn_ranks import run_ranks
+from spawn_ranks import JobPorts, run_ranks
 
 TIMEOUT_S = 150
 STEPS = 3
@@ -111,7 +111,7 @@ def _layouts():
     }
 
 
-def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, jobs: list, ports: list) -> dict:
+def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, jobs: list, ports) -> dict:
     """Run each job ``(name, layout, end_step, run_steps, every, resume)`` on the first ranks
     of this process pool, in order; each answers its losses and where it restored from."""
     from rayflex.constants import set_node_ip
@@ -121,10 +121,11 @@ def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, job
     set_node_ip("127.0.0.1")
     layouts = _layouts()
     out, worker = {}, None
-    for (name, layout, end_step, run_steps, every, resume), job_port in zip(jobs, ports):
+    for name, layout, end_step, run_steps, every, resume in jobs:
         size, parallel = layouts[layout]
         if rank >= size:
             continue
+        job_port = ports.port(rank, size, name)
         spec = _spec(data_uri, storage, "ckpt" if every or resume else name, parallel, world=size,
                      steps=run_steps, every=every, resume=resume, model=layout.split("_")[0] if layout.startswith(("user", "hf-")) else "gpt")
         plan = plan_mesh(spec.model, spec.parallel, spec.data, size)
@@ -162,15 +163,13 @@ def _reference(data_uri: str, storage: str, steps: int, model: str = "gpt") -> d
 def four_rank_runs(dataset_uri, tmp_path_factory):
     """tp2 x dp2, pp2 x tp2, HSDP 2 x 2, then a checkpoint saved at pp2 x tp2 (step 2 of
     4) resumed at dp3: all in one pool of four processes."""
-    from rayflex.worker.train_worker import free_port
-
     storage = f"file://{tmp_path_factory.mktemp('runs3d')}"
     jobs = [("tp2_dp2", "tp2_dp2", STEPS, STEPS, 0, False), ("pp2_tp2", "pp2_tp2", STEPS, STEPS, 0, False),
             ("hsdp", "hsdp_replicate2_shard2", STEPS, STEPS, 0, False),
             ("user_tp2_dp2", "user_tp2_dp2", STEPS, STEPS, 0, False),
             # the first two steps of a 4-step run, then the rest of it on another layout
             ("save_pp2_tp2", "pp2_tp2", 2, 4, 2, False), ("resume_dp3", "dp3", 4, 4, 2, True)]
-    got = run_ranks(_run_jobs, 4, dataset_uri, storage, jobs, [free_port() for _ in jobs], timeout_s=TIMEOUT_S)
+    got = run_ranks(_run_jobs, 4, dataset_uri, storage, jobs, JobPorts(4), timeout_s=TIMEOUT_S)
     return got, {STEPS: _reference(dataset_uri, storage, STEPS), 4: _reference(dataset_uri, storage, 4),
                  "user": _reference(dataset_uri, storage, STEPS, "user")}
 
@@ -221,11 +220,9 @@ def test_a_checkpoint_saved_at_pp2_tp2_resumes_at_dp3_with_the_never_stopped_los
 @pytest.mark.multiproc
 @pytest.mark.slow  # eight processes; make test-slow
 def test_pp2_tp2_dp2_on_eight_ranks_trains_what_one_process_trains(dataset_uri, tmp_path):
-    from rayflex.worker.train_worker import free_port
-
     storage = f"file://{tmp_path}/runs"
     got = run_ranks(_run_jobs, 8, dataset_uri, storage, [("pp2_tp2_dp2", "pp2_tp2_dp2", STEPS, STEPS, 0, False)],
-                    [free_port()], timeout_s=TIMEOUT_S)
+                    JobPorts(8), timeout_s=TIMEOUT_S)
     reference = _reference(dataset_uri, storage, STEPS)
     for rank, runs in got.items():
         run = runs["pp2_tp2_dp2"]
@@ -238,11 +235,9 @@ def test_pp2_tp2_dp2_on_eight_ranks_trains_what_one_process_trains(dataset_uri, 
 @pytest.mark.slow  # four processes importing transformers; make test-slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: per-head q/k norms, grads summed over tp
 def test_a_hugging_face_model_trains_at_tp2_dp2_as_in_one_process(dataset_uri, tmp_path, family):
-    from rayflex.worker.train_worker import free_port
-
     storage = f"file://{tmp_path}/runs"
     layout = f"hf-{family}_tp2_dp2"
-    got = run_ranks(_run_jobs, 4, dataset_uri, storage, [(layout, layout, STEPS, STEPS, 0, False)], [free_port()],
+    got = run_ranks(_run_jobs, 4, dataset_uri, storage, [(layout, layout, STEPS, STEPS, 0, False)], JobPorts(4),
                     timeout_s=TIMEOUT_S)
     reference = _reference(dataset_uri, storage, STEPS, f"hf-{family}")
     for rank, runs in got.items():

@@ -136,8 +136,13 @@ def _show_progress(handle: RunHandle, interval_s: float = 0.5) -> None:
     """A progress bar (tqdm.auto: a widget in notebooks, a line in terminals and job logs).
 
     Created once the run is RUNNING, starting at the step it resumed from, so a resumed
-    run neither shows 0/N while placing nor a burst of steps/s when it jumps."""
+    run neither shows 0/N while placing nor a burst of steps/s when it jumps. A run that
+    ended before a poll saw it running (a short run, a busy machine) still ends with its bar."""
     from tqdm.auto import tqdm
+
+    def new_bar(st: dict):
+        return tqdm(total=st["target_steps"], initial=st["step"], desc=handle.name, unit="step", file=sys.stderr,
+                    mininterval=0.5 if sys.stderr.isatty() else 5.0)
 
     bar, last = None, 0
     while not handle.done():
@@ -147,8 +152,7 @@ def _show_progress(handle: RunHandle, interval_s: float = 0.5) -> None:
             break
         if bar is None and st["state"] == "RUNNING":
             last = st["step"]
-            bar = tqdm(total=st["target_steps"], initial=last, desc=handle.name, unit="step", file=sys.stderr,
-                       mininterval=0.5 if sys.stderr.isatty() else 5.0)
+            bar = new_bar(st)
         if bar is not None:
             bar.update(max(0, st["step"] - last))
             last = max(last, st["step"])
@@ -156,12 +160,15 @@ def _show_progress(handle: RunHandle, interval_s: float = 0.5) -> None:
             bar.set_postfix_str(f"loss={loss:.4f} tok/s={tps:,.0f} world={st.get('world_size')} state={st['state']}"
                                 if loss is not None and tps else f"state={st['state']}", refresh=False)
         time.sleep(interval_s)
+    try:
+        st = handle.status()
+    except Exception:  # noqa: BLE001 - nothing more to show
+        st = None
+    if bar is None and st is not None and st.get("target_steps"):
+        bar = new_bar(st)
+    elif bar is not None and st is not None:
+        bar.update(max(0, st["step"] - last))
     if bar is not None:
-        try:
-            st = handle.status()
-            bar.update(max(0, st["step"] - last))
-        except Exception:  # noqa: BLE001
-            pass
         bar.close()
 
 
