@@ -8,9 +8,10 @@ from rayflex.config import apply_override
 from conftest import small_gpt
 
 
-def _trainer(dataset_uri, **over):
+def _trainer(dataset_uri, storage="file:///tmp/rayflex-test", **over):
+    """``storage``: only a test that submits touches it (the others fail in validation)."""
     kw = dict(model=small_gpt(), data=rf.DataConfig(uri=dataset_uri, seq_len=32, global_batch=8),
-              run=rf.RunConfig(name="t", storage="file:///tmp/rayflex-test", steps=3),
+              run=rf.RunConfig(name="t", storage=storage, steps=3),
               scaling=rf.ScalingConfig(num_workers=4))
     kw.update(over)
     return rf.Trainer(**kw)
@@ -74,10 +75,11 @@ def test_cross_config_errors_raise_before_ray_starts(dataset_uri):
 def test_missing_dataset_and_bad_storage_fail_before_actors(tmp_path, dataset_uri):
     import ray
 
-    t = _trainer(f"file://{tmp_path}/nothing-here")
+    storage = f"file://{tmp_path}/runs"
+    t = _trainer(f"file://{tmp_path}/nothing-here", storage)
     with pytest.raises(rf.ConfigError, match=r"DataConfig.uri: no Parquet shards"):
         t.submit()
-    t = _trainer(dataset_uri, data=rf.DataConfig(uri=dataset_uri, seq_len=64, global_batch=8))
+    t = _trainer(dataset_uri, storage, data=rf.DataConfig(uri=dataset_uri, seq_len=64, global_batch=8))
     with pytest.raises(rf.ConfigError, match=r"seq_len=64 needs rows of 65 tokens"):
         t.submit()
     assert not ray.is_initialized()
