@@ -43,10 +43,8 @@ PENDING, UPLOADED = "pending", "uploaded"  # a handed-off upload's state (else "
 DEFAULT_BUDGET_FRACTION = 0.25  # of the node's RAM when CheckpointConfig.memory_budget_gb is None
 
 
-def digest_of(data) -> str:
-    """The fingerprint replicas are checked with (the shard's ``manifest.DIGEST_SUFFIX``
-    sidecar holds the same)."""
-    return fingerprint_of(data)
+# What replicas are checked with: the fingerprint the shard's DIGEST_SUFFIX sidecar holds.
+digest_of = fingerprint_of
 
 
 @dataclass

@@ -82,8 +82,9 @@ class TrainState:
             optim.update(get_optimizer_state_dict(module, opt, options=opts))
         if not packed:
             return {"model": model, "optim": optim}
-        hparams = [key for key, value in optim.items() if _is_hparam(key, value)]
-        return {"model": model, "optim": optim, HPARAMS_KEY: _pack_hparams((key, optim.pop(key)) for key in hparams)}
+        for key in [key for key, value in optim.items() if _is_hparam(key, value)]:
+            del optim[key]
+        return {"model": model, "optim": optim, HPARAMS_KEY: pack_hparams(self.hparam_groups(), optim)}
 
     def identity(self) -> tuple:
         """Changes when a tensor the checkpoint reads is re-created (an optimizer that
@@ -217,18 +218,7 @@ class HostStaging:
             # The copies were queued on the training thread's current stream, behind the
             # optimizer step that wrote the tensors; they must land before training resumes.
             torch.cuda.current_stream().synchronize()
-        optim, hparams = self._staged["optim"], {}
-        for group, names, fqns in self._hparam_groups:
-            pairs = []
-            for name in names:
-                value = group[name]
-                if isinstance(value, torch.Tensor):  # (lr as a tensor): staged by reference, as before
-                    optim.update((f"{_PG}{fqn}.{name}", value) for fqn in fqns)
-                else:
-                    pairs.append((name, value))
-            if pairs:  # one tuple, shared by the group's parameters
-                hparams.update(dict.fromkeys(fqns, tuple(pairs)))
-        self._staged[HPARAMS_KEY] = hparams
+        self._staged[HPARAMS_KEY] = pack_hparams(self._hparam_groups, self._staged["optim"])
         return self._staged
 
     def close(self) -> None:
@@ -602,13 +592,23 @@ def _is_hparam(key: str, value: Any) -> bool:
     return key.startswith(_PG) and not isinstance(value, torch.Tensor)
 
 
-def _pack_hparams(entries) -> dict[str, tuple]:
-    """{parameter fqn: ((name, value), ...)} from (``param_groups.<fqn>.<name>``, value) pairs."""
-    packed: dict[str, list] = {}
-    for key, value in entries:
-        fqn, name = key[len(_PG):].rsplit(".", 1)
-        packed.setdefault(fqn, []).append((name, value))
-    return {fqn: tuple(pairs) for fqn, pairs in packed.items()}
+def pack_hparams(hparam_groups, optim: dict) -> dict[str, tuple]:
+    """{parameter fqn: ((name, value), ...)}: the current hyper-parameters of each param
+    group (``TrainState.hparam_groups``), one tuple shared by the group's parameters. A
+    tensor-valued one (lr as a tensor) goes into ``optim`` under its flattened key instead,
+    as a flattened optimizer state dict holds it."""
+    packed: dict[str, tuple] = {}
+    for group, names, fqns in hparam_groups:
+        pairs = []
+        for name in names:
+            value = group[name]
+            if isinstance(value, torch.Tensor):
+                optim.update((f"{_PG}{fqn}.{name}", value) for fqn in fqns)
+            else:
+                pairs.append((name, value))
+        if pairs:
+            packed.update(dict.fromkeys(fqns, tuple(pairs)))
+    return packed
 
 
 def packed_hparams(entries) -> bool:

@@ -72,6 +72,7 @@ DIGEST_SUFFIX = ".digest"
 # What writers left beside shard files before: a blake2b (32-byte) hex digest.
 LEGACY_DIGEST_SUFFIX = ".blake2b"
 _WRITTEN_FINGERPRINT = re.compile(r"crc32:[0-9a-f]{8}")
+_LEGACY_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 class ContentDigest:
@@ -207,15 +208,10 @@ def _file_fingerprint(fs, path: str, kind: str = "crc32", digest_size: int = 16)
     """Read ``path`` and fingerprint it: ``crc32``, or ``blake2b`` (of ``digest_size``
     bytes) for what checkpoints committed before recorded."""
     def _hash() -> str:
-        if kind == "blake2b":
-            hasher = hashlib.blake2b(digest_size=digest_size)
-            update = hasher.update
-        else:
-            hasher = ContentDigest()
-            update = hasher.update
+        hasher = hashlib.blake2b(digest_size=digest_size) if kind == "blake2b" else ContentDigest()
         with fs.open(path, "rb") as f:
             for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
-                update(chunk)
+                hasher.update(chunk)
         return "blake2b:" + hasher.hexdigest() if kind == "blake2b" else hasher.fingerprint()
     return with_retries(_hash, what=f"hash {path}")
 
@@ -252,7 +248,7 @@ def _written_digest(rel: str, digests: dict[str, bytes]) -> Optional[str]:
     if rel in digests:
         return fingerprint_of(digests[rel])
     for suffix, form, kind in ((DIGEST_SUFFIX, _WRITTEN_FINGERPRINT, ""),
-                               (LEGACY_DIGEST_SUFFIX, re.compile(r"[0-9a-f]{64}"), "blake2b:")):
+                               (LEGACY_DIGEST_SUFFIX, _LEGACY_DIGEST, "blake2b:")):
         if rel + suffix in digests:
             digest = digests[rel + suffix].decode(errors="replace").strip()
             if form.fullmatch(digest):
