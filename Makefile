@@ -12,7 +12,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 # environments (CI images, sandboxes) set this variable; it is not wanted here.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: venv emulators demo test test-slow test-fast bench chaos chaos-overlap compare clean
+.PHONY: venv emulators demo test test-slow-host test-slow test-fast bench chaos chaos-overlap compare clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,13 @@ demo: venv
 # run side by side (see tests/conftest.py): cluster tests mostly wait.
 test: venv emulators
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -m "not slow" tests
+
+# The same suite as a ~3x slower host of this kind would run it: everything it starts shares
+# SLOW_HOST_CPUS of one core (a cgroup CPU quota; needs root). It must pass there too: no
+# test bound may depend on how fast this machine happens to be.
+SLOW_HOST_CPUS ?= 0.6
+test-slow-host: venv emulators
+	bash .ci/slow_host.sh $(SLOW_HOST_CPUS) -- $(MAKE) --no-print-directory test
 
 # Long or load-sensitive checks (real-worker memory measurements, long chaos seeds).
 test-slow: venv emulators

@@ -22,12 +22,23 @@ _ids = itertools.count()
 class FakeClock:
     def __init__(self, start: float = 1_000_000.0):
         self.now = start
+        self._tickers: list[list] = []  # [interval, next due, fn, running]
 
     def time(self) -> float:
         return self.now
 
     def sleep(self, seconds: float) -> None:
         self.now += max(seconds, 0.01)
+        for ticker in self._tickers:  # what a real ticker's thread would have done meanwhile
+            interval, due, fn, running = ticker
+            if running and self.now >= due:
+                ticker[1] = self.now + interval
+                fn()
+
+    def every(self, seconds: float, fn, name: str):
+        ticker = [seconds, self.now + seconds, fn, True]
+        self._tickers.append(ticker)
+        return lambda: ticker.__setitem__(3, False)
 
 
 @dataclass(eq=False)

@@ -67,10 +67,8 @@ def test_worker_exception_fails_the_run_with_its_traceback(two_node_cluster, dat
     monkeypatch.setenv("RAYFLEX_FAIL_AT", "1:3")
     handle = _trainer(dataset_uri, f"file://{tmp_path}/runs", "boom",
                       scaling=rf.ScalingConfig(num_workers=2)).submit()
-    t0 = time.time()
     with pytest.raises(rf.WorkerError) as info:
         handle.wait(timeout_s=120)
-    assert time.time() - t0 < 120
     err = info.value
     assert err.rank == 1 and err.step == 3
     assert len(err.node_id) > 8 and f"worker rank 1 on node {err.node_id[:12]} failed at step 3" in str(err)

@@ -74,9 +74,10 @@ def test_abort_unblocks_both_ends_of_a_deadlocked_pair():
     for r in (1, 2):
         assert got[r]["recv"] == "raised", got[r]
         assert "closed" in got[r]["error"].lower(), got[r]["error"]
-        # Failed at the abort, not at the collective timeout.
-        assert got[r]["waited_s"] < abort_after + 10, got[r]
-        assert got[r]["destroy_s"] < 5, got[r]
+        # Failed at the abort, not at the collective timeout (the only other way out: the
+        # abort fires 2 s in, the timeout 60 s in, whatever the host's speed).
+        assert got[r]["waited_s"] < TIMEOUT_S / 2, got[r]
+        assert got[r]["destroy_s"] < TIMEOUT_S / 2, got[r]
 
 
 class _DictStore:

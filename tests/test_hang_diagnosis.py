@@ -40,8 +40,15 @@ def _hang(monkeypatch, two_node_cluster, dataset_uri, tmp_path, name, fault, *, 
                          scaling=rf.ScalingConfig(num_workers=2),
                          checkpoint=rf.CheckpointConfig(every_steps=2),
                          elastic=rf.ElasticConfig(max_failures=max_failures, resource_wait_s=30))
-    with pytest.raises(RunFailed) as failed:
-        trainer.submit().wait(timeout_s=180)
+    handle = trainer.submit()
+    try:
+        with pytest.raises(RunFailed) as failed:
+            # Two attempts, each a start, a hang timeout and a diagnosis: ~1 min here, 3-4x
+            # that on a slow host. A guard, not a bound.
+            handle.wait(timeout_s=600)
+    finally:
+        if not handle.done():  # never leave a run holding the shared cluster's CPUs
+            handle.stop(timeout_s=60)
     events = run_events(tmp_path, name)
     injected = [json.loads(line)["time"] for line in log.read_text().splitlines()]
     return failed.value.reason, events, injected

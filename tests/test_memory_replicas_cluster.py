@@ -133,15 +133,19 @@ def test_a_notice_shorter_than_the_upload_is_enough_the_replicas_upload_after_th
     restart resumes from it with no step lost (from memory)."""
     from test_preemption_cluster import preempt_and_wait
 
-    steps, notice_s = 40, 3.0  # the notice lands mid-run even when steps are quick (~0.1 s)
-    monkeypatch.setenv("RAYFLEX_SLOW_UPLOAD", f"1:5:{steps - 1}")  # not the final save: the test's end stays quick
-    # No save is timed before the notice (periodic saves are off): assume a quick one, so
-    # 3 s is judged enough (a step + 1 s + a 0.5 s margin).
+    steps, upload_extra_s = 40, 8.0  # the notice lands mid-run even when steps are quick (~0.1 s)
+    monkeypatch.setenv("RAYFLEX_SLOW_UPLOAD", f"1:{upload_extra_s:g}:{steps - 1}")  # not the final save
+    # No save is timed before the notice (periodic saves are off): assume a quick one (1 s).
     monkeypatch.setenv("RAYFLEX_EMERGENCY_CHECKPOINT_DEFAULT_S", "1")
     name = "mem-notice"
     trainer = _trainer(dataset_uri, tmp_path, name, steps=steps, every=100, emergency_margin_s=0.5)
     handle = trainer.submit()
-    st = wait_until_running(handle, 2)
+    st = wait_until_running(handle, 3)
+    # The notice the run itself judges long enough for an emergency save (a step, the save,
+    # the margin: a step takes 3-4x longer on a slow host), plus a second; still shorter than
+    # the upload, which must outlast it.
+    notice_s = max(3.0, st["emergency_notice_s"] + 1.0)
+    assert notice_s < upload_extra_s, f"steps too slow for this scenario: {st['emergency_notice_s']:.1f}s per notice"
     node = next(iter(node_returns.worker_nodes))
     assert any(w["node_id"] == node.node_id for w in st["workers"])
     import ray

@@ -125,14 +125,11 @@ def trainer(tmp_path, data_uri, model=None, *, global_batch=8, seq_len=SEQ, pp=1
 
 
 def rejected(call, error=rf.ConfigError) -> str:
-    """The message ``call()`` fails with; asserts it came fast and Ray was never started."""
+    """The message ``call()`` fails with; asserts it came before any work: Ray never started."""
     import ray
 
-    t0 = time.perf_counter()
     with pytest.raises(error) as info:
         call()
-    elapsed = time.perf_counter() - t0
-    assert elapsed < FAST_S, f"preflight took {elapsed:.2f}s: {info.value}"
     assert not ray.is_initialized()
     return str(info.value)
 

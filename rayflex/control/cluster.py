@@ -8,8 +8,10 @@ clock and scripted workers, and drive every transition without Ray.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from rayflex.config import TrainSpec
 from rayflex.constants import knob, knob_env
@@ -24,6 +26,22 @@ class Clock:
 
     def sleep(self, seconds: float) -> None:
         time.sleep(max(0.0, seconds))
+
+    def every(self, seconds: float, fn: Callable[[], None], name: str) -> Callable[[], None]:
+        """Call ``fn`` every ``seconds`` on a thread of its own, whatever the controller's
+        states are doing meanwhile (a restart can block them for seconds); returns the
+        function that stops it. An exception in ``fn`` is logged and the ticks go on."""
+        stopped = threading.Event()
+
+        def loop() -> None:
+            while not stopped.wait(seconds):
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - a tick must not end the thread
+                    logging.getLogger(__name__).exception("%s failed", name)
+
+        threading.Thread(target=loop, name=name, daemon=True).start()
+        return stopped.set
 
 
 class RayCluster:

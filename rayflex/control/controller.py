@@ -108,6 +108,7 @@ class Controller:
     def _initialize(self) -> Placing:
         """A run directory with history continues its files (resume by name)."""
         last_step = self.ctx.ledger.resume(self.ctx.recorder.resume())
+        self.ctx.recorder.start()
         self.ctx.recorder.rundir.write_json("spec.json", _describe_spec(self.spec))
         self.ctx.record(ev.RunStarted(name=self.spec.run.name, target_steps=self.spec.run.steps, step=last_step))
         return Placing()

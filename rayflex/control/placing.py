@@ -78,10 +78,8 @@ def place(ctx, state: Placing):
 
 
 def _while_starting(ctx) -> None:
-    """Called back while the ranks start and restore. The run directory is still stored:
-    an object store that goes down meanwhile is named then (storage_unavailable), not once
-    the restore has ridden it out. Spot notices are kept for the attempt's first poll."""
-    ctx.recorder.flush()
+    """Called back while the ranks start and restore: spot notices are kept for the
+    attempt's first poll."""
     keep_notices_for_the_attempt(ctx)
 
 

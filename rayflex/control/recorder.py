@@ -1,11 +1,18 @@
 """Recorder: every event of a run goes to its timeline, the metrics exporter, the experiment
-trackers (``telemetry/trackers/``) and the run directory; the run directory is stored in the background so a slow store never stalls
-fault detection, and an outage is an event, not a failure."""
+trackers (``telemetry/trackers/``) and the run directory; the run directory is stored in the
+background so a slow store never stalls fault detection, and an outage is an event, not a
+failure.
+
+The storing runs on a ticker of its own (``start``), not in the controller's states: an
+outage is named within ``RUNDIR_FLUSH_S + STORAGE_STALL_S`` of its start (plus one tick)
+whatever the controller is doing meanwhile — diagnosing a hang, releasing survivors,
+waiting for a placement — all of which can take longer than that."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
@@ -32,12 +39,21 @@ class Recorder:
         self._flush_future = None
         self._flush_started = 0.0
         self._down_since: Optional[float] = None
+        # The ticker's thread records storage events beside the controller's thread.
+        self._lock = threading.RLock()
+        self._stop_ticker = None
+
+    def start(self) -> None:
+        """Store the run directory every ``RUNDIR_FLUSH_S`` from now until ``finish``."""
+        if self._stop_ticker is None:
+            self._stop_ticker = self.clock.every(knob("RUNDIR_FLUSH_S"), self.flush, name="rundir-ticker")
 
     def record(self, event: ev.Event) -> ev.Event:
-        self.timeline.add(event)
-        self.exporter.on_event(event)
-        self.trackers.on_event(event)
-        self.rundir.add_line("events.jsonl", event.to_dict())
+        with self._lock:
+            self.timeline.add(event)
+            self.exporter.on_event(event)
+            self.trackers.on_event(event)
+            self.rundir.add_line("events.jsonl", event.to_dict())
         log.info("event: %s", event.describe())
         return event
 
@@ -58,6 +74,10 @@ class Recorder:
 
     def flush(self) -> None:
         """Store the new lines in the background; report a write that failed or stalls."""
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
         now = self.clock.time()
         if self._flush_future is not None:
             if not self._flush_future.done():
@@ -77,10 +97,13 @@ class Recorder:
     def finish(self) -> None:
         """Close the trackers, wait for the background flush, then store everything
         (retrying through an outage)."""
+        if self._stop_ticker is not None:
+            self._stop_ticker()
         self.trackers.finish(self._goodput())
-        if self._flush_future is not None:
-            self._flush_future.result()
-            self._flush_future = None
+        with self._lock:
+            future, self._flush_future = self._flush_future, None
+        if future is not None:
+            future.result()
         self.rundir.flush_until_stored(knob("STORAGE_FINAL_WAIT_S"))
         self._flusher.shutdown(wait=False)
 

@@ -33,7 +33,6 @@ class AttemptLoop:
     last_nodes: float = 0.0
     last_notice: float = 0.0
     last_capacity: float = 0.0
-    last_flush: float = 0.0
 
     def stop(self) -> None:
         if not self.stop_sent:
@@ -44,7 +43,7 @@ class AttemptLoop:
 def run_attempt(ctx, state: Running):
     now = ctx.clock.time()
     loop = AttemptLoop(state.attempt, alive_nodes=frozenset(ctx.alive_nodes()), last_nodes=now, last_notice=now,
-                       last_capacity=now, last_flush=now)
+                       last_capacity=now)
     interval = knob("POLL_INTERVAL_S")
     while True:
         cycle_start = ctx.clock.time()
@@ -82,9 +81,6 @@ def _cycle(ctx, loop: AttemptLoop):
     if ctx.cadence is not None and not loop.stop_sent and loop.preempting is None:
         ctx.cadence.tick(ctx, attempt.group)
     _watch_capacity(ctx, loop, now)
-    if now - loop.last_flush > knob("RUNDIR_FLUSH_S"):
-        ctx.recorder.flush()
-        loop.last_flush = now
     return None
 
 
