@@ -102,7 +102,8 @@ def test_killed_worker_actor_is_replaced(two_node_cluster, dataset_uri, tmp_path
     # measured under the same load): a fixed number of seconds is a timed test on a
     # shared 2-core machine (11.6 s once, 2.8 s when idle).
     assert first["time"] - died["time"] < max(5.0, started[0]["spawn_s"]), (first, started[0])
-    assert all(e["spawn_s"] < 3.0 for e in started[1:]), "no restart waited for a process to start"
+    assert all(e["spawn_s"] < started[0]["spawn_s"] / 2 for e in started[1:]), \
+        "no restart waited for a process to start (this run's own cold start is the measure)"
     assert "capacity returned" in restarted[-1]["reason"] and restarted[-1]["world_size"] == 4
     _assert_recovered(result, trainer, events, world_size=4, stopped=True)
 

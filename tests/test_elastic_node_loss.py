@@ -42,7 +42,9 @@ def test_node_loss_shrinks_then_capacity_return_grows_back(two_node_cluster, dat
     grow = next(e for e in events if e["kind"] == "restarted" and "capacity returned" in e["reason"])
     assert grow["lost_steps"] == 0, "growing resumes from the checkpoint of the step it stopped at"
     started = [e for e in events if e["kind"] == "workers_started"]
-    assert started[-1]["spawn_s"] < 3.0, "the newcomers were warmed before the stop, not after it"
+    # Against this run's own cold start (its first spawn), not a number of seconds: a
+    # process start takes 3-4x longer on a slow host.
+    assert started[-1]["spawn_s"] < started[0]["spawn_s"] / 2, "the newcomers were warmed before the stop, not after it"
     _assert_recovered(result, trainer, events, world_size=4, stopped=True)
 
 
