@@ -19,6 +19,10 @@ _DEFAULTS: dict[str, float] = {
     # Floor of the hang timeout; the effective one is max(floor, k x median step time).
     "HANG_TIMEOUT_FLOOR_S": 60.0,
     "HANG_TIMEOUT_STEP_MULTIPLE": 10.0,
+    # Until an attempt has finished a step the hang timeout is this many floors: the first
+    # step does the attempt's one-off work (FSDP's lazy init, first allocations, compile),
+    # which nothing has measured yet and which takes 3-4x longer on a slow host.
+    "HANG_TIMEOUT_WARMUP_FLOORS": 3.0,
     # How long a hang investigation waits for the ranks' flight records (a frozen rank
     # never answers; the others answer in milliseconds).
     "DIAGNOSIS_TIMEOUT_S": 3.0,

@@ -7,7 +7,8 @@ signals, each turned into a typed event:
 * **dead** — Ray says the actor is gone, or its node is no longer alive;
 * **hung** — the rank stopped answering polls for ``HEARTBEAT_TIMEOUT_S`` (a frozen
   process), or no rank finished a step for max(``HANG_TIMEOUT_FLOOR_S``,
-  ``HANG_TIMEOUT_STEP_MULTIPLE`` x median step time) while the actors still answer (a
+  ``HANG_TIMEOUT_STEP_MULTIPLE`` x median step time; ``HANG_TIMEOUT_WARMUP_FLOORS`` floors
+  before the attempt's first step is measured) while the actors still answer (a
   collective that never completes) — the event names the ranks whose phase is not
   ``collective`` (the ones the others wait for) and every rank's phase;
 * **straggler** — a rank the others keep waiting for: its wait at the end-of-step
@@ -70,8 +71,8 @@ class FaultDetector:
 
     def hang_timeout_s(self) -> float:
         floor = knob("HANG_TIMEOUT_FLOOR_S")
-        if not self.step_times:
-            return floor
+        if not self.step_times:  # the attempt's first step: its warm-up is not measured yet
+            return floor * knob("HANG_TIMEOUT_WARMUP_FLOORS")
         return max(floor, knob("HANG_TIMEOUT_STEP_MULTIPLE") * statistics.median(self.step_times))
 
     def check(self, poll, alive_nodes: Optional[set[str]] = None, now: Optional[float] = None) -> Fault:
