@@ -1,5 +1,6 @@
 """Deadlocks on a live loopback cluster, each named by the hang diagnosis: the rank, the
-process group and the collective, within the hang timeout + 5 s of the injected fault.
+process group and the collective, within the hang timeout + the diagnosis's timeout + 2 s of
+the last step every rank finished.
 
 Each rank's misbehaviour is injected at step 3 of every attempt
 (``RAYFLEX_COLLECTIVE_FAULT``, worker/collective_faults.py); the frozen rank (SIGSTOP) is
@@ -8,6 +9,7 @@ is the world group, so every collective of a step shares one sequence.
 """
 
 import json
+import os
 
 import pytest
 
@@ -55,9 +57,15 @@ def _hang(monkeypatch, two_node_cluster, dataset_uri, tmp_path, name, fault, *, 
 
 
 def _diagnosed_in_time(events, injected_at: float) -> dict:
+    """Named and diagnosed on the mechanism's clock, which runs from the last step every rank
+    finished (the injected step may still finish on some layouts: the hang is then in the
+    next one): the hang timeout, a poll, then the diagnosis's own timeout."""
     hang = next(e for e in events if e["kind"] == "hang_detected")
     diagnosed = next(e for e in events if e["kind"] == "hang_diagnosed")
-    assert diagnosed["time"] - injected_at <= hang["timeout_s"] + 5.0, (diagnosed["time"] - injected_at, hang)
+    stalled_from = hang["time"] - hang["stalled_s"]
+    assert hang["time"] > injected_at and stalled_from >= injected_at - hang["timeout_s"], (injected_at, hang)
+    bound = hang["timeout_s"] + float(os.environ.get("RAYFLEX_DIAGNOSIS_TIMEOUT_S", 3.0)) + 2.0
+    assert diagnosed["time"] - stalled_from <= bound, (diagnosed["time"] - stalled_from, bound, hang)
     assert diagnosed["answered"] == [0, 1] and diagnosed["table"], diagnosed
     return diagnosed
 
