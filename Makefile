@@ -12,7 +12,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 # environments (CI images, sandboxes) set this variable; it is not wanted here.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: venv emulators demo test test-slow-host test-slow test-fast bench chaos chaos-overlap compare clean
+.PHONY: venv emulators demo test test-cpu test-slow-host test-slow test-fast bench chaos chaos-overlap compare clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,14 @@ demo: venv
 # run side by side (see tests/conftest.py): cluster tests mostly wait.
 test: venv emulators
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 -m "not slow" tests
+
+# The same suite, with the CPU-seconds each test file cost (every process it started counted;
+# tests/suite_cpu.py): where to cut when the suite is too slow for a slow host. Needs root.
+SUITE_CPU ?= suite_cpu.json
+test-cpu: venv emulators
+	rm -f $(SUITE_CPU).gw*
+	RAYFLEX_SUITE_CPU=$(SUITE_CPU) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests
+	$(PY) tests/suite_cpu.py $(SUITE_CPU)
 
 # The same suite as a ~3x slower host of this kind would run it: everything it starts shares
 # SLOW_HOST_CPUS of one core (a cgroup CPU quota; needs root). It must pass there too: no

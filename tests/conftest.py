@@ -16,10 +16,16 @@ os.environ.setdefault("RAYFLEX_COLLECTIVE_TIMEOUT_S", "60")
 # No run report (matplotlib, ~1 CPU-s of the controller) at the end of every cluster run:
 # the report is tested in test_report.py, and whether a run draws it in test_controller_states.py.
 os.environ.setdefault("RAYFLEX_RUN_REPORT", "0")
+# Besides rayflex.local_ray.LEAN_RAY_ENV (every Ray rayflex starts), two Ray services no test
+# reads: metrics (run metrics are tested without a cluster) and the memory monitor's 250 ms
+# polls. Together they take an idle test cluster from 0.054 to 0.047 CPU-s/s, which a slow
+# host pays for every second a cluster is up.
+os.environ.setdefault("RAY_enable_metrics_collection", "0")
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 
 import pytest  # noqa: E402
 
-pytest_plugins = ["s3_fixture", "cloud_fixtures"]
+pytest_plugins = ["s3_fixture", "cloud_fixtures", "suite_cpu"]
 
 SEQ_LEN = 32
 
@@ -120,6 +126,15 @@ def two_node_cluster():
 # cluster, which keep both cores busy, come last and are split over both workers once
 # the chaos run is over; each worker starts the shared cluster at most once.
 LONGEST_FIRST = ("test_chaos_run.py",)
+
+
+def pytest_configure(config):
+    # Processes the tests start themselves (ranks without Ray, replays) are forked from a
+    # server that imported these once (rayflex.testing.processes; ~2-4 CPU-s a process).
+    from rayflex.testing.processes import preload
+
+    preload(["rayflex.models.hf", "rayflex.storage.checkpoint",
+             "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"])
 
 
 def pytest_collection_modifyitems(items):

@@ -1,11 +1,12 @@
-"""Run a function in ``world`` spawned processes (no Ray), each told its rank and a free
+"""Run a function in ``world`` forked processes (no Ray), each told its rank and a free
 rendezvous port, and collect what each returned; a rank's exception fails the test with
 its traceback."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
+
+from rayflex.testing.processes import ForkedContext
 
 from rayflex.worker.train_worker import free_port
 
@@ -13,7 +14,7 @@ from rayflex.worker.train_worker import free_port
 def run_ranks(target, world: int, *args, timeout_s: float = 60) -> dict:
     """``target(rank, world, port, *args)`` in ``world`` spawned processes; rank -> answer.
     ``target`` must be importable (a module-level function of a test module)."""
-    ctx = mp.get_context("spawn")
+    ctx = ForkedContext()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(target, r, world, port, args, results)) for r in range(world)]
@@ -50,7 +51,7 @@ class JobPorts:
     reset by peer") and the pool waits out its timeout."""
 
     def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")  # run_ranks's: the queues travel to its processes
+        ctx = ForkedContext()  # run_ranks's: the queues travel to its processes
         self._queues = [ctx.Queue() for _ in range(world)]
 
     def port(self, rank: int, ranks: int, job: str, timeout_s: float = 120) -> int:

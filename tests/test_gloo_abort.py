@@ -5,12 +5,12 @@ never send; gloo itself would keep them there until the collective timeout. Plai
 processes, no Ray: ranks 1 and 2 wait on each other (each in its own recv); rank 1 aborts.
 """
 
-import multiprocessing as mp
 import socket
 import time
 
 import pytest
 
+from rayflex.testing.processes import ForkedContext
 from rayflex.worker.train_worker import free_port
 
 TIMEOUT_S = 60  # the collective timeout: an abort that does not work shows as a wait this long
@@ -56,7 +56,7 @@ def _rank(rank: int, world: int, port: int, abort_after_s, results):
 
 @pytest.mark.multiproc
 def test_abort_unblocks_both_ends_of_a_deadlocked_pair():
-    ctx = mp.get_context("spawn")
+    ctx = ForkedContext()
     results = ctx.Queue()
     port, world, abort_after = free_port(), 3, 2.0
     procs = [ctx.Process(target=_rank, args=(r, world, port, abort_after, results)) for r in range(world)]

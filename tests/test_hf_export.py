@@ -12,7 +12,6 @@ final save then holds the weights it built from ``init_from``, no optimizer step
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import shutil
 import warnings
@@ -28,6 +27,7 @@ from rayflex.errors import CheckpointError, ConfigError
 from rayflex.models.hf import causal_lm
 from rayflex.models.hf_export import StateDictWeights, write_hf
 from rayflex.models.spec import build_stage
+from rayflex.testing.processes import ForkedContext
 
 from hf_helpers import SEQ_LEN, VOCAB, hf_model, saved, tiny_config
 
@@ -115,12 +115,6 @@ def serve_rank(rank: int, jobs, results) -> None:
     os._exit(0)  # nothing left to free: skip the interpreter's teardown
 
 
-# What every rank imports, once, in the fork server the four ranks are forked from: on two
-# cores four processes importing torch and transformers each would take most of the session.
-PRELOAD = ["rayflex.worker.train_worker", "rayflex.models.hf", "rayflex.storage.checkpoint",
-           "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"]
-
-
 @pytest.fixture(scope="module")
 def runs(dataset_uri, tmp_path_factory):
     """One session of 4 gloo processes, three jobs: a Llama run saved at step 0 (nothing
@@ -128,8 +122,7 @@ def runs(dataset_uri, tmp_path_factory):
     step 0. Returns name -> (HF model, its directory, TrainSpec)."""
     from rayflex.worker.train_worker import free_port
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx = ForkedContext()  # its server has imported torch, the worker and transformers (conftest)
     results, queues = ctx.Queue(), [ctx.Queue() for _ in range(4)]
     procs = [ctx.Process(target=serve_rank, args=(r, queues[r], results), daemon=True) for r in range(4)]
     for p in procs:

@@ -6,7 +6,6 @@ reproduces HF's own training step for step."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import pickle
 
 import pytest
@@ -16,6 +15,7 @@ import rayflex as rf
 from rayflex.errors import ConfigError
 from rayflex.models.hf import TIE_RULE, causal_lm, from_hf_key, to_hf_key
 from rayflex.models.spec import build_stage
+from rayflex.testing.processes import ForkedContext
 
 from hf_helpers import SEQ_LEN, VOCAB, hf_model, hf_reference_losses, saved, tiny_config, train_rank, untied_copy
 
@@ -280,7 +280,7 @@ def trained(checkpoints, dataset_uri, tmp_path_factory):
                             parallel=rf.ParallelConfig(pp=2), checkpoint=rf.CheckpointConfig(resume=False))
         jobs.append((family, spec))
         references[family] = (untied_copy(model), spec)
-    ctx = mp.get_context("spawn")
+    ctx = ForkedContext()
     results, ports = ctx.Queue(), [ctx.Queue() for _ in range(4)]
     procs = [ctx.Process(target=train_rank, args=(r, jobs, ports[r], results), daemon=True) for r in range(4)]
     for p in procs:

@@ -35,3 +35,26 @@ def test_every_port_with_a_default_is_pinned():
     assert head["node_ip_address"] == "127.0.0.1" and head["labels"] == {"rack": "r0"}
     with socket.socket() as s:  # the chosen ports are really free
         s.bind(("127.0.0.1", ports[0]))
+
+
+def test_lean_housekeeping_is_set_unless_the_user_chose(monkeypatch):
+    """Every Ray rayflex starts gets LEAN_RAY_ENV; a value the user set is kept."""
+    for key in local_ray.LEAN_RAY_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("REPORTER_UPDATE_INTERVAL_MS", "1234")
+    local_ray.head_node_args(1)
+    import os
+
+    assert os.environ["REPORTER_UPDATE_INTERVAL_MS"] == "1234"
+    assert os.environ["RAY_task_events_report_interval_ms"] == local_ray.LEAN_RAY_ENV["RAY_task_events_report_interval_ms"]
+    assert os.environ["RAY_event_stats"] == "0"
+
+
+def test_the_started_daemons_run_with_it(two_node_cluster):
+    import psutil
+
+    raylets = [p for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
+    assert len(raylets) == 2, raylets
+    for raylet in raylets:
+        env = raylet.environ()
+        assert {k: env.get(k) for k in local_ray.LEAN_RAY_ENV} == local_ray.LEAN_RAY_ENV

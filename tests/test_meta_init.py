@@ -8,12 +8,12 @@ bit for bit, this rank's slice of the one-process full build. Without a pipeline
 training steps from each build give the same losses.
 """
 
-import multiprocessing as mp
 
 import pytest
 import torch
 
 from rayflex.models.spec import build_stage
+from rayflex.testing.processes import ForkedContext
 from rayflex.worker.train_worker import free_port
 
 from meta_init_helpers import buffered_spec, run_rank
@@ -25,7 +25,7 @@ TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def built():
-    ctx = mp.get_context("spawn")
+    ctx = ForkedContext()
     results = ctx.Queue()
     layouts = [(*layout, free_port()) for layout in LAYOUTS]
     procs = [ctx.Process(target=run_rank, args=(r, layouts, results), daemon=True) for r in range(WORLD)]

@@ -7,10 +7,10 @@ elastic controller reuses surviving actors.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 from typing import Any, Callable, Sequence
 
+from rayflex.testing.processes import ForkedContext
 from rayflex.worker.train_worker import free_port
 
 
@@ -57,7 +57,7 @@ def _serve(commands, answers) -> None:
 
 class LocalWorkerPool:
     def __init__(self, size: int, timeout_s: float = 300):
-        ctx = mp.get_context("spawn")
+        ctx = ForkedContext()
         self.timeout_s = timeout_s
         self._queues = [(ctx.Queue(), ctx.Queue()) for _ in range(size)]
         self._procs = [ctx.Process(target=_serve, args=q, daemon=True) for q in self._queues]
