@@ -61,7 +61,10 @@ def _assert_emergency(events, node_id, result, trainer, notice_time, deadline):
     steps = trainer.spec.run.steps
     notice = next(e for e in events if e["kind"] == "preemption_notice")
     assert notice["node_id"] == node_id and notice["action"] == "emergency_checkpoint"
-    assert notice["time"] - notice_time < 3.0, "the notice is seen within seconds"
+    # Acted on early in its window (the controller checks for notices every NOTICE_POLL_S):
+    # the rest of the window is the emergency checkpoint's.
+    window_s = deadline - notice_time
+    assert notice["time"] - notice_time < window_s / 3, f"the notice is seen in the first third of its {window_s:.0f} s"
     emergency = next(e for e in events if e["kind"] == "checkpoint_committed" and e["reason"] == "emergency")
     assert emergency["time"] < deadline, "the emergency checkpoint commits before the deadline"
     restarted = next(e for e in events if e["kind"] == "restarted")

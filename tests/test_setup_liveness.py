@@ -55,7 +55,8 @@ def test_a_rank_frozen_during_setup_fails_the_phase_within_the_heartbeat_timeout
         # pings, so only the frozen rank is named.
         assert failed.value.frozen and failed.value.slow == [1] and failed.value.dead == {}
         assert "rank 1 stopped answering for 2s (frozen?)" in str(failed.value)
-        assert took < 15, f"named after {took:.1f}s, not within the heartbeat timeout"
+        # Named by the heartbeat, not when rank 0's 60 s setup ends or the 120 s gather gives up.
+        assert took < 30, f"named after {took:.1f}s, not within the heartbeat timeout"
     finally:
         os.kill(pids[1], signal.SIGCONT)
         for a in actors:
