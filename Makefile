@@ -46,8 +46,8 @@ test: venv emulators
 SUITE_CPU ?= suite_cpu.json
 test-cpu: venv emulators
 	rm -f $(SUITE_CPU).gw*
-	RAYFLEX_SUITE_CPU=$(SUITE_CPU) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests
-	$(PY) tests/suite_cpu.py $(SUITE_CPU)
+	RAYFLEX_SUITE_CPU=$(SUITE_CPU) $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests; \
+	  status=$$?; $(PY) tests/suite_cpu.py $(SUITE_CPU); exit $$status
 
 # The same suite as a ~3x slower host of this kind would run it: everything it starts shares
 # SLOW_HOST_CPUS of one core (a cgroup CPU quota; needs root). It must pass there too: no

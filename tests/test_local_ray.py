@@ -49,12 +49,3 @@ def test_lean_housekeeping_is_set_unless_the_user_chose(monkeypatch):
     assert os.environ["RAY_task_events_report_interval_ms"] == local_ray.LEAN_RAY_ENV["RAY_task_events_report_interval_ms"]
     assert os.environ["RAY_event_stats"] == "0"
 
-
-def test_the_started_daemons_run_with_it(two_node_cluster):
-    import psutil
-
-    raylets = [p for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
-    assert len(raylets) == 2, raylets
-    for raylet in raylets:
-        env = raylet.environ()
-        assert {k: env.get(k) for k in local_ray.LEAN_RAY_ENV} == local_ray.LEAN_RAY_ENV
