@@ -94,7 +94,8 @@ _DEFAULTS: dict[str, float] = {
     "NOTICE_POLL_S": 0.5,
     # Activation memory (bytes saved for backward) is measured on the first steps of each
     # attempt and every this many steps after: the autograd hooks cost ~9% of a small
-    # model's forward-backward on CPU (benchmarks/compare.py), and the peak repeats.
+    # model's forward-backward on CPU (benchmarks/compare.py), and the peak repeats
+    # (0: the first steps only).
     "ACTIVATION_PROBE_EVERY": 100.0,
     "CAPACITY_CHECK_S": 2.0,
     "RUNDIR_FLUSH_S": 1.0,
@@ -117,8 +118,13 @@ def _raw(name: str) -> Optional[str]:
     return os.environ.get(f"RAYFLEX_{name}")
 
 
+# Knobs for which 0 is a setting: the upload at training's priority; activations measured on
+# an attempt's first steps only.
+_ZERO_MEANS_OFF = frozenset({"UPLOAD_NICE", "ACTIVATION_PROBE_EVERY"})
+
+
 def knob(name: str) -> float:
-    """Return the value of timing knob ``name`` (``RAYFLEX_<name>`` overrides the default)."""
+    """Return the value of knob ``name`` (``RAYFLEX_<name>`` overrides the default)."""
     raw = _raw(name)
     if raw is None:
         return _DEFAULTS[name]
@@ -126,8 +132,8 @@ def knob(name: str) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"RAYFLEX_{name}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"RAYFLEX_{name}={raw!r} must be > 0")
+    if value < 0 or (value == 0 and name not in _ZERO_MEANS_OFF):
+        raise ValueError(f"RAYFLEX_{name}={raw!r} must be {'>= 0' if name in _ZERO_MEANS_OFF else '> 0'}")
     return value
 
 

@@ -79,7 +79,7 @@ class FailurePolicy:
             program_level = diagnosis is not None and diagnosis.program_level
             # A mismatch is judged by the step it hangs and what it is: the commit of the
             # checkpoint before it may still be in flight when the first one is decided.
-            key = (step, diagnosis.signature()) if program_level else (step, committed_step, _first_line(error))
+            key = (step, diagnosis.signature()) if program_level else (step, committed_step, _last_line(error))
             self._repeats = self._repeats + 1 if self._last_failure == key else 0
             self._last_failure = key
             if self._repeats >= 1 and program_level:
@@ -87,11 +87,11 @@ class FailurePolicy:
                             f"the training program, not a fault of the cluster: {diagnosis.sentence}")
             if self._repeats >= 1:
                 return Fail(f"the same failure repeated at step {step} with no progress since the checkpoint "
-                            f"of step {committed_step} (a poison batch or a bug?): {_first_line(error)}")
+                            f"of step {committed_step} (a poison batch or a bug?): {_last_line(error)}")
             if self.failures > cfg.max_failures:
                 return Fail(f"failure budget exhausted ({self.failures} failures > max_failures="
-                            f"{cfg.max_failures}); last: {_first_line(error)}")
-        return self.resize(usable_slots=usable_slots, reason=f"{kind} at step {step}: {_first_line(error)}")
+                            f"{cfg.max_failures}); last: {_last_line(error)}")
+        return self.resize(usable_slots=usable_slots, reason=f"{kind} at step {step}: {_last_line(error)}")
 
     def resize(self, *, usable_slots: int, reason: str = "resources returned") -> Decision:
         """The size to restart at with the slots usable now (no budget is charged)."""
@@ -116,6 +116,8 @@ class ElasticPolicy:
         return size if size is not None and size > current else None
 
 
-def _first_line(text: str) -> str:
+def _last_line(text: str) -> str:
+    """The last non-empty line (of a traceback: the exception and its message), at most 300
+    characters: what a repeated failure is recognized by and what the reason quotes."""
     lines = [line for line in (text or "").strip().splitlines() if line.strip()]
     return lines[-1][:300] if lines else "unknown"
