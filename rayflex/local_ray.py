@@ -31,12 +31,18 @@ LOOPBACK = "127.0.0.1"
 #   does not use; actors are listed from the GCS's actor table either way): every 10 s;
 # * the node stats the dashboard agent gathers with psutil every 5 s (a dashboard's graphs;
 #   these Rays start none): every 60 s;
-# * the timing of every event-loop handler, kept for Ray's debug dumps: off.
+# * the timing of every event-loop handler, kept for Ray's debug dumps: off;
+# * the log monitor's search for new log files (every 0.1 s below 1,000 files: a glob of the
+#   log directory that grows with every worker a long-lived cluster started): every 1 s. A
+#   new worker's output reaches the driver up to 1 s later, none of it lost (a file found is
+#   read from its start). With 235 files: 0.026 -> 0.011 CPU-s/s.
 # Metrics (rayflex exports run metrics through Ray's) and the memory monitor (Ray's OOM
 # killer) keep their defaults.
 LEAN_RAY_ENV = {"RAY_task_events_report_interval_ms": "10000",
                 "REPORTER_UPDATE_INTERVAL_MS": "60000",
-                "RAY_event_stats": "0"}
+                "RAY_event_stats": "0",
+                "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+                "LOG_NAME_UPDATE_INTERVAL_S": "1"}
 
 
 def _prepare_env() -> None:
