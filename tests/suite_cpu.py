@@ -15,6 +15,8 @@ import json
 import os
 import time
 
+import pytest
+
 ROOT = "/sys/fs/cgroup/cpuacct"
 ENV = "RAYFLEX_SUITE_CPU"
 
@@ -71,16 +73,13 @@ _ACCOUNT: _Account | None = None
 def pytest_configure(config):
     global _ACCOUNT
     out = os.environ.get(ENV)
-    if out and not hasattr(config, "workerinput") and os.environ.get("PYTEST_XDIST_WORKER") is None \
-            and config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None):
+    if out and os.environ.get("PYTEST_XDIST_WORKER") is None and config.getoption("numprocesses", None):
         return  # the xdist controller runs no tests: only its workers account
     if out:
         _ACCOUNT = _Account(os.path.abspath(out))
 
 
 def _timed(phase):
-    import pytest
-
     @pytest.hookimpl(hookwrapper=True)
     def hook(item, *args, **kwargs):
         if _ACCOUNT is None:
@@ -97,18 +96,10 @@ pytest_runtest_call = _timed("call")
 pytest_runtest_teardown = _timed("teardown")
 
 
-def _sessionfinish(session, exitstatus):
+@pytest.hookimpl(trylast=True)  # after conftest has closed the shared cluster
+def pytest_sessionfinish(session, exitstatus):
     if _ACCOUNT is not None:
         _ACCOUNT.finish()
-
-
-def _hookimpl_trylast(fn):
-    import pytest
-
-    return pytest.hookimpl(trylast=True)(fn)  # after conftest has closed the shared cluster
-
-
-pytest_sessionfinish = _hookimpl_trylast(_sessionfinish)
 
 
 def report(out: str) -> dict:
