@@ -98,7 +98,8 @@ def train_cfg(data: str, args) -> dict:
     """The train function's config, shared by the Ray Train loop and the torchrun script."""
     return {"gpt": GPT, "lr": recovery.LR, "betas": list(recovery.BETAS), "clip": recovery.CLIP,
             "min_lr_ratio": recovery.MIN_LR_RATIO, "global_batch": BATCH, "steps": args.steps,
-            "every": args.every, "keep": 2, "data": data, "report_every": args.every}
+            "every": args.every, "keep": 2, "data": data, "report_every": args.every,
+            "adamw_kwargs": recovery.peer_adamw_kwargs()}
 
 
 # ----------------------------------------------------------------------------- rayflex
@@ -109,9 +110,7 @@ def rayflex_clean(data: str, storage: str, name: str, args) -> dict:
 
     trainer = rf.Trainer(model=recovery.model_spec(), data=rf.DataConfig(uri=data, seq_len=SEQ, global_batch=BATCH),
                          run=rf.RunConfig(name=name, storage=storage, steps=args.steps,
-                                          optimizer=rf.OptimizerConfig(lr=recovery.LR, betas=recovery.BETAS,
-                                                                       grad_clip=recovery.CLIP,
-                                                                       min_lr_ratio=recovery.MIN_LR_RATIO)),
+                                          optimizer=recovery.rayflex_optimizer()),
                          scaling=rf.ScalingConfig(num_workers=WORKERS, min_workers=2, max_workers=WORKERS),
                          checkpoint=rf.CheckpointConfig(every_steps=args.every, keep=2, upload=args.rayflex_upload),
                          elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60))
@@ -296,6 +295,9 @@ def main() -> None:
     ap.add_argument("--torchrun-nice", type=int, default=15,
                     help="niceness of the torchrun tree; 15 = Ray's default worker niceness, which the "
                          "rayflex and Ray Train workers run at (matters only on a busy machine)")
+    ap.add_argument("--adamw", default="default", choices=("default", "fused", "foreach", "for-loop"),
+                    help="AdamW kernel: each system's own default (rayflex: fused; the peers: torch's, "
+                         "the per-parameter loop on CPU), or one kernel for all (what remains is overhead)")
     ap.add_argument("--rayflex-upload", default="auto", choices=("auto", "thread", "process"),
                     help="rayflex's CheckpointConfig.upload (where an async save's bytes are written from)")
     ap.add_argument("--table-from", metavar="JSON", help="only print the README table of a committed result")
@@ -303,6 +305,7 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true", help="also print the markdown table to stderr")
     ap.add_argument("--out", help="also write the JSON here (Ray's driver log lines can share stdout)")
     args = ap.parse_args()
+    recovery.ADAMW = args.adamw
     if args.table_from:
         if not os.path.isfile(args.table_from):
             ap.error(f"--table-from {args.table_from}: no such file; give a compare.py result, "
@@ -397,7 +400,9 @@ def main() -> None:
                        "tokens_per_step": TOKENS_PER_STEP, "workers": WORKERS, "steps": args.steps,
                        "checkpoint_every_steps": args.every, "fault": None if args.skip_recovery else
                        f"SIGKILL rank 1's process after step {args.fault_at}",
-                       "optimizer": {"name": "AdamW", "lr": recovery.LR, "betas": recovery.BETAS,
+                       "optimizer": {"name": "AdamW", "kernel": recovery.ADAMW if recovery.ADAMW != "default"
+                                     else "each system's default (rayflex: fused; peers: torch's)",
+                                     "lr": recovery.LR, "betas": recovery.BETAS,
                                      "weight_decay": 0.0, "schedule": "cosine to 0.1 x lr",
                                      "grad_clip": recovery.CLIP},
                        "step_time": f"median wall-clock gap between finished steps after step {SKIP}, "

@@ -61,7 +61,8 @@ def main() -> None:
     for i in model.indices:
         fully_shard(model.blocks[str(i)], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]), weight_decay=0.0,
+                            **cfg.get("adamw_kwargs", {}))  # {}: torch's default kernel
 
     # Rank 0 decides which checkpoint every rank loads (a save a kill interrupted has no .metadata).
     choice = [latest_complete(cfg["ckpt_dir"]) if rank == 0 else None]

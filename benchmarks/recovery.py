@@ -57,6 +57,25 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
 WORKERS, SEQ, GB = 4, 32, 12
 GPT = dict(vocab_size=128, seq_len=SEQ, d_model=32, n_layers=2, n_heads=2)
 LR, BETAS, CLIP, MIN_LR_RATIO = 3e-3, (0.9, 0.95), 1.0, 0.1
+# The AdamW kernel every system trains with: "default" = each system's own (rayflex's
+# OptimizerConfig default, fused; torch's for the peers: the per-parameter loop on CPU),
+# or one kernel named for all of them (compare.py --adamw).
+ADAMW = "default"
+_TORCH_ADAMW_KWARGS = {"default": {}, "fused": {"fused": True}, "foreach": {"foreach": True},
+                       "for-loop": {"foreach": False}}
+
+
+def peer_adamw_kwargs() -> dict:
+    """torch.optim.AdamW's keyword arguments for the peers' train functions (ADAMW's kernel)."""
+    return dict(_TORCH_ADAMW_KWARGS[ADAMW])
+
+
+def rayflex_optimizer():
+    """The OptimizerConfig every rayflex run of the harness trains with."""
+    import rayflex as rf
+
+    kernel = {} if ADAMW == "default" else {"implementation": ADAMW}
+    return rf.OptimizerConfig(lr=LR, betas=BETAS, grad_clip=CLIP, min_lr_ratio=MIN_LR_RATIO, **kernel)
 RUN_TIMEOUT_S = 240
 DETECT_KINDS = ("worker_died", "node_lost", "worker_failed", "hang_detected")
 # Actors that belong to one run (rayflex's controller and workers, Ray Train's controller and
@@ -228,8 +247,7 @@ def run_rayflex(lc: LoopbackCluster, fault: str, data: str, storage: str, name: 
         model, data_cfg = model_spec(), rf.DataConfig(uri=data, seq_len=SEQ, global_batch=GB)
     trainer = rf.Trainer(model=model, data=data_cfg,
                          run=rf.RunConfig(name=name, storage=storage, steps=args.steps,
-                                          optimizer=rf.OptimizerConfig(lr=LR, betas=BETAS, grad_clip=CLIP,
-                                                                       min_lr_ratio=MIN_LR_RATIO)),
+                                          optimizer=rayflex_optimizer()),
                          scaling=rf.ScalingConfig(num_workers=WORKERS, min_workers=2, max_workers=WORKERS),
                          checkpoint=rf.CheckpointConfig(every_steps=args.every, keep=2,
                                                         memory_replicas=memory_replicas),
@@ -392,7 +410,8 @@ def _rt_train_loop(cfg: dict) -> None:
     for i in model.indices:
         fully_shard(model.blocks[str(i)], mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]), weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=tuple(cfg["betas"]), weight_decay=0.0,
+                            **cfg.get("adamw_kwargs", {}))
     start = 0
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
@@ -502,7 +521,8 @@ def run_ray_train(lc: LoopbackCluster, fault: str, data: str, storage: str, name
     logfile = os.path.join(storage, f"{name}.steps.jsonl")
     cfg = {"gpt": GPT, "lr": LR, "betas": list(BETAS), "clip": CLIP, "min_lr_ratio": MIN_LR_RATIO,
            "global_batch": GB, "steps": args.steps, "every": args.every, "data": data, "log": logfile,
-           "report_every": 1 if args.rt_report_every_step else args.every}
+           "report_every": 1 if args.rt_report_every_step else args.every,
+           "adamw_kwargs": peer_adamw_kwargs()}
     trainer = TorchTrainer(
         _rt_train_loop, train_loop_config=cfg,
         scaling_config=ray.train.ScalingConfig(num_workers=WORKERS, use_gpu=False, resources_per_worker={"CPU": 1}),

@@ -70,8 +70,7 @@ def hf_reference_losses(model, spec, steps: int) -> list[float]:
     from rayflex.data.dataset import TokenDataset
 
     opt_cfg = spec.run.optimizer
-    opt = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
-                            weight_decay=opt_cfg.weight_decay)
+    opt = opt_cfg.build(model.parameters())
     ds = TokenDataset(spec.data.uri)
     sampler = ds.sampler(spec.data)
     seq = spec.data.seq_len

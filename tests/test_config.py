@@ -33,6 +33,7 @@ def _trainer(dataset_uri, storage="file:///tmp/rayflex-test", **over):
     (lambda: rf.CheckpointConfig(every_steps="often"), "CheckpointConfig.every_steps", '"auto"'),
     (lambda: rf.CheckpointConfig(every_steps="auto", mtbf_prior_s=0), "CheckpointConfig.mtbf_prior_s", "3600"),
     (lambda: rf.OptimizerConfig(lr=0), "OptimizerConfig.lr", "3e-4"),
+    (lambda: rf.OptimizerConfig(implementation="apex"), "OptimizerConfig.implementation", "fused, foreach"),
     (lambda: rf.ParallelConfig(tp=0), "ParallelConfig.tp", "1: no tensor parallelism"),
     (lambda: rf.ParallelConfig(layout="manual"), "ParallelConfig.layout", "'auto'"),
     (lambda: rf.ParallelConfig(layout="auto", tp=2), "ParallelConfig.layout", "leave pp, tp and dp_shard"),

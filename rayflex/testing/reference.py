@@ -40,8 +40,7 @@ def single_process_train(spec: TrainSpec, steps: int, *,
     opt_cfg = spec.run.optimizer
     if start_state is None:
         model = build_stage(spec.model, list(range(spec.model.num_blocks)))
-        opt = torch.optim.AdamW(model.parameters(), lr=opt_cfg.lr, betas=tuple(opt_cfg.betas),
-                                weight_decay=opt_cfg.weight_decay)
+        opt = opt_cfg.build(model.parameters())
         state = ReferenceState(step=0, model=model, optimizer=opt)
     else:
         state = copy.deepcopy(start_state)  # the optimizer's state keys follow the copied parameters

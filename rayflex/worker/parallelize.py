@@ -201,6 +201,15 @@ def _copies(p: torch.Tensor, stage_ranks: int) -> int:
     return max(copies, 1)
 
 
+def _local_grads(params: list[nn.Parameter]) -> list[tuple[torch.Tensor, nn.Parameter]]:
+    """``(this rank's gradient tensor, its parameter)`` per parameter with a gradient: the
+    DTensor's local shard (the storage its in-place updates write) or the plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return [(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad, p)
+            for p in params if p.grad is not None]
+
+
 def global_grad_norm(params: list[nn.Parameter], group=None, stage_ranks: int = 0) -> torch.Tensor:
     """L2 norm of all gradients of the whole model, across pp stages, tp splits and FSDP
     shards.
@@ -210,27 +219,23 @@ def global_grad_norm(params: list[nn.Parameter], group=None, stage_ranks: int = 
     squared norm divided by the piece's number of copies (:func:`_copies`), so the sum
     all-reduced over the world is the global squared norm, each element counted once.
 
-    The local sum stays on the gradients' device (one device-to-host copy per step, not
-    one per parameter) and the all-reduce runs on the host: ``group`` must serve CPU
-    tensors — the worker passes ``ProcessGroups.host`` (on GPU the gloo control group;
-    an NCCL group would refuse the host tensor). Returns a 0-dim float64 CPU tensor.
+    The local norms are list ops over the local shards in float64 (a few kernels, not a
+    sharding dispatch per parameter), the sum stays on the gradients' device (one
+    device-to-host copy per step) and the all-reduce runs on the host: ``group`` must
+    serve CPU tensors — the worker passes ``ProcessGroups.host`` (on GPU the gloo control
+    group; an NCCL group would refuse the host tensor). Returns a 0-dim float64 CPU tensor.
     """
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
-    acc: Optional[torch.Tensor] = None
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-        if acc is None:
-            acc = torch.zeros((), dtype=torch.float64, device=g.device)
-        # An explicit float64 copy, squared in place: one temporary per gradient (and never
-        # the gradient itself, which .double() would return when it already is float64).
-        sq = g.detach().to(torch.float64, copy=True).square_().sum()
-        copies = _copies(p.grad, stage_ranks) if stage_ranks else 1
-        acc += (sq / copies if copies > 1 else sq).to(acc.device)
-    sq = torch.zeros((), dtype=torch.float64) if acc is None else acc.cpu()
+    local = _local_grads(params)
+    sq = torch.zeros((), dtype=torch.float64)
+    by_device: dict[torch.device, list[tuple[torch.Tensor, int]]] = {}
+    for g, p in local:
+        by_device.setdefault(g.device, []).append((g.detach(), _copies(p.grad, stage_ranks) if stage_ranks else 1))
+    for pieces in by_device.values():
+        norms = torch._foreach_norm([g for g, _ in pieces], 2, dtype=torch.float64)
+        weights = torch.tensor([1.0 / c for _, c in pieces], dtype=torch.float64, device=norms[0].device)
+        sq += (torch.stack(norms).square_() * weights).sum().cpu()
     if dist.is_initialized():
         dist.all_reduce(sq, group=group)
     return sq.sqrt()
@@ -242,7 +247,9 @@ def clip_grads_(params: list[nn.Parameter], max_norm: float, group=None, stage_r
     norm = float(global_grad_norm(params, group, stage_ranks))
     scale = max_norm / (norm + 1e-6)
     if scale < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g, _ in _local_grads(params):
+            by_device.setdefault(g.device, []).append(g)
+        for grads in by_device.values():
+            torch._foreach_mul_(grads, scale)
     return norm

@@ -285,8 +285,7 @@ class TrainWorker:
         # One optimizer per stage module: checkpoint keys then stay per-FQN whatever the split.
         # No LR scheduler object: each step sets its learning rate from (step, run.steps)
         # (_train_step), so a restore cannot bring back a stale one.
-        self.optimizers = [torch.optim.AdamW(m.parameters(), lr=opt.lr, betas=tuple(opt.betas),
-                                             weight_decay=opt.weight_decay) for _, m in self.stages]
+        self.optimizers = [opt.build(m.parameters()) for _, m in self.stages]
         self.schedule = (build_schedule(self.plan, self.stages, self.mesh["pp"].get_group(), self.device,
                                         self.spec.model.loss_fn) if pipelined else None)
         data = self.spec.data
