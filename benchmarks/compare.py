@@ -64,6 +64,7 @@ GPT = dict(vocab_size=256, seq_len=SEQ, d_model=128, n_layers=4, n_heads=4)  # =
 TOKENS_PER_STEP = BATCH * SEQ
 SYSTEMS = ("rayflex", "ray_train", "torchrun")
 MAX_RESTARTS = 3
+CLUSTER_CPUS = 6  # the loopback Ray cluster's logical CPUs, over --nodes nodes
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compare_torchrun_worker.py")
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORKERS),
             "--max-restarts", str(MAX_RESTARTS), "--local-addr", "127.0.0.1"]
@@ -295,6 +296,10 @@ def main() -> None:
     ap.add_argument("--torchrun-nice", type=int, default=15,
                     help="niceness of the torchrun tree; 15 = Ray's default worker niceness, which the "
                          "rayflex and Ray Train workers run at (matters only on a busy machine)")
+    ap.add_argument("--nodes", type=int, default=3, choices=(1, 2, 3),
+                    help=f"Ray nodes the {CLUSTER_CPUS} CPUs of the loopback cluster are split over; 1: one "
+                         "raylet, as on one host (torchrun --standalone); 3: three emulated hosts, whose "
+                         "per-node daemons all run on this one")
     ap.add_argument("--adamw", default="default", choices=("default", "fused", "foreach", "for-loop"),
                     help="AdamW kernel: each system's own default (rayflex: fused; the peers: torch's, "
                          "the per-parameter loop on CPU), or one kernel for all (what remains is overhead)")
@@ -348,7 +353,7 @@ def main() -> None:
         os.makedirs(rt_storage, exist_ok=True)
         if ray_systems:
             t0 = time.time()
-            lc = recovery.LoopbackCluster(nodes=3, cpus=2)
+            lc = recovery.LoopbackCluster(nodes=args.nodes, cpus=CLUSTER_CPUS // args.nodes)
             cluster_start_s = time.time() - t0
         clean = {"rayflex": lambda r: rayflex_clean(data, rf_storage, f"rf-clean-{r}", args),
                  "ray_train": lambda r: ray_train_clean(data, rt_storage, f"rt-clean-{r}", args),
@@ -407,7 +412,8 @@ def main() -> None:
                                      "grad_clip": recovery.CLIP},
                        "step_time": f"median wall-clock gap between finished steps after step {SKIP}, "
                                     "gaps containing a checkpoint save left out",
-                       "ray_cluster": "ray.cluster_utils.Cluster on 127.0.0.1, 3 nodes x 2 CPUs "
+                       "ray_cluster": f"ray.cluster_utils.Cluster on 127.0.0.1, {args.nodes} node(s) x "
+                                      f"{CLUSTER_CPUS // args.nodes} CPUs "
                                       "(rayflex and ray_train; started before their runs)",
                        "ray_cluster_start_s": cluster_start_s,
                        "rounds": args.rounds,
