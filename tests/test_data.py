@@ -117,3 +117,31 @@ def test_rows_of_unequal_length_are_refused_with_the_fix(tmp_path):
     pq.write_table(pa.table({"tokens": rows}), str(tmp_path / "d" / "part-0.parquet"))
     with pytest.raises(ValueError, match=r"rows of unequal length \(2\.\.3 tokens\).*rayflex.data.prepare"):
         TokenDataset(f"file://{tmp_path}/d")
+
+
+def test_fixed_size_list_rows_read_like_list_rows(tmp_path):
+    """``fixed_size_list<int32>``, what numpy-backed writers and HF ``datasets`` store
+    fixed-length sequences as, reads the same rows as ``list<int32>``, across row groups."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tokens = np.arange(64 * 17, dtype=np.int32).reshape(64, 17)
+    for name, column in (("fixed", pa.FixedSizeListArray.from_arrays(pa.array(tokens.ravel()), 17)),
+                         ("list", pa.array(tokens.tolist(), type=pa.list_(pa.int32())))):
+        (tmp_path / name).mkdir()
+        pq.write_table(pa.table({"tokens": column}), str(tmp_path / name / "part-0.parquet"), row_group_size=24)
+    fixed, listed = TokenDataset(f"file://{tmp_path}/fixed"), TokenDataset(f"file://{tmp_path}/list")
+    assert fixed.row_len == listed.row_len == 17 and len(fixed) == 64
+    order = np.random.default_rng(0).permutation(64)
+    assert np.array_equal(fixed.rows(order).numpy(), tokens[order])
+    assert np.array_equal(listed.rows(order).numpy(), tokens[order])
+
+
+def test_a_tokens_column_that_is_no_list_of_ids_is_refused_with_the_fix(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "d").mkdir()
+    pq.write_table(pa.table({"tokens": pa.array(["a b c", "d e f"])}), str(tmp_path / "d" / "part-0.parquet"))
+    with pytest.raises(ValueError, match=r"column 'tokens' is string.*list<int> or fixed_size_list<int>"):
+        TokenDataset(f"file://{tmp_path}/d")

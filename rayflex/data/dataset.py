@@ -343,12 +343,15 @@ def write_synthetic_dataset(uri: str, *, num_samples: int = 4096, seq_len: int =
 
 
 def _rows_as_numpy(column) -> np.ndarray:
-    """A list<int> column of equal-length rows as a (rows, row_len) array, read straight
-    from Arrow's buffers (zero-copy for one chunk).
+    """A list<int> (or fixed_size_list<int>, as numpy-backed writers and HF ``datasets``
+    store fixed-length sequences) column of equal-length rows as a (rows, row_len) array,
+    read straight from Arrow's buffers (zero-copy for one chunk).
 
     Arrow's own conversions (``ListArray.flatten``, ``combine_chunks``, ``to_numpy``) import
     pyarrow.compute and pandas: ~1 CPU-s in every worker process that reads data, the most
     expensive import at worker start-up that rayflex controls."""
+    import pyarrow as pa
+
     parts = []
     for chunk in column.chunks:
         if not len(chunk):
@@ -356,6 +359,16 @@ def _rows_as_numpy(column) -> np.ndarray:
         if chunk.null_count:  # rows are never null in a rayflex dataset; Arrow's path then
             parts.append(np.stack(chunk.to_numpy(zero_copy_only=False)))
             continue
+        if pa.types.is_fixed_size_list(chunk.type):
+            size = chunk.type.list_size
+            start = chunk.offset * size  # .values ignores a slice's offset
+            parts.append(_integers_as_numpy(chunk.values)[start:start + len(chunk) * size].reshape(len(chunk), size))
+            continue
+        if not (pa.types.is_list(chunk.type) or pa.types.is_large_list(chunk.type)) \
+                or not pa.types.is_integer(chunk.type.value_type):
+            raise ValueError(f"column {TOKENS_COLUMN!r} is {chunk.type}: a rayflex dataset holds seq_len + 1 "
+                             "token ids per row as list<int> or fixed_size_list<int> (write it with "
+                             "rayflex.data.prepare or write_synthetic_dataset)")
         offsets = _integers_as_numpy(chunk.offsets)
         values = _integers_as_numpy(chunk.values)[offsets[0]:offsets[-1]]
         lengths = np.diff(offsets)
