@@ -151,6 +151,41 @@ def count_knob(name: str) -> int:
     return value
 
 
+# RAYFLEX_* variables that are not knobs: the run report, the demo's and examples' inputs,
+# the worker's advertised address, the test suite's CPU record and the fault-injection
+# settings below (read where they are used; see each reader).
+OTHER_VARIABLES = frozenset({"RUN_REPORT", "DEMO_STORAGE", "DEMO_DATA", "HF_MODEL_DIR", "NODE_IP", "SUITE_CPU",
+                             "FAIL_AT", "COLLECTIVE_FAULT", "FAULT_LOG", "SLOW_UPLOAD"})
+_COUNT_KNOBS = frozenset({"STORAGE_REQUEST_ATTEMPTS", "STORAGE_RETRY_ATTEMPTS"})
+
+
+def check_knobs() -> list[str]:
+    """Check every ``RAYFLEX_*`` variable set here before anything starts: a knob's bad value
+    raises ConfigError naming the variable and the fix (it would otherwise fail only once
+    the workers read it); returns a warning per variable rayflex does not know (a misspelled
+    knob is otherwise silently ignored), with the nearest known name."""
+    import difflib
+
+    from rayflex.errors import ConfigError
+
+    warnings = []
+    for var in sorted(v for v in os.environ if v.startswith("RAYFLEX_")):
+        name = var[len("RAYFLEX_"):]
+        if name in _DEFAULTS:
+            try:
+                count_knob(name) if name in _COUNT_KNOBS else knob(name)
+            except ValueError as e:
+                default = _DEFAULTS[name]
+                raise ConfigError(var, str(e)[len(var) + 1:],  # knob() says "RAYFLEX_X='v' must be ..."
+                                  f"set a number {'>= 0' if name in _ZERO_MEANS_OFF else '> 0'} (the default is "
+                                  f"{default:g}), or unset it") from None
+        elif name not in OTHER_VARIABLES:
+            near = difflib.get_close_matches(name, [*_DEFAULTS, *OTHER_VARIABLES], n=1, cutoff=0.6)
+            hint = f"did you mean RAYFLEX_{near[0]}?" if near else "the knobs are listed in rayflex/constants.py"
+            warnings.append(f"{var} is not a rayflex setting and is ignored; {hint}")
+    return warnings
+
+
 def knob_env() -> dict[str, str]:
     """The RAYFLEX_* variables set in this process, to hand to the actors it creates."""
     return {k: v for k, v in os.environ.items() if k.startswith("RAYFLEX_")}

@@ -260,3 +260,22 @@ def test_closure_and_lambda_specs_survive_the_trip_to_the_workers(make):
     logits, targets = torch.randn(2, 4, VOCAB), torch.randint(0, VOCAB, (2, 4))
     assert torch.equal(spec.loss_fn(logits, targets), back.loss_fn(logits, targets))
     check_model_contract(back, batch=2, seq_len=4)
+
+
+# ------------------------------------------------------------------------ RAYFLEX_* knobs
+@pytest.mark.parametrize("raw, problem", [("soon", "is not a number"), ("-3", "must be > 0")])
+def test_a_bad_knob_value_fails_before_ray(tmp_path, data_uri, monkeypatch, raw, problem):
+    """Read only where used, a bad knob used to fail once the workers started (12-14 s)."""
+    monkeypatch.setenv("RAYFLEX_HEARTBEAT_TIMEOUT_S", raw)
+    message = rejected(trainer(tmp_path, data_uri).fit)
+    assert message.startswith(f"RAYFLEX_HEARTBEAT_TIMEOUT_S: '{raw}' {problem}")
+    assert "Fix: set a number > 0 (the default is 30), or unset it" in message
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_a_misspelled_knob_is_named_with_the_nearest_one(tmp_path, data_uri, monkeypatch):
+    monkeypatch.setenv("RAYFLEX_POLL_INTERVAL", "0.5")
+    with pytest.warns(UserWarning, match=r"RAYFLEX_POLL_INTERVAL is not a rayflex setting and is ignored; "
+                                         r"did you mean RAYFLEX_POLL_INTERVAL_S\?"):
+        with pytest.raises(RayTouched):  # a warning, not an error: the run goes on
+            trainer(tmp_path, data_uri).fit()

@@ -267,9 +267,14 @@ class Trainer:
         """Everything that can be checked before Ray is touched: storage, checkpoints, data,
         the model contract (on the meta device). ``fit()`` and ``submit()`` run it first;
         call it alone to check a configuration without starting anything."""
+        import warnings
+
+        from rayflex.constants import check_knobs
         from rayflex.storage.fs import check_storage
         from rayflex.telemetry.report import drawn_at_run_end
 
+        for unknown in check_knobs():  # a knob's bad value raises here, before Ray is touched
+            warnings.warn(unknown, stacklevel=3)
         drawn_at_run_end()  # a RAYFLEX_RUN_REPORT it cannot read fails now, not as the run ends
         check_storage(self.spec.run.storage)
         if self.spec.checkpoint.uri:
