@@ -279,3 +279,48 @@ def test_a_misspelled_knob_is_named_with_the_nearest_one(tmp_path, data_uri, mon
                                          r"did you mean RAYFLEX_POLL_INTERVAL_S\?"):
         with pytest.raises(RayTouched):  # a warning, not an error: the run goes on
             trainer(tmp_path, data_uri).fit()
+
+
+# ------------------------------------------------------------------------ resuming a run name
+@pytest.mark.parametrize("d_model, fits", [(16, True), (32, False)])
+def test_resubmitting_a_run_name_with_another_model(tmp_path, data_uri, d_model, fits):
+    """The run's newest checkpoint holds a d_model=16 GPT. The same model resumes; another
+    one used to fail 18 s in, in the workers' DCP load, after rewriting spec.json and
+    result.json. Now: refused before Ray starts, every file of the run as it was."""
+    import hashlib
+
+    from rayflex.models.spec import build_stage
+    from rayflex.storage.checkpoint import TrainState
+
+    from checkpoint_helpers import save_committed
+
+    def model(width):
+        return gpt(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=width, n_layers=2, n_heads=2))
+
+    t = trainer(tmp_path, data_uri, model(d_model))
+    saved = build_stage(model(16), [0, 1, 2, 3])
+    state = TrainState(modules=[saved], optimizers=[rf.OptimizerConfig().build(saved.parameters())], get_step=lambda: 5)
+    save_committed(t.spec.checkpoint_uri, state, step=5)
+    run_dir = tmp_path / "runs" / t.spec.run.name
+    (run_dir / "spec.json").write_text('{"model": {"name": "gpt-16"}}')
+    (run_dir / "result.json").write_text('{"state": "FINISHED"}')
+
+    def files():
+        return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+    before = files()
+    if fits:
+        with pytest.raises(RayTouched):
+            t.fit()
+    else:
+        t0 = time.perf_counter()
+        message = rejected(t.fit)
+        elapsed = time.perf_counter() - t0
+        assert message.startswith(f"model: run {t.spec.run.name!r} resumes from its checkpoint at step 5, which "
+                                  "holds another model: blocks.0.pos.weight: saved [16, 16], model [16, 32]; "
+                                  "blocks.0.tok.weight: saved [32, 16], model [32, 32]; ")
+        assert "more)" in message
+        assert "Fix: use a new RunConfig.name for a new model" in message
+        assert elapsed < FAST_S, elapsed
+    assert files() == before

@@ -306,3 +306,7 @@ class Trainer:
         check_manifest(self.spec.data, self.spec.model.vocab_size)
         check_model_contract(self.spec.model, batch=self.spec.data.micro_batch or DEFAULT_BATCH,
                              seq_len=self.spec.data.seq_len)
+        if ckpt.resume:
+            from rayflex.storage.checkpoint_reader import check_model_fits
+
+            check_model_fits(self.spec.model, self.spec.checkpoint_uri, self.spec.run.name)
