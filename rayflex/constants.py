@@ -161,31 +161,30 @@ OTHER_VARIABLES = frozenset({"RUN_REPORT", "DEMO_STORAGE", "DEMO_DATA", "HF_MODE
 _COUNT_KNOBS = frozenset({"STORAGE_REQUEST_ATTEMPTS", "STORAGE_RETRY_ATTEMPTS"})
 
 
-def check_knobs() -> list[str]:
-    """Check every ``RAYFLEX_*`` variable set here before anything starts: a knob's bad value
-    raises ConfigError naming the variable and the fix (it would otherwise fail only once
-    the workers read it); returns a warning per variable rayflex does not know (a misspelled
-    knob is otherwise silently ignored), with the nearest known name."""
+def check_knobs() -> tuple[list[tuple[str, str, str]], list[str]]:
+    """Every ``RAYFLEX_*`` variable set here, checked before anything starts: ``(bad,
+    unknown)``. ``bad``: ``(variable, problem, fix)`` per knob whose value its reader would
+    refuse (it would otherwise fail only once the workers read it); ``unknown``: a line per
+    variable rayflex does not know, with the nearest known name (a misspelled knob is
+    otherwise silently ignored)."""
     import difflib
 
-    from rayflex.errors import ConfigError
-
-    warnings = []
+    bad, unknown = [], []
     for var in sorted(v for v in os.environ if v.startswith("RAYFLEX_")):
         name = var[len("RAYFLEX_"):]
         if name in _DEFAULTS:
             try:
                 count_knob(name) if name in _COUNT_KNOBS else knob(name)
             except ValueError as e:
-                default = _DEFAULTS[name]
-                raise ConfigError(var, str(e)[len(var) + 1:],  # knob() says "RAYFLEX_X='v' must be ..."
-                                  f"set a number {'>= 0' if name in _ZERO_MEANS_OFF else '> 0'} (the default is "
-                                  f"{default:g}), or unset it") from None
+                least = "a whole number >= 1" if name in _COUNT_KNOBS else \
+                    f"a number {'>= 0' if name in _ZERO_MEANS_OFF else '> 0'}"
+                bad.append((var, str(e)[len(var) + 1:],  # knob() says "RAYFLEX_X='v' must be ..."
+                            f"set {least} (the default is {_DEFAULTS[name]:g}), or unset it"))
         elif name not in OTHER_VARIABLES:
             near = difflib.get_close_matches(name, [*_DEFAULTS, *OTHER_VARIABLES], n=1, cutoff=0.6)
             hint = f"did you mean RAYFLEX_{near[0]}?" if near else "the knobs are listed in rayflex/constants.py"
-            warnings.append(f"{var} is not a rayflex setting and is ignored; {hint}")
-    return warnings
+            unknown.append(f"{var} is not a rayflex setting and is ignored; {hint}")
+    return bad, unknown
 
 
 def knob_env() -> dict[str, str]:

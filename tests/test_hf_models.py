@@ -125,6 +125,23 @@ def test_sharded_checkpoints_load_block_by_block(checkpoints, tmp_path):
         assert (_chained(spec)(_ids()) - model(_ids()).logits).abs().max().item() <= 1e-6
 
 
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_missing_or_truncated_shard_is_named(checkpoints, tmp_path, damage):
+    """A shard the index lists but the directory lacks, or one cut short by a copy, used to
+    fail with a bare FileNotFoundError / safetensors' "incomplete metadata", naming no file."""
+    model, _ = checkpoints["llama"]
+    model.save_pretrained(str(tmp_path), max_shard_size="20KB")
+    shard = sorted(tmp_path.glob("*.safetensors"))[1]
+    if damage == "missing":
+        shard.unlink()
+        expected = rf"{shard} is missing \(model.safetensors.index.json lists it\).*every shard the index lists"
+    else:
+        shard.write_bytes(shard.read_bytes()[:64])
+        expected = rf"{shard} is not a readable safetensors file \(.*\).*may be truncated"
+    with pytest.raises(ConfigError, match=expected):
+        causal_lm(tmp_path, init_from=tmp_path)
+
+
 def test_missing_and_unexpected_weights_are_named(checkpoints, tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -273,15 +273,19 @@ class Trainer:
         from rayflex.storage.fs import check_storage
         from rayflex.telemetry.report import drawn_at_run_end
 
-        for unknown in check_knobs():  # a knob's bad value raises here, before Ray is touched
-            warnings.warn(unknown, stacklevel=3)
+        from rayflex.errors import ConfigError
+
+        bad, unknown = check_knobs()
+        if bad:  # read only where used, a bad knob would fail once the workers started
+            raise ConfigError(*bad[0])
+        for line in unknown:
+            warnings.warn(line, stacklevel=3)
         drawn_at_run_end()  # a RAYFLEX_RUN_REPORT it cannot read fails now, not as the run ends
         check_storage(self.spec.run.storage)
         if self.spec.checkpoint.uri:
             check_storage(self.spec.checkpoint.uri)
         ckpt = self.spec.checkpoint
         if ckpt.every_steps and not ckpt.resume:
-            from rayflex.errors import ConfigError
             from rayflex.storage import manifest as mf
 
             latest = mf.latest_committed(self.spec.checkpoint_uri)
@@ -307,6 +311,6 @@ class Trainer:
         check_model_contract(self.spec.model, batch=self.spec.data.micro_batch or DEFAULT_BATCH,
                              seq_len=self.spec.data.seq_len)
         if ckpt.resume:
-            from rayflex.storage.checkpoint_reader import check_model_fits
+            from rayflex.api.resume import check_model_fits
 
             check_model_fits(self.spec.model, self.spec.checkpoint_uri, self.spec.run.name)

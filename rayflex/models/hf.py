@@ -344,12 +344,22 @@ def _checkpoint_index(root: str, snapshot: tuple) -> dict[str, tuple[str, tuple[
         raise ConfigError("causal_lm(init_from)", f"no *.safetensors files in {root!r}",
                           "save the weights with save_pretrained(dir) (safetensors by default), or point "
                           "init_from at the directory holding model.safetensors")
+    listed_by = "model.safetensors.index.json lists it" if os.path.isfile(index) else "found in the directory"
     out = {}
     for name in files:
         path = os.path.join(root, name)
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                out[key] = (path, tuple(f.get_slice(key).get_shape()))
+        if not os.path.isfile(path):
+            raise ConfigError("causal_lm(init_from)", f"{path} is missing ({listed_by})",
+                              "copy the complete checkpoint (every shard the index lists), or re-save it "
+                              "with save_pretrained(dir)")
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    out[key] = (path, tuple(f.get_slice(key).get_shape()))
+        except Exception as err:  # noqa: BLE001 - safetensors' own error names no file
+            raise ConfigError("causal_lm(init_from)", f"{path} is not a readable safetensors file ({err})",
+                              "copy or download the file again (it may be truncated), or re-save the "
+                              "checkpoint with save_pretrained(dir)") from None
     return out
 
 
