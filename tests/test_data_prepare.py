@@ -9,26 +9,9 @@ import pytest
 
 from rayflex.errors import ConfigError
 
+from tokenizer_helpers import WORDS, train_tokenizer
+
 pytestmark = pytest.mark.cluster
-
-WORDS = ("the cat sat on a mat while rain fell over quiet hills and rivers ran to the sea "
-         "under bright stars people walked home through old streets with lamps").split()
-
-
-def _train_tokenizer(path, vocab_size: int, seed: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    rng = np.random.default_rng(seed)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    texts = [" ".join(rng.choice(WORDS, size=30)) for _ in range(200)]
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    path.mkdir(parents=True)
-    tok.save(str(path / "tokenizer.json"))
-    return str(path)
-
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -41,7 +24,7 @@ def corpus(tmp_path_factory):
             for _ in range(1500):
                 doc = " ".join(rng.choice(WORDS, size=int(rng.integers(20, 120))))
                 out.write(json.dumps({"text": doc, "id": int(rng.integers(1 << 30))}) + "\n")
-    return root, _train_tokenizer(root / "tok", 300, seed=1)
+    return root, train_tokenizer(root / "tok", 300, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +83,7 @@ def test_a_dataset_of_another_tokenizer_or_a_larger_vocabulary_is_refused(corpus
     from rayflex.models import GPTConfig, gpt
 
     root, tok = corpus
-    other = _train_tokenizer(tmp_path / "other", 280, seed=2)
+    other = train_tokenizer(tmp_path / "other", 280, seed=2)
 
     def trainer(vocab, tokenizer):
         return rf.Trainer(model=gpt(GPTConfig(vocab_size=vocab, seq_len=32, d_model=32, n_layers=1, n_heads=2)),

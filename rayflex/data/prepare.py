@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from rayflex.errors import ConfigError
-from rayflex.storage.fs import read_text, redact_uri, resolve, write_text_atomic
+from rayflex.storage.fs import check_bucket, read_text, redact_uri, resolve, write_text_atomic
 
 if TYPE_CHECKING:
     from rayflex.config import DataConfig
@@ -121,22 +121,28 @@ def default_row_group_rows(seq_len: int) -> int:
 def prepare(input_uri: str, out_uri: str, tokenizer: str, seq_len: int, *, fmt: Optional[str] = None,
             text_column: str = "text", row_group_rows: Optional[int] = None, batch_size: int = 256,
             concurrency: int = 2, eos_token: Optional[str] = None, overwrite: bool = False) -> dict:
-    """Tokenize ``input_uri`` into token shards at ``out_uri``; returns the manifest."""
-    import ray.data
+    """Tokenize ``input_uri`` into token shards at ``out_uri``; returns the manifest.
 
+    Every check (arguments, tokenizer, input, text column, output) runs before Ray Data
+    starts, reading one input file's first record or footer; ``OUT`` is replaced
+    (``overwrite``) only once they all passed, and never has its bucket created."""
     if seq_len < 1:
         raise ConfigError("--seq-len", f"must be >= 1, got {seq_len}", "pass the model's context length")
     fmt = fmt or _format_of(input_uri)
     tok, identity = load_tokenizer(tokenizer, eos_token)
+    columns = _columns_of(input_uri, fmt)
+    if text_column not in columns:
+        raise ConfigError("--text-column", f"{redact_uri(input_uri)} has no column {text_column!r} "
+                          f"(it has {columns})", "name the text column with --text-column")
+    check_bucket(out_uri, field="OUT")  # the writer would try to create a missing bucket
     out_fs, out_path = resolve(out_uri)
     if out_fs.exists(out_path) and out_fs.ls(out_path) and not overwrite:
         raise ConfigError("OUT", f"{redact_uri(out_uri)} is not empty", "choose a new directory or pass --overwrite")
+    import ray.data
+
     in_fs, in_path = _pyarrow_fs(input_uri)
     reader = {"json": ray.data.read_json, "parquet": ray.data.read_parquet, "text": ray.data.read_text}[fmt]
     ds = reader(in_path, filesystem=in_fs)
-    if text_column not in ds.schema().names:
-        raise ConfigError("--text-column", f"{redact_uri(input_uri)} has no column {text_column!r} "
-                          f"(it has {ds.schema().names})", "name the text column with --text-column")
     if overwrite and out_fs.exists(out_path):
         out_fs.rm(out_path, recursive=True)  # only now: every check above has passed
     rows_per_group = row_group_rows or default_row_group_rows(seq_len)
@@ -160,6 +166,40 @@ def prepare(input_uri: str, out_uri: str, tokenizer: str, seq_len: int, *, fmt: 
     log.info("prepared %d rows (%d tokens) in %d shards at %s", manifest["rows"], manifest["tokens"],
              manifest["shards"], redact_uri(out_uri))
     return manifest
+
+
+def _columns_of(input_uri: str, fmt: str) -> list[str]:
+    """The columns Ray Data will read from ``input_uri``, from its first file alone (its
+    first JSON record, its Parquet footer); ConfigError if the input does not exist or holds
+    no file of the format."""
+    fs, path = resolve(input_uri)
+    if not fs.exists(path):
+        raise ConfigError("INPUT", f"{redact_uri(input_uri)} does not exist",
+                          "pass an existing file or directory (a local path or an s3://, gs://, az:// URI)")
+    if fmt == "text":
+        return ["text"]  # Ray Data's read_text gives one "text" column of lines
+    suffixes = tuple(ext for ext, f in FORMATS.items() if f == fmt)
+    files = [path] if fs.isfile(path) else sorted(f for f in fs.find(path) if f.endswith(suffixes))
+    if not files:
+        raise ConfigError("INPUT", f"{redact_uri(input_uri)} holds no {fmt} file ({', '.join(suffixes)})",
+                          "point INPUT at the files, or pass the --format they are in")
+    with fs.open(files[0], "rb") as f:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return list(pq.read_schema(f).names)
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError as e:
+                    record = e
+                if not isinstance(record, dict):
+                    raise ConfigError("INPUT", f"{redact_uri(files[0])} is not JSON lines of objects (its first "
+                                      f"line: {line[:80]!r})", "pass one JSON object per line, or the --format "
+                                      "the file is in")
+                return list(record)
+    return []
 
 
 def _format_of(uri: str) -> str:
