@@ -174,6 +174,22 @@ def test_a_block_whose_output_does_not_fit_the_next(tmp_path, data_uri):
                             "accept Tensor[2, 16, 32] float32")
 
 
+class Buggy(Mlp):
+    def forward(self, x):
+        scale = self.scales[0]  # noqa: F841 - the bug: no such attribute
+        return self.fc(x)
+
+
+def test_a_block_with_a_bug_of_its_own_is_pointed_at_not_at_its_input(tmp_path, data_uri):
+    """A block that raises for a reason of its own used to get the shape hint ("make block 0
+    return what block 1 takes"); the fix now names the line that raised."""
+    message = rejected(trainer(tmp_path, data_uri, toy(Buggy)).fit)
+    assert message.startswith("ModelSpec block 1: forward on the output of block 0 (Tensor[2, 16, 16] float32) "
+                              "raised AttributeError: ")
+    line = Buggy.forward.__code__.co_firstlineno + 1
+    assert message.endswith(f"Fix: fix block 1's forward: it raised at {__file__}:{line}")
+
+
 def test_a_block_whose_dtype_does_not_fit_the_next(tmp_path, data_uri):
     message = rejected(trainer(tmp_path, data_uri, toy(ReturnsLong)).fit)
     assert message == ("ModelSpec block 2: its lm (Linear) received int64 input from block 1 "

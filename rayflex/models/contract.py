@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import re
 import time
 from typing import Any
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH = 2
 
 _META_WORD = re.compile(r"\bmeta\b", re.IGNORECASE)
+# What torch says when a block gets an input of the wrong shape or dtype (the hint is then
+# about the block before it); anything else is a bug inside the block itself.
+_INPUT_MISMATCH = re.compile(r"shape|size|dimension|\bdims?\b|mat1|mat2|dtype|scalar type|index out of range|"
+                             r"must match|expected .*(tensor|input)", re.IGNORECASE)
 
 
 class _MetaUnsupported(Exception):
@@ -119,7 +124,9 @@ def _check(model, *, batch: int, seq_len: int) -> None:
         except Exception as err:  # noqa: BLE001 - classified: meta limitation or a model bug
             if cannot_run_on_meta(err):
                 raise _MetaUnsupported(f"block {i} ({type(err).__name__}: {_first_line(err)})") from err
-            if i == 0:
+            if not _INPUT_MISMATCH.search(str(err)):
+                fix = f"fix block {i}'s forward: it raised at {_raised_at(err)}"
+            elif i == 0:
                 fix = "make block 0 take int64 token ids of shape [batch, seq_len]"
             else:
                 fix = (f"make block {i - 1} return what block {i} takes (shape and dtype), "
@@ -213,6 +220,18 @@ def _check_loss(loss_fn, output: torch.Tensor, targets: torch.Tensor) -> None:
     if not loss.is_floating_point():
         raise ConfigError(field, f"returned {describe(loss)}: backward needs a floating-point loss",
                           "compute the loss in a floating dtype, e.g. loss.float()")
+
+
+def _raised_at(err: BaseException) -> str:
+    """``file:line`` of the innermost frame outside torch that ``err`` passed through: the
+    user's code that raised it (or called into torch with what torch refused)."""
+    where, tb = "its forward", err.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if f"{os.sep}torch{os.sep}" not in name:
+            where = f"{name}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return where
 
 
 def _first_line(err: BaseException) -> str:
