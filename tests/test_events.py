@@ -20,7 +20,7 @@ STORED_KINDS = {
     "run_started", "plan_chosen", "workers_started", "checkpoint_committed", "checkpoint_failed",
     "checkpoint_loaded", "worker_failed", "worker_died", "node_lost", "hang_detected", "hang_diagnosed", "straggler_detected",
     "preemption_notice", "restarted", "storage_unavailable", "storage_recovered", "run_stopped",
-    "run_finished", "run_failed", "schedule_changed", "checkpoint_interval_chosen",
+    "run_finished", "run_failed", "schedule_changed", "checkpoint_interval_chosen", "memory_replicas_short",
 }
 
 
@@ -59,6 +59,7 @@ def one_of_each() -> list[ev.Event]:
                            lr_after=6e-4),
         ev.CheckpointIntervalChosen(time=T0 + 25, step=10, every_steps=12, interval_s=3.6, cost_s=0.25,
                                     mtbf_s=600.0, faults=1, step_time_s=0.3, measured=True),
+        ev.MemoryReplicasShort(time=T0 + 26, step=10, wanted=1, fewest=0, nodes=1, reason="one node"),
         ev.RunStopped(time=T0 + 30, step=20, reason="stopped by user"),
         ev.RunStarted(time=T0 + 40, step=20, name="demo", target_steps=30),
         ev.RunFailedEvent(time=T0 + 41, step=20, reason="no workers"),

@@ -294,3 +294,36 @@ def test_a_save_abandoned_mid_way_writes_nothing_more_to_storage(tmp_path):
         dcp.save(_state(0), storage_writer=CheckpointWriter(str(plain_dir), abandoned=abandoned,
                                                             single_file_per_rank=True))
     assert not plain_dir.exists() or not any(plain_dir.iterdir())
+
+
+def test_too_few_nodes_for_the_replicas_asked_is_an_event_with_the_fix():
+    """``memory_replicas=1`` on one node: no replica can live off its shard's node. It used
+    to be accepted silently; the attempt now says so in events.jsonl, with the fix."""
+    from types import SimpleNamespace
+
+    from rayflex.control.placing import _cover_with_keepers
+    from rayflex.telemetry import events as ev
+
+    topology = _topology({"a1": "r0", "a2": "r0"})
+    nodes = ["a1", "a2"]
+
+    def attempt_on(node_ids):
+        recorded = []
+
+        class Keepers:
+            copies = 1
+
+            def cover(self, nodes, topo):
+                return choose_peers(topo, sorted(nodes), self.copies)
+
+        ctx = SimpleNamespace(ensure_keepers=Keepers, cluster=SimpleNamespace(topology=lambda: topology),
+                              record=recorded.append)
+        _cover_with_keepers(ctx, SimpleNamespace(node_of={r: n for r, n in enumerate(node_ids)}))
+        return recorded
+
+    [short] = attempt_on([nodes[0], nodes[0]])
+    assert isinstance(short, ev.MemoryReplicasShort)
+    assert (short.wanted, short.fewest, short.nodes) == (1, 0, 1)
+    assert short.reason == ("a replica lives on another node than its shard and this attempt has 1 node(s): add "
+                            "nodes, or lower CheckpointConfig.memory_replicas to 0")
+    assert attempt_on(nodes) == []  # two nodes: each holds the other's copy

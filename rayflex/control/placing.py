@@ -200,9 +200,17 @@ def _cover_with_keepers(ctx, group) -> None:
     """A replica keeper on every node of the attempt, peers chosen over them (memory
     replicas are an extra: a failure here leaves checkpoints in storage only)."""
     try:
-        ctx.ensure_keepers().cover(set(group.node_of.values()), ctx.cluster.topology())
+        keepers = ctx.ensure_keepers()
+        peers = keepers.cover(set(group.node_of.values()), ctx.cluster.topology())
     except Exception as e:  # noqa: BLE001
         log.warning("memory replica keepers not placed: %s", e)
+        return
+    fewest = min((len(p) for p in peers.values()), default=0)
+    if fewest < keepers.copies:
+        reason = (f"a replica lives on another node than its shard and this attempt has {len(peers)} node(s): "
+                  f"add nodes, or lower CheckpointConfig.memory_replicas to {max(len(peers) - 1, 0)}")
+        log.warning("memory_replicas=%d: %s", keepers.copies, reason)
+        ctx.record(ev.MemoryReplicasShort(wanted=keepers.copies, fewest=fewest, nodes=len(peers), reason=reason))
 
 
 def _load_sources(infos: list[dict]) -> dict:

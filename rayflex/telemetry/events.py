@@ -30,6 +30,7 @@ class EventKind(enum.StrEnum):
     CHECKPOINT_LOADED = "checkpoint_loaded"
     SCHEDULE_CHANGED = "schedule_changed"
     CHECKPOINT_INTERVAL_CHOSEN = "checkpoint_interval_chosen"
+    MEMORY_REPLICAS_SHORT = "memory_replicas_short"
     WORKER_FAILED = "worker_failed"
     WORKER_DIED = "worker_died"
     NODE_LOST = "node_lost"
@@ -258,6 +259,19 @@ class PreemptionNotice(Event):
     needed_s: Optional[float] = None
     # emergency_checkpoint | restore_last_committed | no_workers | excluded_from_placement (between attempts)
     action: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryReplicasShort(Event):
+    """An attempt keeps fewer in-memory copies of some node's shards than
+    ``CheckpointConfig.memory_replicas`` asks: a copy lives on another node than its shard,
+    and the attempt has too few (restores of those shards then come from storage)."""
+
+    kind: ClassVar[EventKind] = EventKind.MEMORY_REPLICAS_SHORT
+    wanted: int = 0
+    fewest: int = 0  # the fewest copies any node's shards get
+    nodes: int = 0
     reason: str = ""
 
 
