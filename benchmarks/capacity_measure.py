@@ -279,13 +279,13 @@ class MeasurePool:
     def measure(self, cfg: MeasureConfig) -> tuple[object, list[RankMeasurement]]:
         """Run ``cfg`` on the first ``world_size`` pool processes; returns (plan, per rank)."""
         from rayflex.mesh.plan import plan_mesh
-        from rayflex.worker.train_worker import free_port
+        from rayflex.local_ray import free_ports
 
         if cfg.world_size > self.size:
             raise ValueError(f"{cfg.name}: world size {cfg.world_size} > pool size {self.size}")
         spec = train_spec(cfg, self._dataset(cfg), name=cfg.name)
         plan = plan_mesh(spec.model, spec.parallel, spec.data, cfg.world_size)
-        port = free_port()
+        port = free_ports(1)[0]
         for r in range(cfg.world_size):
             self._jobs[r].put((r, spec, plan, port, cfg.steps, self.timeout_s))
         out: dict[int, RankMeasurement] = {}

@@ -264,11 +264,11 @@ def run_load(system: str, world: int, spec, root: str, timeout_s: float) -> list
     import multiprocessing as mp
     import queue
 
-    from rayflex.worker.train_worker import free_port
+    from rayflex.local_ray import free_ports
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
+    port = free_ports(1)[0]
     procs = [ctx.Process(target=_rank, args=(r, world, port, system, spec, root, out, timeout_s))
              for r in range(world)]
     for p in procs:

@@ -93,11 +93,11 @@ def _rank(rank: int, world: int, port: int, build: str, layers: int, d_model: in
 def run_build(build: str, world: int, layers: int, d_model: int) -> list[dict]:
     import multiprocessing as mp
 
-    from rayflex.worker.train_worker import free_port
+    from rayflex.local_ray import free_ports
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
+    port = free_ports(1)[0]
     procs = [ctx.Process(target=_rank, args=(r, world, port, build, layers, d_model, out)) for r in range(world)]
     for p in procs:
         p.start()

@@ -82,11 +82,11 @@ def _plain_rank(rank: int, world: int, port: int, data_uri: str, steps: int, out
 def run_plain(data_uri: str, steps: int) -> dict:
     import torch.multiprocessing as mp
 
-    from rayflex.worker.train_worker import free_port
+    from rayflex.local_ray import free_ports
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
+    port = free_ports(1)[0]
     t0 = time.time()
     procs = [ctx.Process(target=_plain_rank, args=(r, WORKERS, port, data_uri, steps, q)) for r in range(WORKERS)]
     for p in procs:

@@ -220,12 +220,6 @@ class ParallelConfig:
                                 microbatches=self.microbatches, tp=self.tp, dp_shard=self.dp_shard)
 
 
-def auto_pp_options(world_size: int, global_batch: int, num_blocks: int) -> list[int]:
-    """The pp values ``pp="auto"`` can pick from at ``world_size`` ranks (by arithmetic
-    only; see ``rayflex.mesh.rules.pp_options``, which this is)."""
-    return rules.pp_options(world_size, global_batch, num_blocks)
-
-
 def _mixture_sources(sources: Any, uri: str) -> tuple:
     """``DataConfig.sources`` as a tuple of (uri, float weight), checked."""
     field_ = "DataConfig.sources"

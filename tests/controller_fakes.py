@@ -287,9 +287,6 @@ class FakeGroup:
         if method == "request_stop":
             self.stopping = True
 
-    def call(self, rank, method, *args):
-        return None
-
     def flight_records(self, timeout_s: float, skip=frozenset()):
         if self.cluster.flight is not None:
             return self.cluster.flight(self)

@@ -8,7 +8,7 @@ import traceback
 
 from rayflex.testing.processes import ForkedContext
 
-from rayflex.worker.train_worker import free_port
+from rayflex.local_ray import free_ports
 
 
 def run_ranks(target, world: int, *args, timeout_s: float = 60) -> dict:
@@ -16,7 +16,7 @@ def run_ranks(target, world: int, *args, timeout_s: float = 60) -> dict:
     ``target`` must be importable (a module-level function of a test module)."""
     ctx = ForkedContext()
     results = ctx.Queue()
-    port = free_port()
+    port = free_ports(1)[0]
     procs = [ctx.Process(target=_entry, args=(target, r, world, port, args, results)) for r in range(world)]
     for p in procs:
         p.start()
@@ -57,7 +57,7 @@ class JobPorts:
     def port(self, rank: int, ranks: int, job: str, timeout_s: float = 120) -> int:
         """The port of ``job``, run by ranks ``0..ranks-1``."""
         if rank == 0:
-            port = free_port()
+            port = free_ports(1)[0]
             for q in self._queues[1:ranks]:
                 q.put((job, port))
             return port

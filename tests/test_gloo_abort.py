@@ -11,7 +11,7 @@ import time
 import pytest
 
 from rayflex.testing.processes import ForkedContext
-from rayflex.worker.train_worker import free_port
+from rayflex.local_ray import free_ports
 
 TIMEOUT_S = 60  # the collective timeout: an abort that does not work shows as a wait this long
 
@@ -58,7 +58,7 @@ def _rank(rank: int, world: int, port: int, abort_after_s, results):
 def test_abort_unblocks_both_ends_of_a_deadlocked_pair():
     ctx = ForkedContext()
     results = ctx.Queue()
-    port, world, abort_after = free_port(), 3, 2.0
+    port, world, abort_after = free_ports(1)[0], 3, 2.0
     procs = [ctx.Process(target=_rank, args=(r, world, port, abort_after, results)) for r in range(world)]
     for p in procs:
         p.start()

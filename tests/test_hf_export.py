@@ -120,7 +120,7 @@ def runs(dataset_uri, tmp_path_factory):
     """One session of 4 gloo processes, three jobs: a Llama run saved at step 0 (nothing
     trained), the same run resumed and trained to step STEPS, and a tied GPT-2 run saved at
     step 0. Returns name -> (HF model, its directory, TrainSpec)."""
-    from rayflex.worker.train_worker import free_port
+    from rayflex.local_ray import free_ports
 
     ctx = ForkedContext()  # its server has imported torch, the worker and transformers (conftest)
     results, queues = ctx.Queue(), [ctx.Queue() for _ in range(4)]
@@ -140,7 +140,7 @@ def runs(dataset_uri, tmp_path_factory):
             out[name] = (model, directory, spec)
         jobs = [("llama-0", out["llama"][2], 0), ("llama", out["llama"][2], STEPS), ("gpt2-0", out["gpt2"][2], 0)]
         for key, spec, end_step in jobs:
-            port = free_port()  # chosen when the job starts (an earlier one may be taken by now)
+            port = free_ports(1)[0]  # chosen when the job starts (an earlier one may be taken by now)
             for q in queues:
                 q.put((key, spec, end_step, port))
             for _ in range(4):

@@ -282,7 +282,7 @@ STEPS = 3
 def trained(checkpoints, dataset_uri, tmp_path_factory):
     """Each of TRAINED at pp=2 x dp=2 (4 gloo processes, one session), and the same HF
     model trained in this process; GPT-2 from a tied checkpoint."""
-    from rayflex.worker.train_worker import free_port
+    from rayflex.local_ray import free_ports
 
     jobs, references = [], {}
     for family in TRAINED:
@@ -306,7 +306,7 @@ def trained(checkpoints, dataset_uri, tmp_path_factory):
     got: dict = {}
 
     def start_job() -> None:
-        port = free_port()  # chosen when the job starts, as LocalWorkerPool does
+        port = free_ports(1)[0]  # chosen when the job starts, as LocalWorkerPool does
         for q in ports:
             q.put(port)
 

@@ -14,7 +14,7 @@ import torch
 
 from rayflex.models.spec import build_stage
 from rayflex.testing.processes import ForkedContext
-from rayflex.worker.train_worker import free_port
+from rayflex.local_ray import free_ports
 
 from meta_init_helpers import buffered_spec, run_rank
 
@@ -27,7 +27,7 @@ TIMEOUT_S = 120
 def built():
     ctx = ForkedContext()
     results = ctx.Queue()
-    layouts = [(*layout, free_port()) for layout in LAYOUTS]
+    layouts = [(*layout, free_ports(1)[0]) for layout in LAYOUTS]
     procs = [ctx.Process(target=run_rank, args=(r, layouts, results), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()

@@ -181,11 +181,6 @@ class GlobalSampler(StepOrder):
         k = self.block_rows
         return self.num_samples if k <= 0 or k > self.num_samples else k
 
-    @property
-    def window_rows(self) -> int:
-        """Rows shuffled together (the reader's working set)."""
-        return min(self.num_samples, self._block * self.window_blocks)
-
     def rows_at(self, positions: np.ndarray) -> np.ndarray:
         """Dataset row indices at global stream positions (any epoch)."""
         pos = np.asarray(positions, dtype=np.int64)

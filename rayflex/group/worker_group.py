@@ -148,9 +148,6 @@ class RayWorkerGroup:
                 log.info("rank %d could not give its flight record: %s", refs[ref], _short_error(e))
         return records, set(range(len(self.actors))) - set(records)
 
-    def call(self, rank: int, method: str, *args) -> Any:
-        return getattr(self.actors[rank], method).remote(*args)
-
     def broadcast(self, method: str, *args) -> None:
         for a in self.actors:
             getattr(a, method).remote(*args)

@@ -135,9 +135,6 @@ class MeshPlan:
         """Stage indices a pp rank holds: looped layout for the interleaved schedule."""
         return [pp_index + k * self.pp for k in range(self.stages_per_rank)]
 
-    def is_last_stage_rank(self, rank: int) -> bool:
-        return (self.num_stages - 1) in self.local_stages(self.coords(rank)[0])
-
     def to_dict(self) -> dict:
         return asdict(self)
 

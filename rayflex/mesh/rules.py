@@ -54,11 +54,6 @@ class MeshLayout:
     dp_shard: Optional[int] = None
 
     @property
-    def model_parallel(self) -> int:
-        """Ranks one data-parallel replica of the model spans (pp x tp)."""
-        return self.pp * self.tp
-
-    @property
     def num_stages(self) -> int:
         return self.pp * self.stages_per_rank
 

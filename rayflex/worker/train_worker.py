@@ -13,7 +13,6 @@ import functools
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import traceback
@@ -137,12 +136,6 @@ def _freeze_long_lived() -> None:
     import torch.distributed.tensor  # noqa: F401
 
     gc.freeze()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class TrainWorker:
@@ -671,8 +664,7 @@ class TrainWorker:
         import gc
 
         for name in ("stages", "params", "_tp_summed", "optimizers", "schedule", "mesh", "dp_mesh", "tp_mesh",
-                     "pp_group",
-                     "staging", "_gloo", "groups", "ckpt_group"):
+                     "_gloo", "groups", "ckpt_group"):
             self.__dict__.pop(name, None)
         self._close_checkpointer()
         self._thread = None

@@ -1,8 +1,8 @@
 """Memory per rank: what a pp x dp x tp mesh with FSDP2 (or HSDP) inside each stage holds
 on one device.
 
-The model follows what rayflex actually runs (``actors/parallel.py``, ``actors/worker.py``,
-torch's pipelining schedules), so its terms are the tensors a rank really allocates:
+The model follows what rayflex actually runs (``worker/parallelize.py``,
+``worker/train_worker.py``, torch's pipelining schedules), so its terms are the tensors a rank really allocates:
 
 * **Tensor parallelism** (``tp`` > 1, Megatron-style): a rank holds ``1/tp`` of every
   block's matrices (q/k/v and MLP up by columns, o_proj and MLP down by rows; embedding
@@ -51,8 +51,9 @@ torch's pipelining schedules), so its terms are the tensors a rank really alloca
   one input gradient per finished backward until the step ends (measured; the gradients
   wait in the send path); a non-last stage allocates ``m``
   gradient-receive buffers and keeps each in-flight microbatch's output in its forward
-  cache; the last stage keeps every microbatch's logits in ``output_chunks`` until the
-  next step (rayflex calls ``schedule.step`` with the default ``return_outputs=True``).
+  cache; the last stage would keep every microbatch's logits in ``output_chunks`` until
+  the next step with torch's default ``return_outputs=True`` (rayflex passes False:
+  ``Runtime.keeps_outputs``).
 * **Backward working set**: gradients of intermediate tensors while one block runs its
   backward (about ``(mlp_ratio - 1)`` hidden-widths per token for a transformer block,
   logits plus log-softmax gradients for the head).
@@ -617,7 +618,7 @@ class Runtime:
     * ``overhead_bytes``: per-process constant (CUDA context and NCCL buffers on GPU, about
       1-2 GB; on CPU it is below the measurement noise, see :meth:`cpu`).
     * ``keeps_outputs``: the last stage keeps every microbatch's logits until the next step
-      (``schedule.step(..., return_outputs=True)``, torch's default, which rayflex uses).
+      (``schedule.step(..., return_outputs=True)``, torch's default; rayflex passes False).
     * ``leaks_inference_graph``: the worker's activation probe (``saved_tensors_hooks``
       whose packed objects hold the saved tensor with its ``grad_fn``) makes a reference
       cycle through autograd's C++ graph; a graph whose backward never runs is then never
@@ -627,8 +628,10 @@ class Runtime:
     * ``materializes_stage``: setup builds each local stage unsharded before
       ``fully_shard`` (in ``sharded_bytes`` per parameter); a meta-device build would
       remove this setup peak.
-    * ``foreach_optimizer``: AdamW's foreach path (CUDA) allocates temporaries the size of
-      all local shards; the per-tensor path (CPU) only the largest parameter's.
+    * ``foreach_optimizer``: AdamW's foreach path allocates temporaries the size of all
+      local shards; the per-parameter loop only the largest parameter's. rayflex's default
+      kernel is fused (``OptimizerConfig.implementation``), which needs neither: both
+      settings over-count it, the GPU one by the shards' size (a safe side to err on).
     """
 
     overhead_bytes: float = 0.0

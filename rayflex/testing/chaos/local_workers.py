@@ -11,7 +11,7 @@ import traceback
 from typing import Any, Callable, Sequence
 
 from rayflex.testing.processes import ForkedContext
-from rayflex.worker.train_worker import free_port
+from rayflex.local_ray import free_ports
 
 
 def _serve(commands, answers) -> None:
@@ -85,7 +85,7 @@ class LocalWorkerPool:
         newest checkpoint, train to ``end_step`` (saving there), and leave."""
         world = len(order)
         self.each(order, "assign", lambda k: (spec, k, world))
-        port = free_port()
+        port = free_ports(1)[0]
         restored = self.each(order, "setup", lambda k: (port,))
         runs = self.each(order, "run", lambda k: (end_step, self.timeout_s))
         released = self.each(order, "release", lambda k: ())
