@@ -1,0 +1,272 @@
+"""Persist and restore speed on local disk: the storage's floor, rayflex's checkpoint path and
+torch DCP's own writer and reader, on the same bytes, in alternating rounds.
+
+    python benchmarks/persist.py [--gb-per-rank 2] [--ranks 2] [--rounds 3] [--threads 1,2,4]
+                                 [--dir /var/tmp] [--out benchmarks/results/persist.json]
+
+Each rank (a process; gloo process group) holds ``--gb-per-rank`` GB of float32 tensors
+(64 MB each) and, per round and per system, in turn:
+
+* ``floor_T``: writes those bytes to ``T`` files with ``T`` threads (large sequential writes
+  straight from the tensors' memory), then reads them back into the tensors (``readinto``):
+  what the disk gives a plain parallel writer and reader;
+* ``rayflex_T``: ``AsyncCheckpointer.save`` (staging copy, DCP planning, ``T`` writer threads
+  per rank, the checksum of every byte while it streams, the commit with its manifest) until
+  the commit, then ``load_latest`` (which verifies the checkpoint against its manifest and
+  then loads it) — ``CheckpointConfig.upload_threads=T``;
+* ``dcp_T``: ``dcp.save`` with ``FileSystemWriter(thread_count=T)``, then ``dcp.load`` with
+  ``FileSystemReader``: the peer.
+
+Every persist time ends with ``os.sync()`` on each rank (the bytes on disk, not in the page
+cache: a local-disk checkpoint that a power loss takes is no checkpoint), and before every
+restore the page cache is dropped (``/proc/sys/vm/drop_caches``, as root; the JSON says
+whether it could). GB/s = all ranks' bytes / (the slowest rank's time, between barriers).
+Prints one JSON object (medians over rounds, with min and max, and rayflex / floor and
+rayflex / DCP ratios per round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import emit, machine, setup_logging  # noqa: E402
+
+TENSOR_MB = 64
+
+
+def _drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _split(tensors: list, parts: int) -> list[list]:
+    """``tensors`` in ``parts`` contiguous runs of about equal bytes."""
+    out: list[list] = [[] for _ in range(parts)]
+    for i, t in enumerate(tensors):
+        out[i * parts // len(tensors)].append(t)
+    return [p for p in out if p]
+
+
+def _floor_write(tensors: list, root: str, threads: int) -> None:
+    def write(i: int, part: list) -> None:
+        with open(os.path.join(root, f"part{i}"), "wb", buffering=0) as f:
+            for t in part:
+                f.write(memoryview(t.numpy()).cast("B"))
+
+    workers = [threading.Thread(target=write, args=(i, p)) for i, p in enumerate(_split(tensors, threads))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
+def _floor_read(tensors: list, root: str, threads: int) -> None:
+    def read(i: int, part: list) -> None:
+        with open(os.path.join(root, f"part{i}"), "rb", buffering=0) as f:
+            for t in part:
+                view = memoryview(t.numpy()).cast("B")
+                got = 0
+                while got < len(view):
+                    got += f.readinto(view[got:])
+
+    workers = [threading.Thread(target=read, args=(i, p)) for i, p in enumerate(_split(tensors, threads))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
+def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+
+    from rayflex.storage.checkpoint import AsyncCheckpointer, TrainState
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    n = int(cfg["gb_per_rank"] * 1024 // TENSOR_MB)
+    module = nn.Module()
+    module.weights = nn.ParameterList(
+        [nn.Parameter(torch.full((TENSOR_MB * 2**20 // 4,), float(rank * n + i))) for i in range(n)])
+    tensors = [p.data for p in module.weights]
+    nbytes = sum(t.numel() * 4 for t in tensors)
+    opt = torch.optim.SGD(module.parameters(), lr=0.0)  # no state: the checkpoint is the tensors
+    state = TrainState(modules=[module], optimizers=[opt], get_step=lambda: 1)
+    bench = os.path.join(cfg["dir"], f"rank{rank}")
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        os.sync()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    def fresh(path: str) -> str:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    # One checkpointer per thread count for the whole run, as a training run keeps its own:
+    # a save reuses its staging buffers and save plan (what a run's first save builds, in an
+    # untimed save here).
+    checkpointers = {}
+    for system in cfg["systems"]:
+        kind, threads = system.rsplit("_", 1)
+        if kind == "rayflex":
+            warm = os.path.join(cfg["dir"], f"{system}-warmup")
+            ckpt = AsyncCheckpointer(f"file://{warm}", rank=rank, use_async=True, keep=1, upload="thread",
+                                     upload_threads=int(threads))
+            ckpt.save(state, step=1)
+            ckpt.wait()
+            checkpointers[system] = ckpt
+    dist.barrier()
+    rows = []
+    for rnd in range(cfg["rounds"]):
+        for system in cfg["systems"]:
+            kind, threads = system.rsplit("_", 1)
+            threads = int(threads)
+            root = os.path.join(cfg["dir"], system)  # shared by the ranks: one checkpoint
+            if rank == 0:
+                fresh(root)
+            dist.barrier()
+            blocked = None
+            if kind == "floor":
+                mine = fresh(os.path.join(root, f"rank{rank}"))
+                write_s = timed(lambda: _floor_write(tensors, mine, threads))
+                read_fn = lambda: _floor_read(tensors, mine, threads)  # noqa: E731
+            elif kind == "rayflex":
+                ckpt = checkpointers[system]
+                ckpt.root = f"file://{root}"  # this round's own directory: the cache drop makes it cold
+                saved: dict = {}
+
+                def save():
+                    ckpt.save(state, step=rnd + 2)
+                    [report] = ckpt.wait()
+                    assert report.get("committed") or rank != 0, report
+                    saved["blocked_s"] = report.get("blocked_s")
+                write_s = timed(save)
+                blocked = saved.get("blocked_s")
+                # A restore is a new attempt's: its own checkpointer (the saving one keeps its staging).
+                read_fn = lambda: AsyncCheckpointer(f"file://{root}", rank=rank, use_async=False).load_latest(state)  # noqa: E731,E501
+            else:
+                from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+                sd = {f"r{rank}.w{i}": t for i, t in enumerate(tensors)}  # each rank's own entries
+                write_s = timed(lambda: dcp.save(sd, storage_writer=FileSystemWriter(
+                    root, thread_count=threads, single_file_per_rank=True, sync_files=False)))
+                read_fn = lambda: dcp.load(sd, storage_reader=FileSystemReader(root))  # noqa: E731
+            dist.barrier()
+            dropped = _drop_caches() if rank == 0 else None
+            read_s = timed(read_fn)
+            if rank == 0:
+                rows.append({"round": rnd, "system": system, "write_s": write_s, "read_s": read_s,
+                             "blocked_s": blocked, "cache_dropped": dropped})
+                print(f"[persist] round {rnd + 1}: {system}: write {world * nbytes / write_s / 1e9:.2f} GB/s, "
+                      f"read {world * nbytes / read_s / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(root, ignore_errors=True)
+    for ckpt in checkpointers.values():
+        ckpt.close()
+    if rank == 0:
+        results.put({"bytes_per_rank": nbytes, "rows": rows})
+    dist.destroy_process_group()
+
+
+def _summary(rows: list[dict], total_bytes: int) -> dict:
+    out = {}
+    for system in dict.fromkeys(r["system"] for r in rows):
+        mine = [r for r in rows if r["system"] == system]
+        entry = {}
+        for key, label in (("write_s", "persist_gb_s"), ("read_s", "restore_gb_s")):
+            rates = [total_bytes / r[key] / 1e9 for r in mine]
+            entry[label] = {"median": statistics.median(rates), "min": min(rates), "max": max(rates),
+                            "rounds": rates}
+        blocked = [r["blocked_s"] for r in mine if r["blocked_s"] is not None]
+        if blocked:
+            entry["blocked_s_median"] = statistics.median(blocked)
+        out[system] = entry
+    return out
+
+
+def _ratios(rows: list[dict], total_bytes: int, ours: str, theirs: str) -> dict:
+    """``ours`` / ``theirs`` GB/s, round by round (the same round's runs)."""
+    out = {}
+    for key, label in (("write_s", "persist"), ("read_s", "restore")):
+        per = [next(r[key] for r in rows if r["round"] == k and r["system"] == theirs)
+               / next(r[key] for r in rows if r["round"] == k and r["system"] == ours)
+               for k in sorted({r["round"] for r in rows})]
+        out[label] = {"median": statistics.median(per), "min": min(per), "max": max(per), "rounds": per}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb-per-rank", type=float, default=2.0)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", default="1,2,4", help="writer threads per rank to try, for every system")
+    ap.add_argument("--dir", default=None, help="where the files go (default: a new directory under /var/tmp)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    setup_logging()
+    import multiprocessing as mp
+
+    from rayflex.local_ray import free_ports
+
+    threads = [int(t) for t in args.threads.split(",")]
+    systems = [f"{kind}_{t}" for t in threads for kind in ("floor", "rayflex", "dcp")]
+    root = tempfile.mkdtemp(prefix="rayflex-persist-", dir=args.dir or "/var/tmp")
+    cfg = {"gb_per_rank": args.gb_per_rank, "rounds": args.rounds, "systems": systems, "dir": root}
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_ports(1)[0]
+    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, cfg, results)) for r in range(args.ranks)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+        got = results.get()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    total = got["bytes_per_rank"] * args.ranks
+    rows = got["rows"]
+    best = {kind: max((s for s in systems if s.startswith(kind)),
+                      key=lambda s: statistics.median(total / r["write_s"] for r in rows if r["system"] == s))
+            for kind in ("floor", "rayflex", "dcp")}
+    emit({"benchmark": "persist", "machine": machine(), "command": " ".join(sys.argv),
+          "workload": {"ranks": args.ranks, "bytes_per_rank": got["bytes_per_rank"], "tensor_mb": TENSOR_MB,
+                       "storage": f"local disk ({root.rsplit('/', 1)[0]})", "rounds": args.rounds,
+                       "cache_dropped_before_restore": all(r["cache_dropped"] for r in rows)},
+          "results": _summary(rows, total),
+          "best_persist": best,
+          "ratios": {"rayflex_vs_floor": _ratios(rows, total, best["rayflex"], best["floor"]),
+                     "rayflex_vs_dcp": _ratios(rows, total, best["rayflex"], best["dcp"])}},
+         args.out)
+
+
+if __name__ == "__main__":
+    main()
