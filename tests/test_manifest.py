@@ -178,6 +178,26 @@ def test_flipped_byte_is_detected_and_loader_falls_back(backend, request, caplog
     assert any("skipping checkpoint step 20" in r.getMessage() for r in caplog.records)
 
 
+def test_a_restores_ranks_split_the_rereading(backend, request):
+    """``verify(only=...)``: a restore's ranks each reread (checksum) only their share of
+    the files, so no rank reads the whole checkpoint; the union of the shares finds the
+    flipped byte, a share without the file does not (sizes are still checked for all)."""
+    kind, root = backend
+    commit_step(root, 20)
+    mf.verify(root, 20)  # warm any listing cache before the foreign write
+    flip_byte(kind, root, 20, "__1_0.distcp", request.getfixturevalue("s3_client") if kind == "s3" else None)
+    files = sorted(mf.read_manifest(root, 20).files)
+    shares = [files[r::2] for r in range(2)]
+    found = []
+    for share in shares:
+        try:
+            mf.verify(root, 20, only=share)
+        except CheckpointError as err:
+            found.append(str(err))
+    assert len(found) == 1 and "__1_0.distcp checksum differs" in found[0]
+    assert mf.verify(root, 20, only=[]).step == 20
+
+
 def test_truncated_and_missing_files_are_named(root):
     commit_step(root, 10)
     fs, path = resolve(mf.step_dir(root, 10))

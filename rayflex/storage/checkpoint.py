@@ -433,28 +433,56 @@ class AsyncCheckpointer:
 
         from rayflex.storage.dcp_io import CheckpointReader
 
-        choice: list[Any] = [None]
-        if self.rank == 0:
-            found = mf.resolve_loadable(self.root)
-            skipped = [f"step {s.step}: {s.reason}" for s in found.skipped]
-            for s in found.skipped:  # corrupt: withdraw it so it is never tried again
-                mf.quarantine(self.root, s.step, s.reason)
-            if found.manifest is not None:
-                m = found.manifest
-                choice[0] = {"step": m.step, "world_size": m.world_size, "mesh": m.mesh, "skipped": skipped}
-                if self.replicas is not None:
-                    shards = sorted(f for f in m.files if f.endswith(".distcp"))
-                    choice[0]["holders"], choice[0]["missing"] = self.replicas.locate(
-                        m.step, mf.step_dir(self.root, m.step), shards)
-            elif skipped:
-                raise CheckpointError(f"no loadable checkpoint under {self.root}: every committed step "
-                                      f"failed verification: {'; '.join(skipped)}")
-            # Step directories past the one we resume from are leftovers of attempts that
-            # crashed mid-upload (or quarantined); this attempt will write those steps anew.
-            mf.clear_after(self.root, choice[0]["step"] if choice[0] else -1)
-        if dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0, group=self.group)
-        info = choice[0]
+        # Rank 0 picks the newest committed step whose files are all there at their sizes;
+        # the ranks then reread them for their checksums, each its share (rank 0 alone would
+        # read the whole checkpoint, every rank's shards, before anyone loads). A step that
+        # fails is withdrawn and the next older one tried.
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        skipped: list[str] = []
+        while True:
+            choice: list[Any] = [None]
+            if self.rank == 0:
+                found = mf.resolve_loadable(self.root, deep=world == 1)
+                for s in found.skipped:  # corrupt: withdraw it so it is never tried again
+                    mf.quarantine(self.root, s.step, s.reason)
+                skipped += [f"step {s.step}: {s.reason}" for s in found.skipped]
+                if found.manifest is not None:
+                    m = found.manifest
+                    choice[0] = {"step": m.step, "world_size": m.world_size, "mesh": m.mesh, "skipped": skipped,
+                                 "files": sorted(m.files)}
+                    if self.replicas is not None:
+                        shards = sorted(f for f in m.files if f.endswith(".distcp"))
+                        choice[0]["holders"], choice[0]["missing"] = self.replicas.locate(
+                            m.step, mf.step_dir(self.root, m.step), shards)
+                elif skipped:
+                    raise CheckpointError(f"no loadable checkpoint under {self.root}: every committed step "
+                                          f"failed verification: {'; '.join(skipped)}")
+                # Step directories past the one we resume from are leftovers of attempts that
+                # crashed mid-upload (or quarantined); this attempt will write those steps anew.
+                mf.clear_after(self.root, choice[0]["step"] if choice[0] else -1)
+            if dist.is_initialized():
+                dist.broadcast_object_list(choice, src=0, group=self.group)
+            info = choice[0]
+            if info is None or world == 1:
+                break
+            problem: list[Any] = [None]
+            try:
+                share = info["files"][dist.get_rank(self.group)::world]
+                mf.verify(self.root, info["step"], deep=True, only=share)
+            except CheckpointError as err:
+                problem = [str(err)]
+            problems: list[Any] = [None] * world
+            dist.all_gather_object(problems, problem[0], group=self.group)
+            bad = [p for p in problems if p]
+            if not bad:
+                break
+            if self.rank == 0:
+                reason = "; ".join(bad)
+                log.warning("skipping checkpoint step %d: %s", info["step"], reason)
+                mf.quarantine(self.root, info["step"], reason)
+                skipped.append(f"step {info['step']}: {reason}")
+        if info is not None:
+            info.pop("files", None)
         if info is None:
             return None
         path = mf.step_dir(self.root, info["step"])
