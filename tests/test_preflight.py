@@ -330,13 +330,10 @@ def test_resubmitting_a_run_name_with_another_model(tmp_path, data_uri, d_model,
         with pytest.raises(RayTouched):
             t.fit()
     else:
-        t0 = time.perf_counter()
-        message = rejected(t.fit)
-        elapsed = time.perf_counter() - t0
+        message = rejected(t.fit)  # before Ray: the tripwire
         assert message.startswith(f"model: run {t.spec.run.name!r} resumes from its checkpoint at step 5, which "
                                   "holds another model: blocks.0.pos.weight: saved [16, 16], model [16, 32]; "
                                   "blocks.0.tok.weight: saved [32, 16], model [32, 32]; ")
         assert "more)" in message
         assert "Fix: use a new RunConfig.name for a new model" in message
-        assert elapsed < FAST_S, elapsed
     assert files() == before
