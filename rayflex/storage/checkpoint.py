@@ -465,14 +465,14 @@ class AsyncCheckpointer:
             info = choice[0]
             if info is None or world == 1:
                 break
-            problem: list[Any] = [None]
+            problem = None
             try:
                 share = info["files"][dist.get_rank(self.group)::world]
                 mf.verify(self.root, info["step"], deep=True, only=share)
             except CheckpointError as err:
-                problem = [str(err)]
+                problem = str(err)
             problems: list[Any] = [None] * world
-            dist.all_gather_object(problems, problem[0], group=self.group)
+            dist.all_gather_object(problems, problem, group=self.group)
             bad = [p for p in problems if p]
             if not bad:
                 break

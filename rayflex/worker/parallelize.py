@@ -225,9 +225,12 @@ def global_grad_norm(params: list[nn.Parameter], group=None, stage_ranks: int = 
     serve CPU tensors — the worker passes ``ProcessGroups.host`` (on GPU the gloo control
     group; an NCCL group would refuse the host tensor). Returns a 0-dim float64 CPU tensor.
     """
+    return _norm_of(_local_grads(params), group, stage_ranks)
+
+
+def _norm_of(local: list[tuple[torch.Tensor, nn.Parameter]], group, stage_ranks: int) -> torch.Tensor:
     import torch.distributed as dist
 
-    local = _local_grads(params)
     sq = torch.zeros((), dtype=torch.float64)
     by_device: dict[torch.device, list[tuple[torch.Tensor, int]]] = {}
     for g, p in local:
@@ -244,11 +247,12 @@ def global_grad_norm(params: list[nn.Parameter], group=None, stage_ranks: int = 
 def clip_grads_(params: list[nn.Parameter], max_norm: float, group=None, stage_ranks: int = 0) -> float:
     """Scale every gradient so the global norm is at most ``max_norm``; returns the norm
     before clipping. ``group``, ``stage_ranks``: as for :func:`global_grad_norm`."""
-    norm = float(global_grad_norm(params, group, stage_ranks))
+    local = _local_grads(params)
+    norm = float(_norm_of(local, group, stage_ranks))
     scale = max_norm / (norm + 1e-6)
     if scale < 1.0:
         by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g, _ in _local_grads(params):
+        for g, _ in local:
             by_device.setdefault(g.device, []).append(g)
         for grads in by_device.values():
             torch._foreach_mul_(grads, scale)
