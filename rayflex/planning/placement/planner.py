@@ -141,6 +141,7 @@ class Plan:
     p2p_s: Tuple[float, ...] = ()
     replica_s: Tuple[float, ...] = ()  # HSDP all-reduce per stage
     tp_s: float = 0.0  # TP all-reduces (the slowest stage's)
+    profile: Optional[CommProfile] = None  # what the plan was priced for (planning.traffic counts its bytes)
 
     def node_ranks(self) -> Dict[str, List[int]]:
         """Node id -> its ranks in slot order, nodes in order of their first rank."""
@@ -178,7 +179,8 @@ def _make_plan(tree: NodeTree, costs: TierCosts, mesh: MeshShape, profile: CommP
         slots_used[i] = slots[-1] + 1
     text = explain(tree, costs, mesh, profile, node_of_rank, ev, naive_s, lower_bound, optimal, method)
     return Plan(mesh, tuple(tree.nodes[i].node_id for i in node_of_rank), tuple(slots), ev.total,
-                naive_s, text, lower_bound, optimal, method, ev.fsdp_s, ev.p2p_s, ev.replica_s, ev.tp_total)
+                naive_s, text, lower_bound, optimal, method, ev.fsdp_s, ev.p2p_s, ev.replica_s, ev.tp_total,
+                profile)
 
 
 def _setup(nodes: Sequence[NodeInfo], mesh: MeshShape, profile: CommProfile,

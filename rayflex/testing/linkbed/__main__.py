@@ -18,6 +18,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-tflops", type=float, default=989.0,
                    help="the accelerator the topology's bandwidths go with (default: H100 bf16 dense, 989)")
     p.add_argument("--cpus-per-slot", type=float, default=1.0, help="Ray CPUs per topology slot (default 1)")
+    p.add_argument("--ray-system-config", default="{}",
+                   help="JSON of Ray _system_config for the head (e.g. faster node health checks)")
     p.add_argument("--out", default=None, help="write the plan, bytes per link and tier, and --call's result here")
     p.add_argument("--call", default=None, help="MODULE:FUNCTION to run with the LinkBed instead of a command")
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
@@ -44,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    # A terminated bed still tears down: SIGTERM unwinds like Ctrl-C, through the finally
+    # blocks that stop the cluster and kill what is left in the namespace.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     args = _parser().parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
@@ -71,6 +77,10 @@ def _outside(args, command: list[str]) -> int:
     from rayflex.testing.linkbed.bed import IP_VAR, build_shim, kill_netns, unshare_problem
 
     topology, plan = _plan(args)  # a bad topology or scale fails here, before any process starts
+    try:
+        json.loads(args.ray_system_config)
+    except ValueError as e:
+        raise ConfigError("--ray-system-config", f"is not JSON ({e})", "give a JSON object") from None
     problem = unshare_problem()
     if problem:
         raise ConfigError("linkbed", problem, "run as root on Linux with util-linux and iproute2")
@@ -81,7 +91,8 @@ def _outside(args, command: list[str]) -> int:
     env = {**os.environ, "LD_PRELOAD": shim, IP_VAR: head_ip, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
            INODE_FILE_VAR: inode_file}
     argv = [sys.executable, "-m", "rayflex.testing.linkbed", "--inside", "--topology", args.topology,
-            "--scale", repr(plan.scale), "--cpus-per-slot", str(args.cpus_per_slot)]
+            "--scale", repr(plan.scale), "--cpus-per-slot", str(args.cpus_per_slot),
+            "--ray-system-config", args.ray_system_config]
     argv += ["--out", args.out] if args.out else []
     argv += ["--call", args.call] if args.call else ["--", *command]
     proc = subprocess.Popen(["unshare", "-n", *argv], env=env)
@@ -109,7 +120,8 @@ def _inside(args, command: list[str]) -> int:
     with open(inode_file, "w") as f:
         f.write(str(netns_inode()))
     topology, plan = _plan(args)
-    bed = LinkBed(topology, plan, os.environ["LD_PRELOAD"], cpus_per_slot=args.cpus_per_slot)
+    bed = LinkBed(topology, plan, os.environ["LD_PRELOAD"], cpus_per_slot=args.cpus_per_slot,
+                  system_config=json.loads(args.ray_system_config))
     result, rc = None, 0
     try:
         bed.start()

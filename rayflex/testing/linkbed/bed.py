@@ -4,7 +4,7 @@ Each node of the topology becomes a ``ray.cluster_utils.Cluster`` node on its ow
 address (``links.node_address``), with the topology's labels, so the planner sees the same
 racks and zones; the loopback device is shaped by ``links.tc_commands``. Every process of a
 node runs with the connect shim preloaded (``bindshim.c``) and the node's address in
-``RAYFLEX_LINKBED_IP``: its connections leave from its address and its host name is its
+``LINKBED_NODE_IP``: its connections leave from its address and its host name is its
 address, which is what tc and gloo need to tell the nodes apart.
 
 ``LinkBed`` assumes the namespace is private (``__main__`` makes one with ``unshare -n``);
@@ -32,7 +32,9 @@ from rayflex.testing.linkbed.links import LinkPlan, bytes_by_link, tc_commands
 log = logging.getLogger(__name__)
 
 SHIM_SOURCE = Path(__file__).with_name("bindshim.c")
-IP_VAR = "RAYFLEX_LINKBED_IP"
+# Not a RAYFLEX_* name: those are knobs the driver hands to every actor it creates, and a
+# worker on another node must keep its own node's address.
+IP_VAR = "LINKBED_NODE_IP"
 
 
 def build_shim(cache_dir: Optional[str] = None) -> str:
@@ -141,9 +143,12 @@ class LinkBed:
             self.cluster.wait_for_nodes()
         return self._ray_nodes[node_id]
 
-    def remove_node(self, node_id: str) -> None:
-        """Kill the emulated node ``node_id`` at once (its raylet and workers), as a lost machine."""
-        self.cluster.remove_node(self._ray_nodes.pop(node_id), allow_graceful=False)
+    def remove_node(self, node_id: str) -> str:
+        """Kill the emulated node ``node_id`` at once (its raylet and workers), as a lost
+        machine; the Ray node id it had."""
+        node = self._ray_nodes.pop(node_id)
+        self.cluster.remove_node(node, allow_graceful=False)
+        return node.node_id
 
     def ray_node_id(self, node_id: str) -> str:
         return self._ray_nodes[node_id].node_id

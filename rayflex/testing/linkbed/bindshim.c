@@ -1,11 +1,11 @@
 /* Preloaded into every process of an emulated node (LD_PRELOAD), with the node's address in
- * RAYFLEX_LINKBED_IP:
+ * LINKBED_NODE_IP:
  *   - a TCP connection to a loopback address leaves from the node's address, not from
  *     127.0.0.1 (the kernel's choice for an unbound socket), so tc can tell which node sent
  *     each packet;
  *   - the host's name is the node's address, as a real node's name resolves to its own
  *     address (gloo binds its listener to whatever the host name resolves to).
- * Without RAYFLEX_LINKBED_IP both calls behave as libc's. */
+ * Without LINKBED_NODE_IP both calls behave as libc's. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <dlfcn.h>
@@ -52,7 +52,7 @@ int connect(int fd, const struct sockaddr *to, socklen_t len) {
     typedef int (*connect_fn)(int, const struct sockaddr *, socklen_t);
     static connect_fn real = 0;
     if (!real) real = (connect_fn)dlsym(RTLD_NEXT, "connect");
-    const char *ip = getenv("RAYFLEX_LINKBED_IP");
+    const char *ip = getenv("LINKBED_NODE_IP");
     if (ip && to) {
         int saved = errno;
         bind_to_node(fd, to, ip);  /* a failed bind leaves the socket as it was */
@@ -64,7 +64,7 @@ int connect(int fd, const struct sockaddr *to, socklen_t len) {
 int gethostname(char *name, size_t len) {
     typedef int (*gethostname_fn)(char *, size_t);
     static gethostname_fn real = 0;
-    const char *ip = getenv("RAYFLEX_LINKBED_IP");
+    const char *ip = getenv("LINKBED_NODE_IP");
     if (!ip) {
         if (!real) real = (gethostname_fn)dlsym(RTLD_NEXT, "gethostname");
         return real(name, len);
