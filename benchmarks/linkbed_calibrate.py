@@ -75,9 +75,9 @@ class PairRank:
             dist.barrier()
             t0 = time.perf_counter()
             if op == "all_gather":
-                dist.all_gather_into_tensor(full, half)
+                dist.all_gather_single(full, half)
             elif op == "reduce_scatter":
-                dist.reduce_scatter_tensor(half, full)
+                dist.reduce_scatter_single(half, full)
             elif op == "all_reduce":
                 dist.all_reduce(full)
             elif self.rank == 0:
