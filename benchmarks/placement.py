@@ -48,8 +48,10 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 from importlib import metadata
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rayflex.planning.capacity.memory import preset
 from rayflex.planning.capacity.search import ClusterDescription, evaluate_layout, search
 from rayflex.planning.capacity.step_time import layout_mesh, layout_profile, placed_breakdown
@@ -253,8 +255,23 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, default=5, help="node orders per case")
     parser.add_argument("--repeats", type=int, default=3, help="planning repetitions per order")
     parser.add_argument("--only-3d", action="store_true", help="only the 3-D layout cases")
+    parser.add_argument("--measured", action="store_true",
+                        help="measure placements on the link bed (root; benchmarks/placement_measured.py)")
+    parser.add_argument("--rounds", type=int, default=3, help="--measured: alternating rounds")
+    parser.add_argument("--steps", type=int, default=16, help="--measured: steps per run")
+    parser.add_argument("--scale", type=float, default=1e-3, help="--measured: the bed's link scale")
+    parser.add_argument("--topologies", default=None, help="--measured: comma-separated topology files")
+    parser.add_argument("--out", default=None, help="--measured: also write the JSON here")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    if args.measured:
+        import placement_measured as pm
+        from common import emit, machine
+
+        topologies = [Path(p).resolve() for p in args.topologies.split(",")] if args.topologies else pm.TOPOLOGIES
+        emit({"benchmark": "placement_measured", "machine": machine(), "rounds": args.rounds, "steps": args.steps,
+              "results": pm.run(topologies, args.rounds, args.steps, args.scale)}, args.out)
+        return
     results, ratios, goals = {}, {}, {}
     three_d = {name: run_3d_case(name, path, batch, args.seeds) for name, path, batch in CASES_3D}
     for name, nodes, gpus, racks, zones, pp, dp, model in CASES if not args.only_3d else ():

@@ -67,9 +67,17 @@ class ScalingConfig:
     torch_threads: int = 1
     # Node labels every worker's node must carry, e.g. {"ray.io/market-type": "spot"}.
     node_labels: dict = field(default_factory=dict)
+    # Where ranks go: "planned" (the topology-aware planner), or, to measure what it buys,
+    # "node_order" (Ray Train's: ranks fill nodes in the order Ray lists them) or
+    # "shuffled:SEED" (tp groups whole, otherwise a seeded random order).
+    placement: str = "planned"
 
     def __post_init__(self) -> None:
         c = "ScalingConfig"
+        how, colon, seed = str(self.placement).partition(":")
+        if not (self.placement in ("planned", "node_order") or (how == "shuffled" and seed.isdigit())):
+            raise ConfigError(f"{c}.placement", f"unknown placement {self.placement!r}",
+                              "use 'planned' (the default), 'node_order' or 'shuffled:SEED' (e.g. 'shuffled:7')")
         _positive_int(c, "num_workers", self.num_workers)
         lo = self.num_workers if self.min_workers is None else self.min_workers
         hi = self.num_workers if self.max_workers is None else self.max_workers

@@ -64,3 +64,48 @@ def test_fsdp_bytes_land_on_the_tier_of_the_nodes_its_groups_span():
     assert link_bytes(TWO_RACKS, mesh, profile, ["n0", "n0", "n1", "n1"], GLOO)["same_node"] == pytest.approx(
         2 * 2 * 3 * 0.5 * 4e5)
     assert RING.reduce_scatter == 1.0
+
+
+def _trainer(placement: str, **parallel):
+    import rayflex as rf
+    from rayflex.models import GPTConfig, gpt
+
+    return rf.Trainer(model=gpt(GPTConfig(vocab_size=128, seq_len=32, d_model=32, n_layers=4, n_heads=2)),
+                      data=rf.DataConfig(uri="file:///nowhere", seq_len=32, global_batch=16),
+                      run=rf.RunConfig(name="order", steps=2),
+                      scaling=rf.ScalingConfig(num_workers=8, placement=placement),
+                      parallel=rf.ParallelConfig(**parallel))
+
+
+INTERLEAVED = Topology.from_dict({"nodes": [{"id": f"n{i}", "slots": 2, "labels": {"rack": f"r{i % 2}"}}
+                                            for i in range(4)]})
+
+
+def test_the_placement_can_be_ray_trains_node_order_or_a_seeded_shuffle_to_measure_the_planner():
+    planned = _trainer("planned", pp=2).plan(INTERLEAVED)
+    node_order = _trainer("node_order", pp=2).plan(INTERLEAVED)
+    assert node_order.rank_to_node == ("n0", "n0", "n1", "n1", "n2", "n2", "n3", "n3")
+    assert planned.modeled_comm_s < node_order.modeled_comm_s  # racks interleave in join order
+    shuffled = [_trainer(f"shuffled:{seed}", pp=2, tp=2).plan(INTERLEAVED) for seed in (1, 1, 2)]
+    assert shuffled[0].rank_to_node == shuffled[1].rank_to_node != shuffled[2].rank_to_node
+    for plan in shuffled:  # every tp group (2 consecutive ranks) on one node
+        assert all(plan.rank_to_node[r] == plan.rank_to_node[r + 1] for r in range(0, 8, 2))
+        assert sorted(plan.rank_to_node) == sorted(node_order.rank_to_node)
+
+
+def test_an_unknown_placement_names_the_choices():
+    import rayflex as rf
+
+    with pytest.raises(ConfigError, match="'planned'.*'node_order'.*'shuffled:SEED'"):
+        rf.ScalingConfig(placement="pack")
+
+
+def test_rescaling_changes_the_same_classes_to_the_new_rates():
+    from rayflex.testing.linkbed.links import tc_change_commands
+
+    slow, fast = plan_links(TWO_RACKS, 1e-4), plan_links(TWO_RACKS, 1.0)
+    changes = [" ".join(c) for c in tc_change_commands(fast)]
+    assert [l.classid for l in slow.links] == [l.classid for l in fast.links]
+    link = fast.link("n0", "n1")
+    assert f"tc class change dev lo parent 1: classid 1:{link.classid:x} htb rate {int(link.rate_bytes_s * 8)}bit" \
+        in " ".join(changes)

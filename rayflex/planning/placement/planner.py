@@ -220,6 +220,24 @@ def naive_plan(topology: Topology, mesh: MeshShape, profile: CommProfile, *,
                       "naive: one PACK group, ranks in node order")
 
 
+def shuffled_plan(topology: Topology, mesh: MeshShape, profile: CommProfile, seed: int, *,
+                  bandwidths: Optional[Bandwidths] = None,
+                  require_labels: Optional[Mapping[str, str]] = None) -> Plan:
+    """The mesh's pp x dp units on the nodes' unit slots in a seeded random order (every tp
+    group on one node): a placement that knows nothing of the links, to measure the planner
+    against."""
+    import random
+
+    nodes = _eligible_nodes(topology, mesh, require_labels, None)
+    tree, costs, _, lb = _setup(nodes, mesh, profile, bandwidths or topology.bandwidths)
+    slots = [i for i in range(len(tree.nodes)) for _ in range(tree.cap[i])]
+    random.Random(seed).shuffle(slots)
+    nor = expand_units(slots[:mesh.pp * mesh.dp], mesh.tp)
+    _, naive_s, _ = _naive(tree, costs, mesh)
+    total = evaluate(tree, costs, mesh, nor).total
+    return _make_plan(tree, costs, mesh, profile, nor, naive_s, lb, meets(total, lb), f"shuffled (seed {seed})")
+
+
 def brute_force_plan(topology: Topology, mesh: MeshShape, profile: CommProfile, *,
                      bandwidths: Optional[Bandwidths] = None,
                      require_labels: Optional[Mapping[str, str]] = None,

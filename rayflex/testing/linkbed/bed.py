@@ -27,7 +27,7 @@ from typing import Iterator, Optional
 
 from rayflex.errors import ConfigError
 from rayflex.planning.topology import Topology
-from rayflex.testing.linkbed.links import LinkPlan, bytes_by_link, tc_commands
+from rayflex.testing.linkbed.links import LinkPlan, bytes_by_link, plan_links, tc_change_commands, tc_commands
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +117,7 @@ class LinkBed:
 
         from rayflex.local_ray import head_node_args
 
-        for cmd in tc_commands(self.plan):
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+        _run_all(tc_commands(self.plan))
         first, *rest = self.topology.nodes
         with node_env(self.plan.addresses[first.node_id], self.shim):
             head = head_node_args(first.slots * self.cpus_per_slot, node_ip_address=self.plan.addresses[first.node_id],
@@ -142,6 +139,13 @@ class LinkBed:
         if wait:
             self.cluster.wait_for_nodes()
         return self._ray_nodes[node_id]
+
+    def rescale(self, scale: float) -> LinkPlan:
+        """Every link at ``scale`` from now on (1.0: the topology's own speeds, which this
+        machine's loopback cannot reach: effectively unshaped); the plan in force before."""
+        before, self.plan = self.plan, plan_links(self.topology, scale)
+        _run_all(tc_change_commands(self.plan))
+        return before
 
     def remove_node(self, node_id: str) -> str:
         """Kill the emulated node ``node_id`` at once (its raylet and workers), as a lost
@@ -185,6 +189,13 @@ class LinkBed:
         """Bytes each link has carried since the bed started (``links.bytes_by_link``)."""
         out = subprocess.run(["tc", "-s", "class", "show", "dev", "lo"], capture_output=True, text=True, check=True)
         return bytes_by_link(self.plan, out.stdout)
+
+
+def _run_all(cmds: list[list[str]]) -> None:
+    for cmd in cmds:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
 
 
 def host_flops(seconds: float = 0.5) -> float:

@@ -114,6 +114,15 @@ def plan_links(topology: Topology, scale: float) -> LinkPlan:
     return LinkPlan(addresses, tuple(links), float(scale))
 
 
+def _class(verb: str, link: Link, device: str) -> list[str]:
+    bits = f"{int(link.rate_bytes_s * 8)}bit"
+    # The bucket: two frames, or a millisecond at the rate where that is more (HTB's timer
+    # cannot refill a two-frame bucket fast enough to carry GB/s).
+    burst = str(int(min(max(2 * BED_MTU, link.rate_bytes_s * 1e-3), 2 ** 30)))
+    return ["tc", "class", verb, "dev", device, "parent", "1:", "classid", f"1:{link.classid:x}",
+            "htb", "rate", bits, "ceil", bits, "burst", burst, "cburst", burst]
+
+
 def tc_commands(plan: LinkPlan, device: str = "lo") -> list[list[str]]:
     """The commands that shape ``device`` as ``plan`` says (run in a fresh namespace)."""
     cmds = [["ip", "link", "set", device, "mtu", str(BED_MTU)],
@@ -121,13 +130,17 @@ def tc_commands(plan: LinkPlan, device: str = "lo") -> list[list[str]]:
             # default 0: packets no filter claims are sent unshaped
             ["tc", "qdisc", "add", "dev", device, "root", "handle", "1:", "htb", "default", "0"]]
     for link in plan.links:
-        bits = f"{int(link.rate_bytes_s * 8)}bit"
-        cmds.append(["tc", "class", "add", "dev", device, "parent", "1:", "classid", f"1:{link.classid:x}",
-                     "htb", "rate", bits, "ceil", bits, "burst", str(2 * BED_MTU), "cburst", str(2 * BED_MTU)])
+        cmds.append(_class("add", link, device))
         cmds.append(["tc", "filter", "add", "dev", device, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
                      "match", "ip", "src", f"{plan.addresses[link.src]}/32",
                      "match", "ip", "dst", f"{plan.addresses[link.dst]}/32", "flowid", f"1:{link.classid:x}"])
     return cmds
+
+
+def tc_change_commands(plan: LinkPlan, device: str = "lo") -> list[list[str]]:
+    """The commands that give the classes ``tc_commands`` made the rates of ``plan`` (a plan
+    of the same topology at another scale: the same classes)."""
+    return [_class("change", link, device) for link in plan.links]
 
 
 _CLASS = re.compile(r"class htb 1:([0-9a-f]+) .*?\n\s*Sent (\d+) bytes", re.S)

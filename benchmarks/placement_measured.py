@@ -1,0 +1,202 @@
+"""``benchmarks/placement.py --measured``: placements measured on the link bed, the model beside them.
+
+    sudo python benchmarks/placement.py --measured [--rounds 3] [--steps 16] [--scale 1e-3]
+        [--topologies examples/topologies/bed_two_racks.yaml,examples/topologies/bed_two_zones_spot.yaml]
+
+For each topology, on one link bed (``rayflex.testing.linkbed``; every pair of nodes shaped to
+its tier x the scale), each of six 4-rank layouts (FSDP, HSDP 2x2, DDP, pp2 x FSDP2,
+pp2 x DDP2, pp4) trains ``--steps`` steps with the ranks placed three ways
+(``ScalingConfig.placement``): the planner's layout, Ray Train's node order (the order Ray
+lists the nodes: the racks and zones interleave) and a seeded shuffle. Layouts and orders
+alternate within each of ``--rounds`` rounds. Per run: the median step time after the first
+4 steps and the bytes per step over each link tier (tc's counters).
+
+Modelled beside each: the step's compute and everything but the links, measured once per
+layout with every link at the topology's own speed (which loopback cannot reach: effectively
+free), plus the cost model's communication seconds for the assignment that actually ran,
+at the bed's bandwidths. Two model figures: ``model_raw`` (the cost model as the planner
+uses it: NCCL-style rings at the link's full rate) and ``model`` (the same terms times the
+time factors ``benchmarks/results/linkbed_calibrate.json`` measured for gloo per collective:
+its all-gather and all-reduce run at ~half the link's rate, its reduce-scatter moves twice
+the bytes at that rate). Summary per topology: error of each figure per run, the Spearman
+rank correlation of modelled and measured step times over all runs, and the planner's
+measured margin over node order against the modelled one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPOLOGIES = [ROOT / "examples" / "topologies" / "bed_two_racks.yaml",
+              ROOT / "examples" / "topologies" / "bed_two_zones_spot.yaml"]
+CALIBRATION = ROOT / "benchmarks" / "results" / "linkbed_calibrate.json"
+LAYOUTS = {"fsdp4": {}, "hsdp2x2": {"dp_shard": 2}, "ddp4": {"dp_shard": 1},
+           "pp2_fsdp2": {"pp": 2, "microbatches": 4}, "pp2_ddp2": {"pp": 2, "microbatches": 4, "dp_shard": 1},
+           "pp4": {"pp": 4, "microbatches": 4}}
+ORDERS = ("planned", "node_order", "shuffled")
+WARM_STEPS = 4
+SEQ_LEN = 32
+
+
+def _trainer(root: str, name: str, layout: str, placement: str, steps: int):
+    import rayflex as rf
+    from rayflex.models import GPTConfig, gpt
+
+    return rf.Trainer(model=gpt(GPTConfig(vocab_size=128, seq_len=SEQ_LEN, d_model=64, n_layers=4, n_heads=2)),
+                      data=rf.DataConfig(uri=f"file://{root}/tokens", seq_len=SEQ_LEN, global_batch=8),
+                      run=rf.RunConfig(name=name, storage=f"file://{root}/runs", steps=steps,
+                                       optimizer=rf.OptimizerConfig(lr=1e-2, warmup_steps=2)),
+                      scaling=rf.ScalingConfig(num_workers=4, placement=placement),
+                      parallel=rf.ParallelConfig(**LAYOUTS[layout]),
+                      checkpoint=rf.CheckpointConfig(every_steps=10_000))
+
+
+def _run(bed, root: str, layout: str, placement: str, steps: int, tag: str) -> dict:
+    from rayflex.testing.linkbed.links import subtract
+
+    name = f"{layout}-{placement.replace(':', '')}-{tag}"
+    handle = _trainer(root, name, layout, placement, steps).submit()
+    deadline = time.time() + 600
+    while not handle.done() and handle.status()["step"] < WARM_STEPS:
+        assert time.time() < deadline, handle.status()
+        time.sleep(0.05)
+    first, before = handle.status()["step"], bed.counters()
+    result = handle.wait(timeout_s=600)
+    traffic = subtract(bed.counters(), before)
+    counted = max(1, result.steps_completed - first)
+    times = [m["step_time_s"] for m in handle.metrics() if m["step"] > WARM_STEPS]
+    ray_to_bed = {bed.ray_node_id(n.node_id): n.node_id for n in bed.topology.nodes}
+    events = [json.loads(line) for line in (Path(root) / "runs" / name / "events.jsonl").read_text().splitlines()]
+    chosen = next(e for e in events if e["kind"] == "plan_chosen")
+    return {"layout": layout, "placement": placement, "step_s": statistics.median(times),
+            "bytes_per_step": {k: v / counted for k, v in traffic["by_tier"].items()},
+            "rank_to_node": [ray_to_bed[n] for n in chosen["rank_to_node"]], "status": result.status}
+
+
+def measure_on_bed(bed) -> dict:
+    """Runs in the bed's process (``--call``)."""
+    from rayflex.data.dataset import write_synthetic_dataset
+
+    root, steps, rounds = os.environ["MEASURE_DIR"], int(os.environ["MEASURE_STEPS"]), int(os.environ["MEASURE_ROUNDS"])
+    write_synthetic_dataset(f"file://{root}/tokens", num_samples=512, seq_len=SEQ_LEN, vocab_size=128,
+                            num_shards=2, seed=7)
+    shaped = bed.rescale(1.0).scale  # the baseline: links at the topology's own speed
+    baseline = {layout: _run(bed, root, layout, "planned", steps, "free") for layout in LAYOUTS}
+    bed.rescale(shaped)
+    rows, layouts = [], list(LAYOUTS)
+    for rnd in range(rounds):
+        for i in range(len(layouts)):
+            layout = layouts[(i + rnd) % len(layouts)]
+            for j in range(len(ORDERS)):
+                order = ORDERS[(j + rnd) % len(ORDERS)]
+                placement = "shuffled:7" if order == "shuffled" else order
+                rows.append({"round": rnd, **_run(bed, root, layout, placement, steps, f"r{rnd}")})
+    return {"baseline": baseline, "rows": rows, "scale": shaped}
+
+
+# ------------------------------------------------------------------------------ the model
+def time_factors() -> dict:
+    """Per collective, measured time over the cost model's (median over the tiers)."""
+    tiers = json.loads(CALIBRATION.read_text())["tiers"]
+    return {op: statistics.median(1 / t[op]["beta_over_model"] for t in tiers.values())
+            for op in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")}
+
+
+def modelled_comm(topology, layout: str, rank_to_node: list, scale: float, factors: dict) -> dict:
+    """The cost model's seconds for an assignment at the bed's bandwidths: raw, and with
+    gloo's measured time per collective."""
+    from dataclasses import fields
+
+    from rayflex.planning.cost_model import modeled_comm
+    from rayflex.planning.topology import Bandwidths
+
+    plan = _trainer("/nowhere", "model", layout, "planned", 1).plan(topology)
+    bw = topology.bandwidths
+    scaled = Bandwidths(**{f.name: getattr(bw, f.name) * scale for f in fields(Bandwidths)})
+    b = modeled_comm(topology, plan.mesh, plan.profile, rank_to_node, scaled)
+    n = plan.profile.fsdp_collectives
+    fsdp = ((n - 1) * factors["all_gather"] + factors["reduce_scatter"]) / n
+    calibrated = (sum(b.fsdp_s) * fsdp + sum(b.replica_s) * factors["all_reduce"]
+                  + sum(b.p2p_s) * factors["send_recv"] + b.tp_total * factors["all_reduce"])
+    return {"raw_s": b.total, "calibrated_s": calibrated}
+
+
+def spearman(xs: list, ys: list) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
+def summarise(topology_path: Path, bed: dict) -> dict:
+    from rayflex.planning.topology import Topology
+
+    topology = Topology.from_file(topology_path)
+    factors, scale = time_factors(), bed["result"]["scale"]
+    base = {k: v["step_s"] for k, v in bed["result"]["baseline"].items()}
+    cells: dict = {}
+    for row in bed["result"]["rows"]:
+        key = (row["layout"], row["placement"])
+        cell = cells.setdefault(key, {"layout": row["layout"], "placement": row["placement"], "step_s": [],
+                                      "rank_to_node": row["rank_to_node"], "bytes_per_step": row["bytes_per_step"]})
+        cell["step_s"].append(row["step_s"])
+        assert cell["rank_to_node"] == row["rank_to_node"], "an order placed the ranks differently across rounds"
+    out = []
+    for (layout, placement), cell in cells.items():
+        comm = modelled_comm(topology, layout, cell["rank_to_node"], scale, factors)
+        measured = statistics.median(cell["step_s"])
+        model_raw, model = base[layout] + comm["raw_s"], base[layout] + comm["calibrated_s"]
+        out.append({**cell, "measured_s": measured, "spread_s": [min(cell["step_s"]), max(cell["step_s"])],
+                    "baseline_s": base[layout], "model_raw_s": model_raw, "model_s": model,
+                    "model_error": model / measured - 1, "model_raw_error": model_raw / measured - 1})
+    by = {(c["layout"], c["placement"]): c for c in out}
+    margins = {}
+    for layout in LAYOUTS:
+        p, n = by[(layout, "planned")], by[(layout, "node_order")]
+        modelled = n["model_s"] - p["model_s"]
+        margins[layout] = {"measured_s": n["measured_s"] - p["measured_s"], "modelled_s": modelled,
+                           "measured_over_modelled": (n["measured_s"] - p["measured_s"]) / modelled if modelled > 1e-9 else None}
+    return {"topology": str(topology_path.relative_to(ROOT)), "scale": scale, "time_factors": factors,
+            "runs": out, "planner_margin_over_node_order": margins,
+            "spearman_model": spearman([c["model_s"] for c in out], [c["measured_s"] for c in out]),
+            "spearman_model_raw": spearman([c["model_raw_s"] for c in out], [c["measured_s"] for c in out]),
+            "max_abs_model_error": max(abs(c["model_error"]) for c in out),
+            "max_abs_model_raw_error": max(abs(c["model_raw_error"]) for c in out)}
+
+
+def run(topologies: list, rounds: int, steps: int, scale: float) -> list:
+    results = []
+    for path in topologies:
+        with tempfile.TemporaryDirectory(prefix="rayflex-placement-") as tmp:
+            raw = os.path.join(tmp, "bed.json")
+            env = {**os.environ, "MEASURE_DIR": tmp, "MEASURE_STEPS": str(steps), "MEASURE_ROUNDS": str(rounds),
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))}
+            t0 = time.time()
+            subprocess.run([sys.executable, "-m", "rayflex.testing.linkbed", "--topology", str(path),
+                            "--scale", str(scale), "--out", raw, "--call", "placement_measured:measure_on_bed"],
+                           env=env, check=True)
+            bed = json.loads(Path(raw).read_text())
+        results.append({**summarise(Path(path), bed), "wall_s": round(time.time() - t0, 1),
+                        "traffic_total": bed["traffic"]["by_tier"]})
+    return results
