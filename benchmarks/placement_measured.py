@@ -11,14 +11,14 @@ lists the nodes: the racks and zones interleave) and a seeded shuffle. Layouts a
 alternate within each of ``--rounds`` rounds. Per run: the median step time after the first
 4 steps and the bytes per step over each link tier (tc's counters).
 
-Modelled beside each: the step's compute and everything but the links, measured once per
-layout with every link at the topology's own speed (which loopback cannot reach: effectively
-free), plus the cost model's communication seconds for the assignment that actually ran,
-at the bed's bandwidths. Two model figures: ``model_raw`` (the cost model as the planner
-uses it: NCCL-style rings at the link's full rate) and ``model`` (the same terms times the
-time factors ``benchmarks/results/linkbed_calibrate.json`` measured for gloo per collective:
-its all-gather and all-reduce run at ~half the link's rate, its reduce-scatter moves twice
-the bytes at that rate). Summary per topology: error of each figure per run, the Spearman
+Modelled beside each: the step's compute and everything but the links, measured per round
+and layout with every link at the topology's own speed (which loopback cannot reach:
+effectively free), plus the cost model's communication seconds for the assignment that
+actually ran, at the bed's bandwidths. Two model figures: ``model`` (the cost model as the
+planner uses it: rings at the link's full rate, no overlap with compute) and ``model_gloo2``
+(the same terms times the time factors ``benchmarks/results/linkbed_calibrate.json``
+measured for gloo in two-rank groups, where its all-gather and all-reduce ran at ~half the
+link's rate and its reduce-scatter moved twice the bytes). Summary per topology: error of each figure per run, the Spearman
 rank correlation of modelled and measured step times over all runs, and the planner's
 measured margin over node order against the modelled one.
 """
@@ -88,11 +88,12 @@ def measure_on_bed(bed) -> dict:
     root, steps, rounds = os.environ["MEASURE_DIR"], int(os.environ["MEASURE_STEPS"]), int(os.environ["MEASURE_ROUNDS"])
     write_synthetic_dataset(f"file://{root}/tokens", num_samples=512, seq_len=SEQ_LEN, vocab_size=128,
                             num_shards=2, seed=7)
-    shaped = bed.rescale(1.0).scale  # the baseline: links at the topology's own speed
-    baseline = {layout: _run(bed, root, layout, "planned", steps, "free") for layout in LAYOUTS}
-    bed.rescale(shaped)
-    rows, layouts = [], list(LAYOUTS)
+    shaped = bed.plan.scale
+    baseline, rows, layouts = [], [], list(LAYOUTS)
     for rnd in range(rounds):
+        bed.rescale(1.0)  # the baseline: links at the topology's own speed
+        baseline += [{"round": rnd, **_run(bed, root, layout, "planned", steps, f"free{rnd}")} for layout in layouts]
+        bed.rescale(shaped)
         for i in range(len(layouts)):
             layout = layouts[(i + rnd) % len(layouts)]
             for j in range(len(ORDERS)):
@@ -154,7 +155,8 @@ def summarise(topology_path: Path, bed: dict) -> dict:
 
     topology = Topology.from_file(topology_path)
     factors, scale = time_factors(), bed["result"]["scale"]
-    base = {k: v["step_s"] for k, v in bed["result"]["baseline"].items()}
+    base = {layout: statistics.median(b["step_s"] for b in bed["result"]["baseline"] if b["layout"] == layout)
+            for layout in LAYOUTS}
     cells: dict = {}
     for row in bed["result"]["rows"]:
         key = (row["layout"], row["placement"])
@@ -166,10 +168,10 @@ def summarise(topology_path: Path, bed: dict) -> dict:
     for (layout, placement), cell in cells.items():
         comm = modelled_comm(topology, layout, cell["rank_to_node"], scale, factors)
         measured = statistics.median(cell["step_s"])
-        model_raw, model = base[layout] + comm["raw_s"], base[layout] + comm["calibrated_s"]
+        model, model_gloo = base[layout] + comm["raw_s"], base[layout] + comm["calibrated_s"]
         out.append({**cell, "measured_s": measured, "spread_s": [min(cell["step_s"]), max(cell["step_s"])],
-                    "baseline_s": base[layout], "model_raw_s": model_raw, "model_s": model,
-                    "model_error": model / measured - 1, "model_raw_error": model_raw / measured - 1})
+                    "baseline_s": base[layout], "model_s": model, "model_gloo2_s": model_gloo,
+                    "model_error": model / measured - 1, "model_gloo2_error": model_gloo / measured - 1})
     by = {(c["layout"], c["placement"]): c for c in out}
     margins = {}
     for layout in LAYOUTS:
@@ -180,9 +182,9 @@ def summarise(topology_path: Path, bed: dict) -> dict:
     return {"topology": str(topology_path.relative_to(ROOT)), "scale": scale, "time_factors": factors,
             "runs": out, "planner_margin_over_node_order": margins,
             "spearman_model": spearman([c["model_s"] for c in out], [c["measured_s"] for c in out]),
-            "spearman_model_raw": spearman([c["model_raw_s"] for c in out], [c["measured_s"] for c in out]),
+            "spearman_model_gloo2": spearman([c["model_gloo2_s"] for c in out], [c["measured_s"] for c in out]),
             "max_abs_model_error": max(abs(c["model_error"]) for c in out),
-            "max_abs_model_raw_error": max(abs(c["model_raw_error"]) for c in out)}
+            "max_abs_model_gloo2_error": max(abs(c["model_gloo2_error"]) for c in out)}
 
 
 def run(topologies: list, rounds: int, steps: int, scale: float) -> list:

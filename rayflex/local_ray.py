@@ -132,11 +132,19 @@ def loopback_cluster(nodes: list[dict], connect: bool = True) -> Iterator:
             ray.init(address=cluster.address)
         yield cluster
     finally:
+        shut_down(cluster)
+
+
+def shut_down(cluster) -> None:
+    """Disconnect this process from Ray and stop ``cluster`` (a ``Cluster`` or None),
+    whatever state either is in: teardown must not raise over the error that caused it."""
+    import ray
+
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    if cluster is not None:
         with contextlib.suppress(Exception):
-            ray.shutdown()
-        if cluster is not None:
-            with contextlib.suppress(Exception):
-                cluster.shutdown()
+            cluster.shutdown()
 
 
 def _running_cluster_address() -> Optional[str]:

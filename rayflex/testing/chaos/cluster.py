@@ -6,7 +6,6 @@ installs signal handlers, which only the main thread may do.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 
@@ -33,14 +32,10 @@ class LocalCluster:
         return self
 
     def __exit__(self, *exc) -> None:
-        import ray
+        from rayflex.local_ray import shut_down
 
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        if self.cluster is not None:
-            with contextlib.suppress(Exception):
-                self.cluster.shutdown()
-            self.cluster = None
+        shut_down(self.cluster)
+        self.cluster = None
 
     @property
     def address(self) -> str:

@@ -15,6 +15,7 @@ import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from unittest import mock
 
 from rayflex.telemetry import events as ev
 from rayflex.testing.chaos.injector import FaultTiming, Injector, corrupt_newest_file
@@ -74,20 +75,6 @@ class ChaosConfig:
 
 KNOBS = {"RAYFLEX_POLL_INTERVAL_S": "0.1", "RAYFLEX_PLACEMENT_TIMEOUT_S": "30",
          "RAYFLEX_COLLECTIVE_TIMEOUT_S": "60", "RAYFLEX_HANG_TIMEOUT_FLOOR_S": "15"}
-
-
-@contextlib.contextmanager
-def _env(values: dict):
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @contextlib.contextmanager
@@ -176,7 +163,7 @@ def run_chaos(cfg: ChaosConfig) -> dict:
                     "nodes": cfg.nodes, "config": {k: v for k, v in asdict(cfg).items() if k != "workdir"}}
     t0 = time.time()
     fault_log = os.path.join(workdir, "injected_failures.jsonl")
-    with _s3_endpoint() as gate, _env({**AWS_TEST_ENV, "AWS_ENDPOINT_URL_S3": gate.url,
+    with _s3_endpoint() as gate, mock.patch.dict(os.environ, {**AWS_TEST_ENV, "AWS_ENDPOINT_URL_S3": gate.url,
                                        "RAYFLEX_HEARTBEAT_TIMEOUT_S": str(cfg.heartbeat_timeout_s),
                                        "RAYFLEX_FAULT_LOG": fault_log, **KNOBS}):
         import boto3

@@ -23,7 +23,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
+from unittest import mock
 
 from rayflex.errors import ConfigError
 from rayflex.planning.topology import Topology
@@ -80,22 +81,10 @@ def kill_netns(inode: int) -> int:
     return len(pids)
 
 
-@contextlib.contextmanager
-def node_env(ip: str, shim: str) -> Iterator[None]:
-    """This process's environment as a node's processes must inherit it."""
-    keys = (IP_VAR, "LD_PRELOAD", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-    old = {k: os.environ.get(k) for k in keys}
-    os.environ.update({IP_VAR: ip, "LD_PRELOAD": shim,
-                       # Ray refuses several node addresses on one machine unless told
-                       "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"})
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def node_env(ip: str, shim: str):
+    """This process's environment as a node's processes must inherit it, for a ``with``."""
+    # Ray refuses several node addresses on one machine unless told
+    return mock.patch.dict(os.environ, {IP_VAR: ip, "LD_PRELOAD": shim, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"})
 
 
 class LinkBed:
@@ -158,13 +147,9 @@ class LinkBed:
         return self._ray_nodes[node_id].node_id
 
     def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            import ray
+        from rayflex.local_ray import shut_down
 
-            ray.shutdown()
-        if self.cluster is not None:
-            with contextlib.suppress(Exception):
-                self.cluster.shutdown()
+        shut_down(self.cluster)
         self.cluster = None
 
     def __enter__(self) -> "LinkBed":
