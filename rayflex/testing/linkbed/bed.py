@@ -203,7 +203,8 @@ def host_flops(seconds: float = 0.5) -> float:
 
 
 def unshare_problem() -> Optional[str]:
-    """None when this process may make a private network namespace, else why not."""
+    """None when this process can run the bed (make a private network namespace, shape it,
+    build the shim), else why not."""
     if shutil.which("unshare") is None:
         return "util-linux's unshare is not installed"
     done = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
@@ -211,4 +212,6 @@ def unshare_problem() -> Optional[str]:
         return f"'unshare -n' failed ({done.stderr.strip() or done.returncode}): the bed needs root or CAP_SYS_ADMIN"
     if shutil.which("tc") is None:
         return "iproute2's tc is not installed"
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        return "no C compiler to build the connect shim (Debian: apt install gcc)"
     return None
