@@ -48,7 +48,9 @@ def test_the_planner_keeps_fsdp_inside_the_nodes_and_the_bytes_show_it(bed_run):
     plan = run["events"][0]
     placed = [run["nodes"][n] for n in plan["rank_to_node"]]
     # pp=2 x dp=2: each stage's FSDP pair on one node, the stage boundary across the racks
-    assert placed == run["planned"] == ["n0", "n0", "n1", "n1"]
+    # (which stage gets which node is a tie: Ray lists the nodes in an order of its own)
+    for layout in (placed, run["planned"]):
+        assert layout[0] == layout[1] != layout[2] == layout[3], layout
     steps = run["steps"][1] - run["steps"][0]
     measured = {tier: n / steps for tier, n in run["traffic"]["by_tier"].items()}
     predicted = run["predicted_per_step"]
@@ -68,8 +70,13 @@ def test_a_run_that_loses_an_emulated_node_goes_on_without_it(bed_run):
     assert run["status"] == "finished" and run["steps_completed"] == 40
     first = next(e for e in events if e["kind"] == "plan_chosen")
     assert len(set(first["rank_to_node"])) == 2, "the run started on both nodes"
-    lost = [e for e in events if e["kind"] == "node_lost"]
-    assert lost and lost[0]["node_id"] == run["lost"]["node_id"]
+    # Every rank of the killed node is named: dead workers, or the node lost once Ray has
+    # declared it dead (the survivors' broken collectives may restart the run before that)
+    on_lost = {r for r, n in enumerate(first["rank_to_node"]) if n == run["lost"]["node_id"]}
+    named = {e["rank"] for e in events if e["kind"] == "worker_died" and e["node_id"] == run["lost"]["node_id"]}
+    named |= {r for e in events if e["kind"] == "node_lost" and e["node_id"] == run["lost"]["node_id"]
+              for r in e["ranks"]}
+    assert len(on_lost) == 2 and on_lost <= named, (on_lost, [e["kind"] for e in events])
     sizes = [e["world_size"] for e in events if e["kind"] == "restarted"]
     assert sizes and sizes[-1] == 2, sizes
     last_plan = [e for e in events if e["kind"] == "plan_chosen"][-1]
