@@ -19,7 +19,7 @@ send/recv move what the ring says.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Sequence
 
 from rayflex.planning.cost_model import CommProfile, MeshShape
 from rayflex.planning.topology import LinkTier, Topology
@@ -77,7 +77,3 @@ def link_bytes(topology: Topology, mesh: MeshShape, profile: CommProfile, rank_t
                 out[topology.tier(a, b).name.lower()] += 2 * crossing  # forward and backward
     return out
 
-
-def by_tier(counts: Mapping[str, float]) -> dict[str, float]:
-    """``counts`` with every tier present (measured counters list only the tiers they saw)."""
-    return {t.name.lower(): float(counts.get(t.name.lower(), 0.0)) for t in LinkTier}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import logging
 import os
 import shutil
 import signal
@@ -29,8 +28,6 @@ from unittest import mock
 from rayflex.errors import ConfigError
 from rayflex.planning.topology import Topology
 from rayflex.testing.linkbed.links import LinkPlan, bytes_by_link, plan_links, tc_change_commands, tc_commands
-
-log = logging.getLogger(__name__)
 
 SHIM_SOURCE = Path(__file__).with_name("bindshim.c")
 # Not a RAYFLEX_* name: those are knobs the driver hands to every actor it creates, and a
