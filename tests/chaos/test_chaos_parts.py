@@ -10,6 +10,7 @@ import pytest
 from rayflex.telemetry import events as ev
 from rayflex.testing.chaos import KINDS, plan_faults
 from rayflex.testing.chaos import invariants as inv
+from rayflex.testing.chaos.bounds import DetectionTiming
 from rayflex.testing.chaos.replay import Segment, segments_from_events
 
 
@@ -87,20 +88,50 @@ def test_samples_invariant_catches_a_skip_and_a_repeat():
     assert not inv.samples_exact(good[:-1], sampler, 10)[0]  # a step never ran
 
 
+# The chaos knobs (0.1 s polls) on a host that steps in 0.1 s: 0.6 s of slack.
+TIMING = DetectionTiming(poll_s=0.1, notice_poll_s=0.5, nodes_refresh_s=0.5, heartbeat_s=3.0, step_s=0.1)
+
+
 def test_every_fault_needs_its_detection_in_time():
     faults = [{"index": 0, "kind": "kill_actor", "time": 100.0, "rank": 2, "node_id": "n1", "detail": {}},
               {"index": 1, "kind": "sigstop", "time": 200.0, "rank": 1, "node_id": "n2", "detail": {}}]
     events = [{"kind": "worker_died", "time": 100.2, "rank": 2, "node_id": "n1"},
               {"kind": "hang_detected", "time": 203.5, "ranks": [1]}]
-    ok, rows = inv.faults_accounted(faults, events, heartbeat_s=3.0)
+    ok, rows = inv.faults_accounted(faults, events, TIMING)
     assert ok and [r["detected_by"] for r in rows] == ["worker_died", "hang_detected"]
-    assert inv.faults_accounted(faults, ev.as_events(events), heartbeat_s=3.0) == (ok, rows)  # typed: the same
+    assert [r["bound_s"] for r in rows] == [0.7, 3.8]  # poll + slack; heartbeat + 2 polls + slack
+    assert inv.faults_accounted(faults, ev.as_events(events), TIMING) == (ok, rows)  # typed: the same
     newer = [{"kind": "elastic_resize_planned", "time": 100.1}, *events]  # a kind this version does not know
-    assert inv.faults_accounted(faults, newer, heartbeat_s=3.0) == (ok, rows)
+    assert inv.faults_accounted(faults, newer, TIMING) == (ok, rows)
     late = [dict(events[0], time=104.0), events[1]]
-    ok, rows = inv.faults_accounted(faults, late, heartbeat_s=3.0)
+    ok, rows = inv.faults_accounted(faults, late, TIMING)
     assert not ok and rows[0]["after_s"] == 4.0
-    assert not inv.faults_accounted(faults, events[:1], heartbeat_s=3.0)[0]
+    assert not inv.faults_accounted(faults, events[:1], TIMING)[0]
+
+
+def test_detection_bounds_follow_the_hosts_step_time():
+    # The same 4 s detection is late where a step takes 0.1 s and in time where the host
+    # is ten times slower: the slack is steps of this run, not seconds of one host.
+    faults = [{"index": 0, "kind": "kill_actor", "time": 100.0, "rank": 2, "node_id": "n1", "detail": {}}]
+    late = [{"kind": "worker_died", "time": 104.0, "rank": 2, "node_id": "n1"}]
+    assert not inv.faults_accounted(faults, late, TIMING)[0]
+    slow = DetectionTiming.of_run(3.0, [{"step": s, "step_time_s": t} for s, t in enumerate([0.9, 1.0, 1.1], 1)])
+    assert slow.step_s == 1.0 and slow.slack_s == 6.0
+    ok, rows = inv.faults_accounted(faults, late, slow)
+    assert ok and rows[0]["bound_s"] == slow.poll_s + 6.0
+
+
+def test_a_fault_inside_a_restart_is_timed_from_its_end():
+    # A spot notice at 100.0 while the controller restarts (detected 99.0, restarted 110.0):
+    # no attempt is polled until 110, so the notice read at 110.9 is in time.
+    faults = [{"index": 0, "kind": "preempt_short", "time": 100.0, "rank": None, "node_id": "n2", "detail": {}}]
+    events = [ev.Restarted(time=110.0, fault_time=99.0, world_size=2),
+              ev.PreemptionNotice(time=110.9, node_id="n2", action="restore_last_committed")]
+    ok, rows = inv.faults_accounted(faults, events, TIMING)
+    assert ok and rows[0]["bound_s"] == 10.0 + 0.5 + 0.1 + 0.6
+    # The same notice 0.9 s past its window's mechanism in a healthy run is late.
+    ok, rows = inv.faults_accounted(faults, events[1:], TIMING)
+    assert not ok and rows[0]["bound_s"] == 1.2
 
 
 def test_each_fault_kind_is_named_by_its_own_event():
@@ -117,17 +148,21 @@ def test_each_fault_kind_is_named_by_its_own_event():
               ev.PreemptionNotice(time=30.5, node_id="n1", action="restore_last_committed"),
               ev.CheckpointFailed(time=45.0, reason="StorageError"),
               ev.WorkerDied(time=50.2, rank=0, node_id="n0"),
-              ev.CheckpointLoaded(time=52.0, step=10, skipped=["step 15: checksum mismatch"])]
-    ok, rows = inv.faults_accounted(faults, events, heartbeat_s=3.0)
+              ev.CheckpointLoaded(time=52.0, step=10, skipped=["step 15: checksum mismatch"]),
+              ev.Restarted(time=52.5, fault_time=50.2, world_size=2)]
+    ok, rows = inv.faults_accounted(faults, events, TIMING)
     assert ok, rows
     assert [(r["detected_by"], r["after_s"]) for r in rows] == [
         ("worker_died", 0.5), ("preemption_notice", 0.6), ("preemption_notice", 0.5), ("checkpoint_failed", 5.0),
         ("checkpoint_loaded", 2.0)]
+    # The object store's bound is the product's promise (no slack); the corruption's is the
+    # kill's plus the restart that restores past it (2.3 s here).
+    assert rows[3]["bound_s"] == 7.0 and rows[4]["bound_s"] == 0.7 + 2.3
     # The kill alone does not name a corruption: the restart must have skipped that step.
-    ok, rows = inv.faults_accounted(faults[4:], events[:-1], heartbeat_s=3.0)
+    ok, rows = inv.faults_accounted(faults[4:], events[:-2], TIMING)
     assert not ok and rows[0]["detected_by"] is None
     with pytest.raises(ValueError, match="unknown fault kind"):
-        inv.faults_accounted([fault(5, "meteor", 1.0)], events, heartbeat_s=3.0)
+        inv.faults_accounted([fault(5, "meteor", 1.0)], events, TIMING)
 
 
 def test_injector_leaves_out_faults_too_close_to_the_end():
@@ -200,9 +235,9 @@ def test_raise_once_is_rearmed_after_a_restart_and_timed_from_the_raise(tmp_path
     injector.tick()
     assert injector.done and fault.time == now + 3 and fault.step == 21
     detected = [{"kind": "worker_failed", "time": now + 3.2, "rank": armed[1][0], "error": f"RuntimeError: {message}"}]
-    ok, rows = inv.faults_accounted([fault.to_dict()], detected, heartbeat_s=3.0)
+    ok, rows = inv.faults_accounted([fault.to_dict()], detected, TIMING)
     assert ok and rows[0]["after_s"] == pytest.approx(0.2, abs=1e-3)
-    assert not inv.faults_accounted([fault.to_dict()], [], heartbeat_s=3.0)[0], "a missed raise still fails"
+    assert not inv.faults_accounted([fault.to_dict()], [], TIMING)[0], "a missed raise still fails"
 
 
 def test_an_armed_failure_is_due_at_or_after_its_step():

@@ -45,6 +45,9 @@ def test_chaos_short_overlap_seed(tmp_path):
     report = run_chaos(ChaosConfig(seed=0, faults=8, workers=2, nodes=3, cpus_per_node=1, timing=timing,
                                     workdir=str(tmp_path), restart_while_warming=False, mode="overlap"))
     print(json.dumps({k: report[k] for k in ("run_s", "wall_s", "steps", "restarts", "world_sizes", "overlapped")}))
+    accounted = report["checks"]["faults_accounted"]
+    print(json.dumps({"timing": accounted["timing"], "faults": [
+        {k: r[k] for k in ("kind", "detected_by", "after_s", "bound_s")} for r in accounted["detail"]]}))
     _assert_passed(report)
     # Whether each second fault caught its window depends on the machine's speed (the
     # report says where it landed); that every second fault was planned into one does not.

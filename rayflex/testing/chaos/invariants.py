@@ -5,26 +5,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Union
 
 from rayflex.telemetry import events as ev
-
-# How fast each kind of fault must be named, in seconds after it happened (sigstop: after
-# the heartbeat timeout, which is added by the caller; s3_down: see storage_outage_bound_s).
-DETECTION_BOUND_S = {"kill_actor": 2.0, "remove_node": 5.0, "sigstop": 6.0, "preempt_long": 3.0,
-                     "preempt_short": 3.0, "raise_once": 10.0, "corrupt_checkpoint": 60.0}
-
-
-def storage_outage_bound_s() -> float:
-    """What the product promises for an object-store outage, from its own mechanism: the
-    recorder's ticker starts a write of the run directory every ``RUNDIR_FLUSH_S`` whatever
-    the controller is doing, and names a write still unfinished after ``STORAGE_STALL_S``
-    (or one that failed) at its next tick. The first write to hit the outage starts within
-    one interval of it: named within ``STORAGE_STALL_S + 2 x RUNDIR_FLUSH_S`` (7 s by
-    default) on any host — no step time, poll or restart in it."""
-    from rayflex.constants import knob
-
-    return knob("STORAGE_STALL_S") + 2 * knob("RUNDIR_FLUSH_S")
-# Faults named only once the heartbeat timeout has passed: it is added to their bound.
-_HEARTBEAT_BOUND = ("sigstop",)
-
+from rayflex.testing.chaos.bounds import DetectionTiming, bound_s
 
 def all_steps_finished(result, steps: int, *, stopped: bool = False) -> tuple[bool, str]:
     """The run ended at ``steps`` with every step in its metrics once: ``finished`` at its
@@ -175,8 +156,9 @@ def _recovered_after(fault: dict, named: ev.Event, events: list[ev.Event]) -> Op
 
 
 def faults_accounted(faults: list[dict], events: list[Union[ev.Event, dict]],
-                     heartbeat_s: float) -> tuple[bool, list[dict]]:
-    """For every injected fault: the event that named it, which detector, how fast."""
+                     timing: DetectionTiming) -> tuple[bool, list[dict]]:
+    """For every injected fault: the event that named it, which detector, how fast, and the
+    bound it had to meet (``bounds.bound_s``: the detector's knobs, the run's step time)."""
     events = ev.as_events(events)
     rows, ok = [], True
     for f in faults:
@@ -184,10 +166,8 @@ def faults_accounted(faults: list[dict], events: list[Union[ev.Event, dict]],
         row = {"index": f["index"], "kind": f["kind"], "rank": f.get("rank"), "node_id": (f.get("node_id") or "")[:8],
                "detected_by": e.kind.value if e else None,
                "after_s": round(e.time - f["time"], 3) if e else None}
-        bound = storage_outage_bound_s() if f["kind"] == "s3_down" else DETECTION_BOUND_S.get(f["kind"])
-        if f["kind"] in _HEARTBEAT_BOUND or (f["kind"] == "kill_actor" and isinstance(e, ev.HangDetected)):
-            bound += heartbeat_s
-        row["ok"] = e is not None and (bound is None or row["after_s"] <= bound)
+        bound = bound_s(f, e, events, timing)
+        row["ok"] = e is not None and row["after_s"] <= bound
         row["recovered_after_s"] = _recovered_after(f, e, events) if e is not None else None
         row["bound_s"] = bound
         if e is None:  # what the run did say about the target: a missed fault or a different path

@@ -152,6 +152,7 @@ def run_chaos(cfg: ChaosConfig) -> dict:
     """Run, inject, check. Returns the report (``passed`` and one entry per invariant)."""
     from rayflex.data.dataset import TokenDataset, write_synthetic_dataset
     from rayflex.testing.chaos import invariants as inv
+    from rayflex.testing.chaos.bounds import DetectionTiming
     from rayflex.testing.chaos.cluster import LocalCluster
     from rayflex.testing.chaos.replay import compare, first_divergence, replay, segments_from_events
     from rayflex.storage.manifest import step_dir
@@ -229,8 +230,9 @@ def run_chaos(cfg: ChaosConfig) -> dict:
         sampler = TokenDataset(data_uri).sampler(spec.data)
         ok, detail = inv.samples_exact(samples, sampler, last)
         checks["samples_once_per_epoch"] = {"ok": ok, "detail": detail}
-        ok, rows = inv.faults_accounted(faults, timeline.events, cfg.heartbeat_timeout_s)
-        checks["faults_accounted"] = {"ok": ok, "detail": rows}
+        timing = DetectionTiming.of_run(cfg.heartbeat_timeout_s, result.metrics)  # the knobs are still set here
+        ok, rows = inv.faults_accounted(faults, timeline.events, timing)
+        checks["faults_accounted"] = {"ok": ok, "detail": rows, "timing": {**asdict(timing), "slack_s": timing.slack_s}}
         report["world_sizes"] = [e.world_size for e in timeline.of(ev.PlanChosen)]
         report["restarts"] = len(timeline.of(ev.Restarted))
         if cfg.memory_replicas:  # where each restore read its shard files from (summed over ranks)
