@@ -12,7 +12,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 # environments (CI images, sandboxes) set this variable; it is not wanted here.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: venv emulators demo test test-cpu test-slow-host test-slow test-fast bench chaos chaos-overlap compare clean
+.PHONY: venv emulators demo test test-cpu test-slow-host test-slow test-fast bench chaos chaos-overlap compare gpu-kit clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,15 @@ chaos-overlap: venv
 # rayflex vs Ray Train vs torchrun on the same workload (the README's comparison table).
 compare: venv
 	$(PY) benchmarks/compare.py --rounds 5 --markdown --out benchmarks/results/compare.json
+
+# The GPU kit's wheels (a trimmed Ray, torchtitan and its pure-Python needs, torchao) for a
+# CPython 3.12 GPU machine without network, into .gpu_kit/wheels (git-ignored, < 64 MiB);
+# there: `bash benchmarks/gpu_device.sh` (docs/gpu_kit.md). Also a trimmed Ray for this
+# machine's Python in .gpu_kit/host, which tests/test_gpu_kit.py starts ray.init from.
+gpu-kit: venv
+	$(PY) benchmarks/gpu_kit_wheels.py --dest .gpu_kit/wheels --python-version 3.12
+	$(PY) benchmarks/gpu_kit_wheels.py --dest .gpu_kit/host --only ray \
+	  --python-version $$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache

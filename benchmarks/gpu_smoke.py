@@ -127,8 +127,8 @@ def trainer(args, data: str, storage: str, ckpt: str, name: str, steps: int, res
 
 # ----------------------------------------------------------------- running
 def run_with_ray(t) -> dict:
-    """One run through ``Trainer.fit()``: per-step (tokens, seconds), checkpoint saves,
-    the step it restored (None), setup seconds."""
+    """One run through ``Trainer.fit()``: per-step (tokens, seconds), the wall time each
+    step finished, checkpoint saves, the step it restored (None), setup seconds."""
     from rayflex.storage.rundir import RunDirectory
 
     result = t.fit(progress=False)
@@ -140,7 +140,8 @@ def run_with_ray(t) -> dict:
     failed = [e for e in events if e["kind"] == "checkpoint_failed"]
     loaded = [e["step"] for e in events if e["kind"] == "checkpoint_loaded"]
     started = [e for e in events if e["kind"] == "workers_started"]
-    return {"status": result.status, "steps": steps, "saves": saves, "save_errors": [e.get("reason") for e in failed],
+    return {"status": result.status, "steps": steps, "times": {m["step"]: m["time"] for m in result.metrics},
+            "saves": saves, "save_errors": [e.get("reason") for e in failed],
             "restored_step": loaded[0] if loaded else None,
             "setup_s": started[0]["setup_s"] if started else None, "completed": result.steps_completed}
 
@@ -167,6 +168,7 @@ def run_in_process(t, timeout_s: float = 600) -> dict:
     seq = spec.data.seq_len
     return {"status": "finished" if status.state == WorkerState.DONE else f"{status.state}: {status.error}",
             "steps": [(r.step, r.samples * seq, r.step_time_s) for r in status.records],
+            "times": {r.step: r.time for r in status.records},
             "saves": [{k: c.get(k) for k in ("step", "reason", "blocked_s", "total_s", "bytes", "committed",
                                              "waited_for_previous_s", "upload")} for c in status.checkpoints
                       if c.get("committed")],

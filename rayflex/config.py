@@ -508,10 +508,17 @@ class PrecisionConfig:
     ``param_dtype`` is the dtype parameters are all-gathered and computed in;
     ``reduce_dtype`` is the dtype gradients are reduce-scattered (and accumulated, between
     microbatches) in. The model's last output is cast to fp32, so the loss is fp32.
+
+    ``float8``: the blocks' linear layers compute their matmuls in float8 (torchao's
+    float8 training, dynamic scaling), converted per block before sharding as torchtitan
+    does; the output head and layers with a dimension not divisible by 16 stay as they
+    are. Needs torchao and GPUs of compute capability 8.9 or newer (H100, L4, ...): the
+    driver refuses it on CPU workers, a worker on an older GPU refuses it at setup.
     """
 
     param_dtype: str = "fp32"
     reduce_dtype: str = "fp32"
+    float8: bool = False
 
     def __post_init__(self) -> None:
         c = "PrecisionConfig"
@@ -521,6 +528,9 @@ class PrecisionConfig:
                 raise ConfigError(f"{c}.{name}", f"unknown dtype {value!r}",
                                   f"use one of {', '.join(PARAM_DTYPES)} (bf16 compute usually pairs with "
                                   "reduce_dtype='fp32')")
+        if not isinstance(self.float8, bool):
+            raise ConfigError(f"{c}.float8", f"must be True or False, got {self.float8!r}",
+                              "use True to train the linear layers in float8, False for param_dtype alone")
 
     @property
     def mixed(self) -> bool:
@@ -694,6 +704,26 @@ def validate_together(*, scaling: ScalingConfig, parallel: ParallelConfig, data:
                       num_blocks=num_blocks, what="num_workers")
 
 
+def check_float8(precision: PrecisionConfig, scaling: ScalingConfig, parallel: ParallelConfig) -> None:
+    """What the driver can know about ``PrecisionConfig(float8=True)`` before any actor:
+    CPU workers have no float8 matmul, tensor parallelism would need float8's own TP
+    styles, and torchao must be importable (checked without importing it: this module
+    stays torch-free). The GPU's compute capability is checked by each worker at setup."""
+    import importlib.util
+
+    c = "PrecisionConfig.float8"
+    if not scaling.use_gpu:
+        raise ConfigError(c, "float8 training needs GPUs of compute capability 8.9 or newer, and this run "
+                          "trains on CPUs (ScalingConfig(use_gpu=False))",
+                          "set ScalingConfig(use_gpu=True) on such GPUs (H100, H200, L4, ...), or drop float8")
+    if parallel.tp != 1:
+        raise ConfigError(c, f"float8 with tensor parallelism (tp={parallel.tp}) is not supported",
+                          "use tp=1 (FSDP and pipeline stages work with float8), or drop float8")
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(c, "float8 training uses torchao, which is not installed",
+                          "pip install torchao (a release built for your torch), or drop float8")
+
+
 def _validate_auto(scaling: ScalingConfig, parallel: ParallelConfig, data: DataConfig, num_blocks: int) -> None:
     """pp='auto': the mesh is chosen per world size later; check that one can exist now."""
     if data.micro_batch is not None:
@@ -775,6 +805,8 @@ class TrainSpec:
                                   "'auto' is chosen by the capacity planner, which only runs with "
                                   "ParallelConfig(layout='auto')",
                                   "set layout='auto', or pick 'none', 'full' or 'every_k' yourself")
+        if self.precision.float8:
+            check_float8(self.precision, self.scaling, self.parallel)
         if self.run.steps == 0 and not (self.checkpoint.resume or self.checkpoint.every_steps):
             raise ConfigError("RunConfig.steps", "steps=0 only saves the initial weights as the step-0 "
                               "checkpoint, and checkpoints are off (resume=False, every_steps=0)",

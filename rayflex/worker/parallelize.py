@@ -2,7 +2,8 @@
 schedules, grad norm.
 
 The mesh itself (ranks, stages, batch arithmetic) is :class:`rayflex.mesh.plan.MeshPlan`.
-Per stage the steps compose in torchtitan's order, each per block: tensor parallelism
+Per stage the steps compose in torchtitan's order, each per block: float8 linears
+(:mod:`rayflex.worker.float8`), tensor parallelism
 (the model's plan, :mod:`rayflex.models.tp_plan`, over the mesh's ``tp`` dim), activation
 checkpointing, ``torch.compile``, then ``fully_shard`` over the data-parallel dims (with
 the mixed-precision policy): one dim for FSDP, ``(dp_replicate, dp_shard)`` for HSDP.
@@ -137,9 +138,10 @@ def mixed_precision_policy(precision: PrecisionConfig, *, last: bool):
 def shard_stage(stage: Stage, dp_mesh, *, pipelined: bool, precision: Optional[PrecisionConfig] = None,
                 memory: Optional[MemoryConfig] = None, last: bool = True, tp_mesh=None,
                 spec: Optional[ModelSpec] = None) -> Stage:
-    """Tensor parallelism per block (``tp_mesh`` of more than one rank, by ``spec``'s plan),
-    checkpointing and compile per block (if asked), then ``fully_shard`` each block, then
-    the stage as root (torchtitan's recipe).
+    """Float8 linears per block (``precision.float8``), tensor parallelism per block
+    (``tp_mesh`` of more than one rank, by ``spec``'s plan), checkpointing and compile per
+    block (if asked), then ``fully_shard`` each block, then the stage as root (torchtitan's
+    recipe).
 
     With a pipeline the parameters stay gathered between forward and backward
     (``reshard_after_forward=False``): each microbatch would otherwise all-gather twice.
@@ -149,6 +151,12 @@ def shard_stage(stage: Stage, dp_mesh, *, pipelined: bool, precision: Optional[P
 
     precision = precision or PrecisionConfig()
     memory = memory or MemoryConfig()
+    if precision.float8:
+        if spec is None:
+            raise ValueError("shard_stage: float8 needs the ModelSpec (which block holds the output head)")
+        from rayflex.worker.float8 import convert_stage
+
+        convert_stage(stage, spec)  # on the model as built: before TP, checkpointing, compile and sharding
     if tp_mesh is not None and tp_mesh.size() > 1:
         if spec is None:
             raise ValueError("shard_stage: tensor parallelism needs the ModelSpec (its TP plan)")

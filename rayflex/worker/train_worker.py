@@ -32,6 +32,7 @@ from rayflex.worker import flight_recorder
 from rayflex.worker.collective_faults import collective_fault_for, committed
 from rayflex.worker.status import FlightRecord, Leaving, StepRecord, WorkerState, WorkerStatus
 from rayflex.worker.meta_init import build_sharded_stages
+from rayflex.worker.float8 import check_device as check_float8_device
 from rayflex.worker.parallelize import (build_device_mesh, build_schedule, clip_grads_, data_parallel_mesh,
                                         shard_stage, tp_grad_summed_params)
 from rayflex.config import TrainSpec
@@ -237,6 +238,8 @@ class TrainWorker:
         self._set_phase("setup")
         t0 = self._attempt_start = time.time()
         _clear_sharding_caches()  # a reused process may hold decisions about its old rank
+        if self.spec.precision.float8:  # what the driver could not know: this rank's GPU
+            check_float8_device(self.device, tp=self.plan.tp)
         # The world groups (worker/process_groups.py): the default one on the training
         # device's backend, a gloo control group for host scalars where that backend cannot
         # take them (NCCL), and the checkpoint's own gloo group (DCP runs in a background
