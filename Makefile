@@ -12,7 +12,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 # environments (CI images, sandboxes) set this variable; it is not wanted here.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: venv emulators demo test test-cpu test-slow-host test-slow test-fast bench chaos chaos-overlap compare gpu-kit clean
+.PHONY: venv emulators demo docs docs-shots test test-cpu test-slow-host test-slow test-fast bench chaos chaos-overlap compare gpu-kit clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,25 @@ emulators: $(AZURITE)
 # Train the example GPT with 4 FSDP2 workers on an embedded local Ray cluster.
 demo: venv
 	$(VENV)/bin/rayflex run examples/gpt_small.py --name gpt-demo-$$(date +%Y%m%d-%H%M%S)
+
+# The documentation site (MkDocs + Material + mkdocstrings) into build/site, strictly: a broken
+# link, a page missing from the navigation or a stale API name fails (tests/test_docs.py too).
+# The docs tools come with the test extra (`pip install -e ".[docs]"` for them alone).
+export NO_MKDOCS_2_WARNING := 1
+docs: venv
+	$(PY) -m mkdocs build --strict
+
+# Screenshots of the built home page and one guide, as a reader's browser draws them
+# (headless Chromium: Debian's `chromium` package), into build/site/_shots/ (not committed).
+CHROMIUM ?= chromium
+SHOTS := build/site/_shots
+docs-shots: docs
+	mkdir -p $(SHOTS)
+	$(CHROMIUM) --headless --no-sandbox --disable-gpu --hide-scrollbars --log-level=3 --window-size=1280,1400 \
+	  --screenshot=$(SHOTS)/home.png file://$(CURDIR)/build/site/index.html
+	$(CHROMIUM) --headless --no-sandbox --disable-gpu --hide-scrollbars --log-level=3 --window-size=1280,1400 \
+	  --screenshot=$(SHOTS)/guide-checkpoints.png file://$(CURDIR)/build/site/guides/checkpoints/index.html
+	@ls -l $(SHOTS)
 
 # The test suite (starts its own Ray clusters and S3 endpoint on loopback), on two workers
 # run side by side (see tests/conftest.py): cluster tests mostly wait.
@@ -76,7 +95,8 @@ chaos: venv
 chaos-overlap: venv
 	$(PY) -m rayflex.chaos --mode overlap --seed 1 2 3 --faults 16 --out benchmarks/results/chaos_overlap.json
 
-# rayflex vs Ray Train vs torchrun on the same workload (the README's comparison table).
+# rayflex vs Ray Train vs torchrun on the same workload; the README's ratio table is then
+# `python benchmarks/tables.py ratios`.
 compare: venv
 	$(PY) benchmarks/compare.py --rounds 5 --markdown --out benchmarks/results/compare.json
 
@@ -90,4 +110,4 @@ gpu-kit: venv
 	  --python-version $$($(PY) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 
 clean:
-	rm -rf $(VENV) runs data .pytest_cache
+	rm -rf $(VENV) runs data .pytest_cache build/site

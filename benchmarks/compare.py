@@ -254,7 +254,7 @@ LABELS = {"rayflex": "rayflex", "ray_train": "Ray Train `TorchTrainer` (FSDP2 in
 
 
 def markdown(results: dict, by_round: dict) -> str:
-    """The README's table (medians over rounds; tokens/s with its min-max) and the
+    """The benchmarks/README.md table (medians over rounds; tokens/s with its min-max) and the
     round-by-round ratios of each peer to rayflex."""
     def fmt(v, spec):
         if v is None:
@@ -278,7 +278,7 @@ def markdown(results: dict, by_round: dict) -> str:
 
 
 def table_from(path: str) -> str:
-    """The README table from a committed result (``--table-from benchmarks/results/compare.json``)."""
+    """The benchmarks/README.md table from a committed result (``--table-from benchmarks/results/compare.json``)."""
     with open(path) as f:
         got = json.load(f)
     return markdown(got["results"], got.get("ratios_vs_rayflex_by_round", {}))
@@ -305,7 +305,7 @@ def main() -> None:
                          "the per-parameter loop on CPU), or one kernel for all (what remains is overhead)")
     ap.add_argument("--rayflex-upload", default="auto", choices=("auto", "thread", "process"),
                     help="rayflex's CheckpointConfig.upload (where an async save's bytes are written from)")
-    ap.add_argument("--table-from", metavar="JSON", help="only print the README table of a committed result")
+    ap.add_argument("--table-from", metavar="JSON", help="only print the benchmarks/README.md table of a committed result")
     ap.add_argument("--keep-dir", action="store_true", help="keep the temporary data, logs and checkpoints")
     ap.add_argument("--markdown", action="store_true", help="also print the markdown table to stderr")
     ap.add_argument("--out", help="also write the JSON here (Ray's driver log lines can share stdout)")

@@ -1,11 +1,11 @@
-"""The README's `ray job submit` section, executed as written.
+"""The documented `ray job submit` recipe (docs/user_surfaces.md), executed as written.
 
-The bash block is read from README.md (not copied here) and its commands are typed, one
+The bash block is read from docs/user_surfaces.md (not copied here) and its commands are typed, one
 by one, into one bash session — in a scratch copy of what a user's checkout holds
 (examples/, .gitignore, a .venv whose activate script is this venv's), with a scratch HOME
 so the token `ray get-auth-token --generate` writes is its own. Between two commands the
 test waits only where a user would: after the first submit, for a few steps to show in
-the logs. Ray's default ports (6379, 8265) are used, as in the README: this is the one
+the logs. Ray's default ports (6379, 8265) are used, as in the recipe: this is the one
 test that needs them, so it is marked slow (``make test-slow``) and never shares a run
 with another Ray head.
 """
@@ -33,9 +33,9 @@ VENV = Path(sys.executable).parent.parent
 
 
 def readme_job_commands() -> list[str]:
-    """The commands of the README's `ray job submit` block (continuations joined)."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("**`ray job submit`**"):]
+    """The commands of the documented `ray job submit` recipe (continuations joined)."""
+    text = (REPO / "docs" / "user_surfaces.md").read_text()
+    section = text[text.index("**The recipe**"):]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     commands, current = [], ""
     for line in block.splitlines():
@@ -143,7 +143,7 @@ def test_the_readme_job_recipe_runs_as_written(tmp_path):
         assert not _alive(head_pid), "the head exited"
         head_pid = None
     finally:
-        if head_pid is not None:  # a failed step: stop the head the way the README does
+        if head_pid is not None:  # a failed step: stop the head the way the recipe does
             os.kill(head_pid, signal.SIGTERM)
         shell.close()
         (tmp_path / "transcript.txt").write_text("\n".join(shell.transcript))
