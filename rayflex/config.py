@@ -333,7 +333,7 @@ class CheckpointConfig:
     # nodes (another rack when the run has one). A restart then reads what it can from
     # memory — a dead process from its node's copy, a lost node from a replica — and the
     # rest from storage. 0: off. Costs (1 + memory_replicas) x the checkpoint's size of
-    # RAM across the cluster, twice while a save is in flight (README "Memory replicas").
+    # RAM across the cluster, twice while a save is in flight (docs/guides/checkpoints.md, "Memory replicas").
     memory_replicas: int = 0
     # The most host memory the copies may take on one node, in GB (oldest steps go first;
     # a file beyond it is not kept). None: a quarter of the node's RAM.
@@ -405,7 +405,7 @@ class ElasticConfig:
     restart_while_warming: bool = True
     # Entries of torch's collective flight recorder per worker process (0 = off): on a
     # hang the controller reads every rank's and names the deadlock (a hang_diagnosed
-    # event; README "When a run hangs").
+    # event; docs/guides/hangs.md).
     flight_recorder: int = 2000
 
     def __post_init__(self) -> None:
@@ -634,7 +634,7 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     log_every: int = 1
     # Experiment trackers fed by the controller: any of "tensorboard", "mlflow", "wandb"
-    # (README "Experiment trackers"; rayflex/telemetry/trackers/).
+    # (docs/guides/trackers.md; rayflex/telemetry/trackers/).
     loggers: tuple = ()
     mlflow_tracking_uri: Optional[str] = None  # None: MLflow's default (MLFLOW_TRACKING_URI)
     mlflow_experiment: str = "rayflex"
