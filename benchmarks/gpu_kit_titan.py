@@ -4,7 +4,7 @@
                                        [--no-cuda-graphs] [--out F]
 
 torchtitan's own trainer (``torchtitan.trainer.Trainer``, built from a ``Trainer.Config``
-as its ``train.py`` does) on its ``llama3`` "1B" flavour with SDPA attention, changed only
+as its ``train.py`` does) on its ``llama3`` "1B" flavour with its own attention (FlexAttention: 0.3 dropped SDPA), changed only
 where the kit's workload (``gpu_kit_workload.titan_settings``) says: weight tying off (the
 embedding then gets torchtitan's own embedding init), no activation checkpointing,
 compile of model and loss, the kit's batch, sequence length and AdamW. Its defaults stay
