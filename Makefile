@@ -6,6 +6,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# torchao for tests/test_float8.py only, beside the venv: inside it, transformers imports it
+# with every model (+1.4 CPU-s per process that builds an HF model, measured), which every
+# HF test's Ray workers would pay.
+TORCHAO_VERSION ?= 0.18.0
+FLOAT8_TEST_DEPS ?= .cache/float8-test
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 # Every Ray worker process imports rayflex: without cached bytecode each one compiles its
 # ~21k lines again (~0.3 CPU-s a process, hundreds of processes in `make test`). Some
@@ -19,6 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -q -e ".[test]" "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q --no-deps --target $(FLOAT8_TEST_DEPS) "torchao==$(TORCHAO_VERSION)"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +23,13 @@ from rayflex.errors import ConfigError
 from rayflex.models import gpt
 from rayflex.models.spec import ModelSpec, build_stage
 
-pytest.importorskip("torchao.float8", reason="float8 training needs torchao (pip install torchao)")
+# `make venv` installs torchao beside the venv, not in it (Makefile: FLOAT8_TEST_DEPS): in
+# the venv, transformers would import it with every HF model in every test's workers.
+_BESIDE = Path(__file__).resolve().parents[1] / ".cache" / "float8-test"
+if importlib.util.find_spec("torchao") is None and _BESIDE.is_dir():
+    sys.path.append(str(_BESIDE))
+pytest.importorskip("torchao.float8", reason="float8 training needs torchao: `make venv` installs it into "
+                    ".cache/float8-test (or pip install torchao)")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
 from rayflex.worker import float8  # noqa: E402
