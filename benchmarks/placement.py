@@ -34,7 +34,8 @@ capacity planner's model) and memory per rank of
 The goal: rayflex's layout is the fastest of them by the model and fits in memory.
 
 Prints one JSON object on stdout; logs go to stderr.
-Usage: ``python benchmarks/placement.py [--seeds 5] [--repeats 5] [--only-3d]``.
+Usage: ``python benchmarks/placement.py [--seeds 5] [--repeats 5] [--only-3d]``; ``--measured`` on the link
+bed (``placement_measured.py``); ``--remodel [JSON]`` recomputes a measured JSON's model columns.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from rayflex.planning.placement.planner import CommProfile, MeshShape, Planner, 
 from rayflex.planning.topology import NodeInfo, Topology
 
 log = logging.getLogger("benchmarks.placement")
+RESULTS = Path(__file__).resolve().parent / "results"
 
 # name, nodes, GPUs per node, racks, zones, pp, dp, model
 CASES = [
@@ -261,9 +263,21 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=16, help="--measured: steps per run")
     parser.add_argument("--scale", type=float, default=1e-3, help="--measured: the bed's link scale")
     parser.add_argument("--topologies", default=None, help="--measured: comma-separated topology files")
-    parser.add_argument("--out", default=None, help="--measured: also write the JSON here")
+    parser.add_argument("--out", default=None, help="--measured / --remodel: also write the JSON here")
+    parser.add_argument("--remodel", nargs="?", const=str(RESULTS / "placement_measured.json"), default=None,
+                        metavar="JSON", help="recompute every model column of a --measured JSON from its measured "
+                        "step times (unchanged) and write it back (default: the committed results); no bed, no Ray")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    if args.remodel:
+        import placement_measured as pm
+
+        path = Path(args.remodel)
+        data = pm.remodel(path)
+        text = json.dumps(data, indent=2, default=float) + "\n"
+        Path(args.out or path).write_text(text)
+        print(text, end="")
+        return
     if args.measured:
         import placement_measured as pm
         from common import emit, machine

@@ -14,13 +14,16 @@ alternate within each of ``--rounds`` rounds. Per run: the median step time afte
 Modelled beside each: the step's compute and everything but the links, measured per round
 and layout with every link at the topology's own speed (which loopback cannot reach:
 effectively free), plus the cost model's communication seconds for the assignment that
-actually ran, at the bed's bandwidths. Two model figures: ``model`` (the cost model as the
-planner uses it: rings at the link's full rate, no overlap with compute) and ``model_gloo2``
+actually ran, at the bed's bandwidths. Three model figures: ``model`` (only what the step
+cannot hide behind that compute, ``rayflex.planning.step_model``), ``model_full_charge``
+(the cost model as the planner uses it: rings at the link's full rate, no overlap) and ``model_gloo2``
 (the same terms times the time factors ``benchmarks/results/linkbed_calibrate.json``
 measured for gloo in two-rank groups, where its all-gather and all-reduce ran at ~half the
-link's rate and its reduce-scatter moved twice the bytes). Summary per topology: error of each figure per run, the Spearman
+link's rate and its reduce-scatter moved twice the bytes, applied to the full charge). Summary
+per topology: error of each figure per run, the Spearman
 rank correlation of modelled and measured step times over all runs, and the planner's
-measured margin over node order against the modelled one.
+measured margin over node order against the modelled one. ``placement.py --remodel [JSON]``
+recomputes all of it from a JSON's measured step times and baselines (:func:`remodel`).
 """
 
 from __future__ import annotations
@@ -111,15 +114,26 @@ def time_factors() -> dict:
             for op in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")}
 
 
-def modelled_comm(topology, layout: str, rank_to_node: list, scale: float, factors: dict) -> dict:
-    """The cost model's seconds for an assignment at the bed's bandwidths: raw, and with
-    gloo's measured time per collective."""
+def layout_plan(topology, layout: str):
+    """The plan (mesh, profile) of ``layout`` on ``topology`` and its FSDP units per stage."""
+    trainer = _trainer("/nowhere", "model", layout, "planned", 1)
+    plan = trainer.plan(topology)
+    return plan, max(1, trainer.spec.model.num_blocks // plan.mesh.pp)
+
+
+def modelled_comm(topology, layout: str, rank_to_node: list, scale: float, factors: dict,
+                  baseline_s: float = 0.0) -> dict:
+    """The cost model's seconds for an assignment at the bed's bandwidths: raw (every
+    collective charged in full), with gloo's measured time per collective, and the part a
+    step cannot hide behind the layout's compute (``rayflex.planning.step_model``, the
+    compute being ``baseline_s``, the same layout's step on unshaped links)."""
     from dataclasses import fields
 
     from rayflex.planning.cost_model import modeled_comm
+    from rayflex.planning.step_model import exposed_comm
     from rayflex.planning.topology import Bandwidths
 
-    plan = _trainer("/nowhere", "model", layout, "planned", 1).plan(topology)
+    plan, units = layout_plan(topology, layout)
     bw = topology.bandwidths
     scaled = Bandwidths(**{f.name: getattr(bw, f.name) * scale for f in fields(Bandwidths)})
     b = modeled_comm(topology, plan.mesh, plan.profile, rank_to_node, scaled)
@@ -127,7 +141,8 @@ def modelled_comm(topology, layout: str, rank_to_node: list, scale: float, facto
     fsdp = ((n - 1) * factors["all_gather"] + factors["reduce_scatter"]) / n
     calibrated = (sum(b.fsdp_s) * fsdp + sum(b.replica_s) * factors["all_reduce"]
                   + sum(b.p2p_s) * factors["send_recv"] + b.tp_total * factors["all_reduce"])
-    return {"raw_s": b.total, "calibrated_s": calibrated}
+    exposed = exposed_comm(plan.mesh, plan.profile, b, baseline_s, units=units)
+    return {"raw_s": b.total, "calibrated_s": calibrated, "exposed_s": exposed.total, "exposed": exposed.to_dict()}
 
 
 def spearman(xs: list, ys: list) -> float:
@@ -150,11 +165,13 @@ def spearman(xs: list, ys: list) -> float:
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
-def summarise(topology_path: Path, bed: dict) -> dict:
-    from rayflex.planning.topology import Topology
+MODEL = ("model_s: the layout's step on unshaped links (baseline_s, same run) + the communication the step "
+         "cannot hide (rayflex.planning.step_model: pipeline sends only in fill and drain, reductions behind "
+         "the backward left or staggered across stages); model_full_charge_s: baseline + every collective "
+         "charged in full (the cost model's seconds); model_gloo2_s: the full charge x gloo's two-rank time factors")
 
-    topology = Topology.from_file(topology_path)
-    factors, scale = time_factors(), bed["result"]["scale"]
+
+def summarise(topology_path: Path, bed: dict) -> dict:
     base = {layout: statistics.median(b["step_s"] for b in bed["result"]["baseline"] if b["layout"] == layout)
             for layout in LAYOUTS}
     cells: dict = {}
@@ -164,27 +181,59 @@ def summarise(topology_path: Path, bed: dict) -> dict:
                                       "rank_to_node": row["rank_to_node"], "bytes_per_step": row["bytes_per_step"]})
         cell["step_s"].append(row["step_s"])
         assert cell["rank_to_node"] == row["rank_to_node"], "an order placed the ranks differently across rounds"
+    runs = [{**cell, "measured_s": statistics.median(cell["step_s"]),
+             "spread_s": [min(cell["step_s"]), max(cell["step_s"])], "baseline_s": base[cell["layout"]]}
+            for cell in cells.values()]
+    return model_columns(topology_path, bed["result"]["scale"], runs)
+
+
+def model_columns(topology_path: Path, scale: float, runs: list) -> dict:
+    """Every model column, error, margin and rank correlation of ``runs`` (each with its
+    layout, placement, rank_to_node, measured_s and baseline_s), from those fields alone:
+    what ``--measured`` reports and ``--remodel`` recomputes."""
+    from rayflex.planning.topology import Topology
+
+    topology = Topology.from_file(topology_path if topology_path.is_absolute() else ROOT / topology_path)
+    factors = time_factors()
     out = []
-    for (layout, placement), cell in cells.items():
-        comm = modelled_comm(topology, layout, cell["rank_to_node"], scale, factors)
-        measured = statistics.median(cell["step_s"])
-        model, model_gloo = base[layout] + comm["raw_s"], base[layout] + comm["calibrated_s"]
-        out.append({**cell, "measured_s": measured, "spread_s": [min(cell["step_s"]), max(cell["step_s"])],
-                    "baseline_s": base[layout], "model_s": model, "model_gloo2_s": model_gloo,
-                    "model_error": model / measured - 1, "model_gloo2_error": model_gloo / measured - 1})
+    for run in runs:
+        measured, baseline = run["measured_s"], run["baseline_s"]
+        comm = modelled_comm(topology, run["layout"], run["rank_to_node"], scale, factors, baseline)
+        model, full, gloo = baseline + comm["exposed_s"], baseline + comm["raw_s"], baseline + comm["calibrated_s"]
+        kept = {k: v for k, v in run.items() if not k.startswith("model")}
+        out.append({**kept, "model_s": model, "model_full_charge_s": full, "model_gloo2_s": gloo,
+                    "model_error": model / measured - 1, "model_full_charge_error": full / measured - 1,
+                    "model_gloo2_error": gloo / measured - 1, "model_exposed": comm["exposed"]})
     by = {(c["layout"], c["placement"]): c for c in out}
     margins = {}
-    for layout in LAYOUTS:
+    for layout in dict.fromkeys(c["layout"] for c in out):
         p, n = by[(layout, "planned")], by[(layout, "node_order")]
-        modelled = n["model_s"] - p["model_s"]
-        margins[layout] = {"measured_s": n["measured_s"] - p["measured_s"], "modelled_s": modelled,
-                           "measured_over_modelled": (n["measured_s"] - p["measured_s"]) / modelled if modelled > 1e-9 else None}
-    return {"topology": str(topology_path.relative_to(ROOT)), "scale": scale, "time_factors": factors,
-            "runs": out, "planner_margin_over_node_order": margins,
-            "spearman_model": spearman([c["model_s"] for c in out], [c["measured_s"] for c in out]),
-            "spearman_model_gloo2": spearman([c["model_gloo2_s"] for c in out], [c["measured_s"] for c in out]),
-            "max_abs_model_error": max(abs(c["model_error"]) for c in out),
-            "max_abs_model_gloo2_error": max(abs(c["model_gloo2_error"]) for c in out)}
+        measured = n["measured_s"] - p["measured_s"]
+        margins[layout] = {"measured_s": measured}
+        for name, key in (("", "model_s"), ("_full_charge", "model_full_charge_s")):
+            modelled = n[key] - p[key]
+            margins[layout].update({f"modelled{name}_s": modelled,
+                                    f"measured_over_modelled{name}": measured / modelled if modelled > 1e-9 else None})
+    measured = [c["measured_s"] for c in out]
+    summary = {"topology": str(topology_path.relative_to(ROOT)) if topology_path.is_absolute() else str(topology_path),
+               "scale": scale, "time_factors": factors, "model": MODEL, "runs": out,
+               "planner_margin_over_node_order": margins}
+    for name in ("model", "model_full_charge", "model_gloo2"):
+        errors = [abs(c[f"{name}_error"]) for c in out]
+        summary.update({f"spearman_{name}": spearman([c[f"{name}_s"] for c in out], measured),
+                        f"max_abs_{name}_error": max(errors),
+                        f"{name}_runs_within_20pct": sum(e <= 0.2 for e in errors)})
+    return summary
+
+
+def remodel(path: Path) -> dict:
+    """``path``'s committed results with every model column recomputed from its measured
+    step times and baselines (unchanged): the model changes, the measurements do not."""
+    data = json.loads(path.read_text())
+    keep = ("wall_s", "traffic_total")
+    data["results"] = [{**model_columns(Path(r["topology"]), r["scale"], r["runs"]),
+                        **{k: r[k] for k in keep if k in r}} for r in data["results"]]
+    return data
 
 
 def run(topologies: list, rounds: int, steps: int, scale: float) -> list:
