@@ -81,3 +81,37 @@ def test_a_run_that_loses_an_emulated_node_goes_on_without_it(bed_run):
     assert sizes and sizes[-1] == 2, sizes
     last_plan = [e for e in events if e["kind"] == "plan_chosen"][-1]
     assert run["lost"]["node_id"] not in last_plan["rank_to_node"]
+
+
+def test_an_emulated_node_targets_nothing_outside_loopback():
+    # Inside a private namespace whose only interface is lo, with a default route over it (so
+    # the kernel would accept a datagram connect anywhere: only the shim can refuse it), a
+    # process of an emulated node: a connect to a loopback address leaves from the node's
+    # address, one to any other address (Ray probes 8.8.8.8:53 to learn its own) is refused
+    # by the shim with ENETUNREACH before the kernel sees it.
+    problem = unshare_problem()
+    if problem:
+        pytest.skip(f"the link bed cannot run here: {problem}")
+    from rayflex.testing.linkbed.bed import build_shim
+
+    probe = (
+        "import errno, socket\n"
+        "out = {}\n"
+        "for family, addr in ((socket.AF_INET, ('8.8.8.8', 53)), (socket.AF_INET6, ('2001:4860:4860::8888', 53))):\n"
+        "    s = socket.socket(family, socket.SOCK_DGRAM)\n"
+        "    out[addr[0]] = s.connect_ex(addr)\n"
+        "listener = socket.socket(); listener.bind(('127.0.0.1', 0)); listener.listen()\n"
+        "c = socket.create_connection(listener.getsockname())\n"
+        "out['source'] = c.getsockname()[0]\n"
+        "print(out)\n")
+    script = ("ip link set lo up && ip route add default dev lo && (ip -6 route add default dev lo || true) && "
+              f"exec {sys.executable} -c \"$PROBE\"")
+    done = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PROBE": probe, "LD_PRELOAD": build_shim(),
+                               "LINKBED_NODE_IP": "127.0.2.1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    import ast
+    import errno
+
+    got = ast.literal_eval(done.stdout.strip())
+    assert got == {"8.8.8.8": errno.ENETUNREACH, "2001:4860:4860::8888": errno.ENETUNREACH, "source": "127.0.2.1"}

@@ -4,7 +4,10 @@
  *     127.0.0.1 (the kernel's choice for an unbound socket), so tc can tell which node sent
  *     each packet;
  *   - the host's name is the node's address, as a real node's name resolves to its own
- *     address (gloo binds its listener to whatever the host name resolves to).
+ *     address (gloo binds its listener to whatever the host name resolves to);
+ *   - nothing outside loopback is ever a target: such a connect fails with ENETUNREACH
+ *     before the kernel sees it (Ray probes 8.8.8.8 to learn its own address; the private
+ *     namespace has no route there either, this makes it explicit).
  * Without LINKBED_NODE_IP both calls behave as libc's. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -48,11 +51,26 @@ static void bind_to_node(int fd, const struct sockaddr *to, const char *ip) {
     }
 }
 
+static int outside_loopback(const struct sockaddr *to) {
+    if (to->sa_family == AF_INET)
+        return (ntohl(((const struct sockaddr_in *)to)->sin_addr.s_addr) >> 24) != 127;
+    if (to->sa_family == AF_INET6) {
+        const struct in6_addr *a = &((const struct sockaddr_in6 *)to)->sin6_addr;
+        if (IN6_IS_ADDR_LOOPBACK(a)) return 0;
+        return !IN6_IS_ADDR_V4MAPPED(a) || a->s6_addr[12] != 127;
+    }
+    return 0;  /* unix sockets, AF_UNSPEC (a datagram socket's disconnect) */
+}
+
 int connect(int fd, const struct sockaddr *to, socklen_t len) {
     typedef int (*connect_fn)(int, const struct sockaddr *, socklen_t);
     static connect_fn real = 0;
     if (!real) real = (connect_fn)dlsym(RTLD_NEXT, "connect");
     const char *ip = getenv("LINKBED_NODE_IP");
+    if (ip && to && outside_loopback(to)) {
+        errno = ENETUNREACH;
+        return -1;
+    }
     if (ip && to) {
         int saved = errno;
         bind_to_node(fd, to, ip);  /* a failed bind leaves the socket as it was */
