@@ -15,11 +15,7 @@ import pytest
 
 from rayflex.testing.linkbed.bed import unshare_problem
 
-# The bed's two runs are one subprocess bounded by its own timeout (BED_TIMEOUT_S); pytest's
-# default per test (300 s, pyproject) is shorter than that run inside the slow-host quota
-# (283-300 s at 0.6 of one core), and the module fixture's time counts against the first test.
-BED_TIMEOUT_S = 900
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(BED_TIMEOUT_S + 60)]
+pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGY = ROOT / "examples" / "topologies" / "two_racks_small.yaml"
@@ -41,7 +37,7 @@ def bed_run(tmp_path_factory):
     done = subprocess.run([sys.executable, "-m", "rayflex.testing.linkbed", "--topology", str(TOPOLOGY),
                            "--scale", str(SCALE), "--ray-system-config", json.dumps(HEALTH), "--out", str(out),
                            "--call", "linkbed_scenarios:pipeline_then_node_lost"],
-                          env=env, capture_output=True, text=True, timeout=BED_TIMEOUT_S)
+                          env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -71,7 +67,7 @@ def test_the_planner_keeps_fsdp_inside_the_nodes_and_the_bytes_show_it(bed_run):
 def test_a_run_that_loses_an_emulated_node_goes_on_without_it(bed_run):
     run = bed_run["result"]["node_lost"]
     events = run["events"]
-    assert run["status"] == "finished" and run["steps_completed"] == run["target_steps"]
+    assert run["status"] == "finished" and run["steps_completed"] == 40
     first = next(e for e in events if e["kind"] == "plan_chosen")
     assert len(set(first["rank_to_node"])) == 2, "the run started on both nodes"
     # Every rank of the killed node is named: dead workers, or the node lost once Ray has
