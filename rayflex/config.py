@@ -304,6 +304,7 @@ class DataConfig:
 
 
 UPLOAD_MODES = ("auto", "process", "thread")
+WHEN_BUSY = ("defer", "wait")  # what each does: rayflex.storage.save_timing
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -338,6 +339,11 @@ class CheckpointConfig:
     # The most host memory the copies may take on one node, in GB (oldest steps go first;
     # a file beyond it is not kept). None: a quarter of the node's RAM.
     memory_budget_gb: Optional[float] = None
+    # A save that falls due while the previous one is still being written: "defer" takes it
+    # at the first step boundary after that upload ended (training never waits for an
+    # upload; a checkpoint_deferred event says so), "wait" takes it on time and training
+    # waits for the previous upload first. Emergency, stop and final saves always wait.
+    when_busy: str = "defer"
 
     @property
     def memory_budget_bytes(self) -> Optional[int]:
@@ -365,6 +371,9 @@ class CheckpointConfig:
             raise ConfigError(f"{c}.upload", f"unknown upload mode {self.upload!r}",
                               f"use one of {', '.join(UPLOAD_MODES)}")
         _positive_int(c, "upload_threads", self.upload_threads)
+        if self.when_busy not in WHEN_BUSY:
+            raise ConfigError(f"{c}.when_busy", f"unknown policy {self.when_busy!r}",
+                              f"use one of {', '.join(WHEN_BUSY)} (\"defer\": training never waits for an upload)")
         _non_negative_int(c, "memory_replicas", self.memory_replicas,
                           "use 0 (off) or the number of other nodes to copy each shard to, e.g. 1")
         if self.memory_budget_gb is not None and (isinstance(self.memory_budget_gb, bool) or not isinstance(

@@ -21,6 +21,7 @@ STORED_KINDS = {
     "checkpoint_loaded", "worker_failed", "worker_died", "node_lost", "hang_detected", "hang_diagnosed", "straggler_detected",
     "preemption_notice", "restarted", "storage_unavailable", "storage_recovered", "run_stopped",
     "run_finished", "run_failed", "schedule_changed", "checkpoint_interval_chosen", "memory_replicas_short",
+    "checkpoint_deferred",
 }
 
 
@@ -36,6 +37,7 @@ def one_of_each() -> list[ev.Event]:
                           build_s=1.0, restore_s=0.25),
         ev.CheckpointCommitted(time=T0 + 12, step=10, uri="memory://ckpt/10", blocked_s=0.1, total_s=0.5,
                                bytes=1234),
+        ev.CheckpointDeferred(time=T0 + 12.5, step=11, behind_step=10),
         ev.StragglerDetected(time=T0 + 13, step=11, rank=3, node_id="b", ratio=2.5),
         ev.PreemptionNotice(time=T0 + 14, step=12, node_id="b", deadline=T0 + 34, source="ray_drain", ranks=[2, 3],
                             seconds_left=20.0, needed_s=1.0, action="emergency_checkpoint", reason="enough time"),

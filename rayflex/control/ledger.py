@@ -157,7 +157,10 @@ class StepLedger:
         if ck.get("replicated_s") is not None:
             self.replication_seconds.append(ck.get("blocked_s", 0.0) + ck["replicated_s"])
             del self.replication_seconds[:-8]
-        if ck.get("handed_off"):
+        if ck.get("deferred"):
+            self.recorder.record(ev.CheckpointDeferred(step=ck["step"], behind_step=ck.get("behind_step"),
+                                                       reason=ck.get("reason", "periodic")))
+        elif ck.get("handed_off"):
             self.handed_off = ck  # committed by the controller (control.handoff), or never
         else:
             self.checkpoint_done(ck)
@@ -173,7 +176,8 @@ class StepLedger:
             self.recorder.record(ev.CheckpointCommitted(step=ck["step"], uri=ck.get("uri", ""),
                                                         blocked_s=ck.get("blocked_s", 0.0),
                                                         total_s=ck.get("total_s", 0.0), bytes=ck.get("bytes", 0),
-                                                        reason=ck.get("reason", ""), upload=ck.get("upload", "")))
+                                                        reason=ck.get("reason", ""), upload=ck.get("upload", ""),
+                                                        due_step=ck.get("due_step")))
         elif ck.get("error"):
             self.recorder.record(ev.CheckpointFailed(step=ck.get("step"), reason=ck["error"]))
 

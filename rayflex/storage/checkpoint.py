@@ -6,7 +6,8 @@ per attempt. DCP then plans and writes each rank's own shards through fsspec in 
 background thread, coordinating on a dedicated gloo group. When rank 0's save completes, DCP has written
 ``.metadata`` after gathering every rank's write result, so every shard is durable; rank 0
 then writes the commit marker (manifest.commit) — last — and applies retention. At most one
-save is in flight: a new save first waits for the previous one (the "wait" policy).
+save is in flight: a new save first waits for the previous one; whether a due save is taken
+then or deferred until that upload ended is the workers' decision (``save_timing``).
 
 Load: rank 0 picks the newest committed step that verifies (falling back past a corrupt
 one), broadcasts its choice, and every rank loads it into its *current* mesh: DCP reshards
@@ -262,8 +263,10 @@ class AsyncCheckpointer:
         self.last_blocked_s = 0.0
 
     # ----------------------------------------------------------------- save
-    def save(self, state: TrainState, *, step: int, reason: str = "periodic") -> list[dict]:
+    def save(self, state: TrainState, *, step: int, reason: str = "periodic",
+             due_step: Optional[int] = None) -> list[dict]:
         """Start a checkpoint of ``step``; returns reports of saves that finished meanwhile.
+        ``due_step``: the step this save fell due at, when it was deferred until now.
 
         Blocks only for staging (and, first, for a previous save still in flight). Rank 0
         commits in the background the moment the upload completes, so a crash two steps
@@ -338,7 +341,7 @@ class AsyncCheckpointer:
         nbytes = self._staging.nbytes if self.use_async else sum(t.numel() * t.element_size()
                                                                  for t in _tensors(tensors))
         report = {"step": step, "reason": reason, "blocked_s": blocked, "bytes": nbytes, "uri": path,
-                  "state_dict_s": t_sd - t0, "waited_for_previous_s": waited,
+                  "state_dict_s": t_sd - t0, "waited_for_previous_s": waited, "due_step": due_step,
                   "upload": "process" if block is not None else ("thread" if self.use_async else "sync")}
         self._inflight = self._finisher.submit(self._finish, upload, report, extra, time.time(), writer)
         if not self.use_async:

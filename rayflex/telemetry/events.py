@@ -27,6 +27,7 @@ class EventKind(enum.StrEnum):
     WORKERS_STARTED = "workers_started"
     CHECKPOINT_COMMITTED = "checkpoint_committed"
     CHECKPOINT_FAILED = "checkpoint_failed"
+    CHECKPOINT_DEFERRED = "checkpoint_deferred"
     CHECKPOINT_LOADED = "checkpoint_loaded"
     SCHEDULE_CHANGED = "schedule_changed"
     CHECKPOINT_INTERVAL_CHOSEN = "checkpoint_interval_chosen"
@@ -130,6 +131,17 @@ class CheckpointCommitted(Event):
     bytes: int = 0
     reason: str = "periodic"
     upload: str = ""  # process | thread | sync: where the bytes were written from (CheckpointConfig.upload)
+    due_step: Optional[int] = None  # set when the save was deferred: the step it fell due at
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointDeferred(Event):
+    """A save fell due while the previous one was still being written; it is taken at the
+    first step boundary after that upload ended (``CheckpointConfig(when_busy="defer")``),
+    training not waiting meanwhile."""
+    kind: ClassVar[EventKind] = EventKind.CHECKPOINT_DEFERRED
+    behind_step: Optional[int] = None  # the save still being written
+    reason: str = "periodic"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,6 +36,7 @@ from rayflex.worker.float8 import check_device as check_float8_device
 from rayflex.worker.parallelize import (build_device_mesh, build_schedule, clip_grads_, data_parallel_mesh,
                                         shard_stage, tp_grad_summed_params)
 from rayflex.config import TrainSpec
+from rayflex.storage.save_timing import DEFERRABLE_REQUESTS, save_timing
 from rayflex.constants import fault_log_path, injected_failure_steps, knob, node_ip
 
 log = logging.getLogger(__name__)
@@ -61,11 +62,14 @@ class InjectedFailure:
 @dataclass(frozen=True)
 class StepAgreement:
     """What every rank agreed on at a step boundary (the control all-reduce): the step's
-    mean loss, whether to stop, whether to checkpoint, and how long the reduce waited."""
+    mean loss, whether to stop, whether to checkpoint (and whether a save may be deferred:
+    ``storage.save_timing``), and how long the reduce waited."""
 
     loss: float
     stop: bool
-    checkpoint: bool
+    checkpoint: bool  # a rank was asked for a checkpoint (rank 0, by the controller or a user)
+    must_save: bool  # ... one that is never deferred (not the controller's scheduled "auto")
+    busy: bool  # some rank's previous save is still being written
     wait_s: float
 
 
@@ -182,6 +186,8 @@ class TrainWorker:
         self._stop = threading.Event()
         self._stop_reason = "stop"
         self._checkpoint_request: Optional[str] = None
+        self._request_reason: Optional[str] = None  # of the request a save taken now or pending serves
+        self._pending_save: Optional[int] = None  # the step a deferred save fell due at
         # An armed injected failure belongs to this attempt: a reused process forgets it.
         self.fail_at: Optional[InjectedFailure] = _fail_at_from_env(rank)
         self.collective_fault = collective_fault_for(rank)
@@ -408,12 +414,7 @@ class TrainWorker:
                                                     tp_index=self.tp_index, **probe))
                 if self.checkpointer is not None:
                     self._note_checkpoint(self.checkpointer.completed())
-                every = self.spec.checkpoint.periodic_steps
-                periodic = every and step % every == 0
-                if agreed.checkpoint or (periodic and step < end_step):
-                    reason = self._checkpoint_request or "periodic"
-                    self._checkpoint_request = None
-                    self._save(step, reason if agreed.checkpoint else "periodic")
+                self._maybe_save(step, end_step, agreed)
             if self.checkpointer is not None:
                 # The end of a run and a graceful stop both leave a checkpoint of the last
                 # step, so a resubmitted run loses nothing; a 0-step run exists to save its
@@ -499,14 +500,18 @@ class TrainWorker:
         the host group (see ``_clip_grads``)."""
         import torch.distributed as dist
 
-        wants_ckpt = self._checkpoint_request is not None
+        request = self._checkpoint_request
+        must = request is not None and request not in DEFERRABLE_REQUESTS
+        busy = self.checkpointer is not None and self.checkpointer.busy()
         # The tp ranks of a dp rank computed the same loss: one of them reports it.
         loss_share = loss_sum if self.tp_index == 0 else 0.0
-        control = torch.tensor([loss_share, float(self._stop.is_set()), float(wants_ckpt)], dtype=torch.float64)
+        control = torch.tensor([loss_share, float(self._stop.is_set()), float(request is not None), float(must),
+                                float(busy)], dtype=torch.float64)
         t_sync = time.perf_counter()
         dist.all_reduce(control, group=self.groups.host)
         return StepAgreement(loss=float(control[0]) / self.plan.dp, stop=bool(control[1] > 0),
-                             checkpoint=bool(control[2] > 0), wait_s=time.perf_counter() - t_sync)
+                             checkpoint=bool(control[2] > 0), must_save=bool(control[3] > 0),
+                             busy=bool(control[4] > 0), wait_s=time.perf_counter() - t_sync)
 
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> float:
         """Forward and backward of this rank's share of the step; returns its loss share."""
@@ -538,12 +543,32 @@ class TrainWorker:
         return loss_contrib
 
     # ----------------------------------------------------------------- checkpoints
-    def _save(self, step: int, reason: str) -> None:
+    def _maybe_save(self, step: int, end_step: int, agreed: "StepAgreement") -> None:
+        """Save at this boundary if one is due and the previous upload allows it
+        (``CheckpointConfig.when_busy``): every rank decides from the agreed flags."""
+        every = self.spec.checkpoint.periodic_steps
+        periodic = bool(every) and step % every == 0 and step < end_step
+        timing = save_timing(due=periodic or agreed.checkpoint, required=agreed.must_save, busy=agreed.busy,
+                             pending=self._pending_save is not None, when_busy=self.spec.checkpoint.when_busy)
+        if agreed.checkpoint:  # the request is in this decision (taken now, or pending)
+            self._request_reason = self._checkpoint_request or self._request_reason
+            self._checkpoint_request = None
+        if timing.deferred_now:
+            self._pending_save = step
+            if self.rank == 0:
+                self._note_checkpoint({"deferred": True, "step": step, "behind_step": self._last_saved_step,
+                                       "reason": self._request_reason or "periodic"})
+        if timing.save:
+            due_step, self._pending_save = self._pending_save, None
+            reason, self._request_reason = self._request_reason or "periodic", None
+            self._save(step, reason, due_step=due_step)
+
+    def _save(self, step: int, reason: str, due_step: Optional[int] = None) -> None:
         if self.checkpointer is None:
             return
         self._last_saved_step = step
         self._set_phase("checkpoint")
-        info = self.checkpointer.save(self._stateful(), step=step, reason=reason)
+        info = self.checkpointer.save(self._stateful(), step=step, reason=reason, due_step=due_step)
         self._note_checkpoint(info)
 
     def _note_checkpoint(self, info) -> None:
