@@ -1,8 +1,9 @@
 """A node vanishes mid-run: the run names it, shrinks to the surviving node, and grows back
 to full size when a node joins again — ending with the loss of a run that never failed.
 
-On the session's shared two-node cluster: the lost node is replaced by one with the same
-labels, so the next module finds the cluster it expects."""
+On the session's shared two-node cluster, one rank per node (the shrink: 2 -> 1, the growth:
+1 -> 2): the lost node is replaced by one with the same labels, so the next module finds the
+cluster it expects."""
 
 import time
 
@@ -10,7 +11,7 @@ import pytest
 
 from conftest import run_events, wait_until_running
 from test_elastic_cluster import fast_detection  # noqa: F401 - the autouse fixture
-from test_elastic_cluster import GROW_STEPS, _assert_recovered, _stop_once_grown, _trainer
+from test_elastic_cluster import GROW_STEPS, ONE_PER_NODE, _assert_recovered, _stop_once_grown, _trainer
 
 pytestmark = pytest.mark.cluster
 
@@ -20,32 +21,34 @@ def test_node_loss_shrinks_then_capacity_return_grows_back(two_node_cluster, dat
     worker_node = next(iter(cluster.worker_nodes))
     # The run grows only once the newcomers are up, so it never stalls on process start;
     # it is stopped a few steps after it is whole again.
-    trainer = _trainer(dataset_uri, tmp_path, "node-loss", steps=GROW_STEPS)
+    trainer = _trainer(dataset_uri, tmp_path, "node-loss", steps=GROW_STEPS, **ONE_PER_NODE)
     handle = trainer.submit()
-    wait_until_running(handle, 4, committed=3)
+    st = wait_until_running(handle, 4, committed=3)
+    lost_ranks = [w["rank"] for w in st["workers"] if w["node_id"] == worker_node.node_id]
+    assert len(lost_ranks) == 1, st["workers"]  # one rank a node: rank 0 or 1, as placed
     lost_id = worker_node.node_id
     removed_at = time.time()
     cluster.remove_node(worker_node)
     deadline = time.time() + 120
-    while handle.status()["world_size"] != 2 or handle.status()["state"] != "RUNNING":
+    while handle.status()["world_size"] != 1 or handle.status()["state"] != "RUNNING":
         assert time.time() < deadline, "the run should continue on the surviving node"
         time.sleep(0.2)
     cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={"rack": "r1"})
-    result = _stop_once_grown(handle, 4, timeout_s=300)
+    result = _stop_once_grown(handle, 2, timeout_s=300)
     events = run_events(tmp_path, "node-loss")
     lost = next(e for e in events if e["kind"] in ("node_lost", "worker_died"))
     assert lost["time"] - removed_at < 5.0
     node_lost = [e for e in events if e["kind"] == "node_lost"]
-    assert node_lost and node_lost[0]["node_id"] == lost_id and len(node_lost[0]["ranks"]) == 2
+    assert node_lost and node_lost[0]["node_id"] == lost_id and node_lost[0]["ranks"] == lost_ranks, node_lost
     sizes = [e["world_size"] for e in events if e["kind"] == "restarted"]
-    assert sizes[0] == 2 and sizes[-1] == 4, f"shrink to 2, grow back to 4: {sizes}"
+    assert sizes[0] == 1 and sizes[-1] == 2, f"shrink to 1, grow back to 2: {sizes}"
     grow = next(e for e in events if e["kind"] == "restarted" and "capacity returned" in e["reason"])
     assert grow["lost_steps"] == 0, "growing resumes from the checkpoint of the step it stopped at"
     started = [e for e in events if e["kind"] == "workers_started"]
     # Against this run's own cold start (its first spawn), not a number of seconds: a
     # process start takes 3-4x longer on a slow host.
     assert started[-1]["spawn_s"] < started[0]["spawn_s"] / 2, "the newcomers were warmed before the stop, not after it"
-    _assert_recovered(result, trainer, events, world_size=4, stopped=True)
+    _assert_recovered(result, trainer, events, world_size=2, stopped=True)
 
 
 def _node_processes(node) -> list:

@@ -1,11 +1,11 @@
 """Recovery from memory on a live loopback cluster (``CheckpointConfig(memory_replicas=1)``).
 
-On the session's two-node cluster (racks r0 and r1: each node's shards are replicated to
-the other): a killed worker's restart reads its node's own copies, a lost node's shards
-come from their replicas, and when a shard and its replica are both gone the restart reads
-storage and says why; a spot notice shorter than the upload is still enough, because
-the leaving node's ranks only have to replicate. Every run ends with parameters bit for
-bit equal to the fault-free replay of the same attempts (the storage-restore run of the
+On the session's two-node cluster, one rank per node (racks r0 and r1: each node's shards
+are replicated to the other): a killed worker's restart reads its node's own copies, a lost
+node's shards come from their replicas, and when a shard and its replica are both gone the
+restart reads storage and says why; a spot notice shorter than the upload is still enough,
+because the leaving node's rank only has to replicate. Every run ends with parameters bit
+for bit equal to the fault-free replay of the same attempts (the storage-restore run of the
 same faults: same restarts, same world sizes, read from storage in plain processes).
 """
 
@@ -22,7 +22,9 @@ from conftest import run_events, small_gpt, wait_until_running
 from test_elastic_cluster import fast_detection  # noqa: F401 - the autouse fixture
 
 pytestmark = pytest.mark.cluster
-STEPS = 12
+# Enough that the fault lands mid-run: the first save commits a few steps late (a save due
+# while the previous upload runs is deferred), and a step of one rank a node takes ~0.04 s.
+STEPS = 40
 
 
 def _trainer(dataset_uri, tmp_path, name, steps=STEPS, every=3, **elastic):
@@ -30,7 +32,8 @@ def _trainer(dataset_uri, tmp_path, name, steps=STEPS, every=3, **elastic):
                       data=rf.DataConfig(uri=dataset_uri, seq_len=32, global_batch=12),
                       run=rf.RunConfig(name=name, storage=f"file://{tmp_path}/runs", steps=steps,
                                        optimizer=rf.OptimizerConfig(lr=1e-2, warmup_steps=2)),
-                      scaling=rf.ScalingConfig(num_workers=4, min_workers=2, max_workers=4),
+                      # One rank per node (2 CPUs each): a node's loss takes one rank and its shard.
+                      scaling=rf.ScalingConfig(num_workers=2, min_workers=1, max_workers=2, cpus_per_worker=2),
                       checkpoint=rf.CheckpointConfig(every_steps=every, keep=2, memory_replicas=1),
                       elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60, restart_while_warming=False,
                                                **elastic))
@@ -85,12 +88,13 @@ def test_a_killed_worker_restores_from_its_nodes_own_copy(two_node_cluster, data
     handle = trainer.submit()
     st = wait_until_running(handle, 4, committed=3)
     victim = next(w for w in st["workers"] if w["rank"] == 1)
+    assert victim["node_id"] != next(w for w in st["workers"] if w["rank"] == 0)["node_id"], st["workers"]
     os.kill(victim["pid"], signal.SIGKILL)
     result = handle.wait(timeout_s=180)
     assert result.status == "finished", result.status
     events = run_events(tmp_path, "mem-kill")
     loaded = _loaded(events)
-    # The same 4 ranks on the same nodes, and every shard file in each node's memory (its
+    # The same 2 ranks on the same nodes, and every shard file in each node's memory (its
     # own, and its peer's replicas): nothing from storage, nothing over the network.
     sources = loaded["sources"]
     assert sources["storage"] == 0 and sources["own_copy"] >= 2 and loaded["remote_reads"] == 0, loaded
@@ -133,10 +137,10 @@ def node_returns(two_node_cluster):
 def test_a_lost_node_restores_from_the_replicas_of_its_shards(node_returns, dataset_uri, tmp_path):
     trainer, events, loaded = _run_losing_the_worker_node(node_returns, dataset_uri, tmp_path, "mem-node",
                                                           and_the_heads_keeper=False)
-    # 2 ranks on the head read all 4 files saved at dp=4: the head's own two, and the lost
-    # node's two from the replicas the head kept of them.
-    assert loaded["world_size"] == 2 and loaded["saved_world_size"] == 4
-    assert loaded["sources"]["storage"] == 0 and loaded["sources"]["replica"] >= 2, loaded
+    # The rank on the head reads both files saved at dp=2: the head's own, and the lost
+    # node's from the replica the head kept of it.
+    assert loaded["world_size"] == 1 and loaded["saved_world_size"] == 2
+    assert loaded["sources"] == {"own_copy": 1, "replica": 1, "storage": 0}, loaded
     assert loaded["fell_back"] == {}
     _assert_equals_storage_restore(trainer, events, tmp_path)
 
@@ -144,8 +148,9 @@ def test_a_lost_node_restores_from_the_replicas_of_its_shards(node_returns, data
 def test_a_shard_and_its_replica_both_lost_fall_back_to_storage(node_returns, dataset_uri, tmp_path):
     trainer, events, loaded = _run_losing_the_worker_node(node_returns, dataset_uri, tmp_path, "mem-both",
                                                           and_the_heads_keeper=True)
-    assert loaded["sources"]["storage"] >= 4 and loaded["sources"]["own_copy"] == loaded["sources"]["replica"] == 0
-    assert len(loaded["fell_back"]) == 4 and all("no live keeper holds it" in why
+    # Both files saved at dp=2 (each node's own) from storage, each with why.
+    assert loaded["sources"]["storage"] >= 2 and loaded["sources"]["own_copy"] == loaded["sources"]["replica"] == 0
+    assert len(loaded["fell_back"]) == 2 and all("no live keeper holds it" in why
                                                   for why in loaded["fell_back"].values()), loaded["fell_back"]
     _assert_equals_storage_restore(trainer, events, tmp_path)
 
@@ -154,12 +159,12 @@ def test_a_notice_shorter_than_the_upload_is_enough_the_replicas_upload_after_th
         node_returns, dataset_uri, tmp_path, monkeypatch):
     """A spot notice of twice the run's own estimate (at least 3 s), and every upload takes
     12 s more (a slow link to storage): the
-    leaving node's ranks hand their shards to the other node's keeper and stop; the node
+    leaving node's rank hands its shard to the other node's keeper and stops; the node
     goes; the controller commits the step once that keeper's uploads are done, and the
     restart resumes from it with no step lost (from memory)."""
     from test_preemption_cluster import preempt_and_wait
 
-    steps, upload_extra_s = 40, 12.0  # the notice lands mid-run even when steps are quick (~0.1 s)
+    steps, upload_extra_s = 60, 12.0  # the notice lands mid-run even when steps are quick (~0.04 s)
     monkeypatch.setenv("RAYFLEX_SLOW_UPLOAD", f"1:{upload_extra_s:g}:{steps - 1}")  # not the final save
     # No save is timed before the notice (periodic saves are off): assume a quick one (1 s).
     monkeypatch.setenv("RAYFLEX_EMERGENCY_CHECKPOINT_DEFAULT_S", "1")
