@@ -16,8 +16,12 @@ from conftest import loopback_cluster, run_events, small_gpt, wait_until_running
 
 pytestmark = pytest.mark.cluster
 # Long enough that a notice is acted on mid-run even when steps are quick: on an idle
-# machine a step takes ~0.04 s, and 40 steps were over before a metadata notice was seen.
+# machine a step takes ~0.04 s, and 40 steps were over before a metadata notice was seen
+# (the notice agents, an actor per node, start with the attempt and then poll).
 STEPS = 120
+# A drain is read by the controller itself, within NOTICE_POLL_S (0.5 s) of the drain: it
+# was acted on at step 7-24 (0.04 s steps), and every step after the restart only pads the run.
+DRAIN_STEPS = 72
 
 
 def _trainer(dataset_uri, tmp_path, name, *, every=100, steps=STEPS, **elastic):
@@ -93,11 +97,11 @@ def _cluster():
 
 @pytest.fixture
 def three_nodes(_cluster):
-    """A head and two fresh worker nodes: a test's preempted (draining or removed) node is
-    replaced afterwards, which is quicker than a new cluster per test."""
+    """A head and two live worker nodes: a node an earlier test preempted (removed, or
+    left draining) is replaced before the next test, which is quicker than a new cluster
+    per test (and the module's last preempted node is never replaced, only shut down)."""
     import ray
 
-    yield _cluster
     head = _cluster.head_node
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
     draining = set(ray._private.state.state.get_draining_nodes())
@@ -108,13 +112,14 @@ def three_nodes(_cluster):
         _cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
     _cluster.wait_for_nodes()
     assert _cluster.head_node is head
+    return _cluster
 
 
 def test_drain_notice_triggers_emergency_checkpoint(three_nodes, dataset_uri, tmp_path):
     import ray
 
     head = ray.get_runtime_context().get_node_id()
-    trainer = _trainer(dataset_uri, tmp_path, "drain")
+    trainer = _trainer(dataset_uri, tmp_path, "drain", steps=DRAIN_STEPS)
     handle = trainer.submit()
     node = _worker_node(wait_until_running(handle, 4), head)
     noticed_at = time.time()
@@ -178,7 +183,7 @@ def test_notice_too_short_falls_back_to_last_committed(three_nodes, dataset_uri,
     import ray
 
     head = ray.get_runtime_context().get_node_id()
-    trainer = _trainer(dataset_uri, tmp_path, "short", every=3)
+    trainer = _trainer(dataset_uri, tmp_path, "short", every=3, steps=DRAIN_STEPS)
     handle = trainer.submit()
     # A commit the controller has heard of before the notice (it learns of commits from
     # rank 0's polls, so on a loaded machine step 5 can come first).
@@ -199,4 +204,4 @@ def test_notice_too_short_falls_back_to_last_committed(three_nodes, dataset_uri,
     # controller records a commit only when it next hears from rank 0).
     assert restore["step"] >= max(committed_before) and restore["step"] % 3 == 0, (restore, committed_before)
     assert not any(e["kind"] == "checkpoint_committed" and e["reason"] == "emergency" for e in events)
-    assert result.status == "finished" and result.steps_completed == STEPS
+    assert result.status == "finished" and result.steps_completed == DRAIN_STEPS
