@@ -20,7 +20,9 @@ def _trainer(dataset_uri, storage, name, steps):
     return rf.Trainer(model=small_gpt(), data=rf.DataConfig(uri=dataset_uri, seq_len=32, global_batch=8),
                       run=rf.RunConfig(name=name, storage=storage, steps=steps),
                       scaling=rf.ScalingConfig(num_workers=2),
-                      checkpoint=rf.CheckpointConfig(every_steps=2, keep=3))
+                      # Saves exactly every 2 steps, each waiting for the one before: these tests
+                      # place a crash in a known upload (deferral: test_checkpoint_deferral.py).
+                      checkpoint=rf.CheckpointConfig(every_steps=2, keep=3, when_busy="wait"))
 
 
 def _events(tmp_path, name):

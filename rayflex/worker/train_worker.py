@@ -505,13 +505,17 @@ class TrainWorker:
         busy = self.checkpointer is not None and self.checkpointer.busy()
         # The tp ranks of a dp rank computed the same loss: one of them reports it.
         loss_share = loss_sum if self.tp_index == 0 else 0.0
-        control = torch.tensor([loss_share, float(self._stop.is_set()), float(request is not None), float(must),
-                                float(busy)], dtype=torch.float64)
+        # Three doubles, as ever (the hang diagnosis names this reduce by its shape): two
+        # counts share a slot, the second weighted past the most the first can sum to.
+        w = float(dist.get_world_size(self.groups.host) + 1)
+        control = torch.tensor([loss_share, float(self._stop.is_set()) + w * busy,
+                                float(request is not None) + w * must], dtype=torch.float64)
         t_sync = time.perf_counter()
         dist.all_reduce(control, group=self.groups.host)
-        return StepAgreement(loss=float(control[0]) / self.plan.dp, stop=bool(control[1] > 0),
-                             checkpoint=bool(control[2] > 0), must_save=bool(control[3] > 0),
-                             busy=bool(control[4] > 0), wait_s=time.perf_counter() - t_sync)
+        stop_busy, asked_must = float(control[1]), float(control[2])
+        return StepAgreement(loss=float(control[0]) / self.plan.dp, stop=stop_busy % w > 0, busy=stop_busy >= w,
+                             checkpoint=asked_must % w > 0, must_save=asked_must >= w,
+                             wait_s=time.perf_counter() - t_sync)
 
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, loss_fn) -> float:
         """Forward and backward of this rank's share of the step; returns its loss share."""

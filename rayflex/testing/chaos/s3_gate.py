@@ -1,8 +1,11 @@
 """A TCP gate in front of the S3 endpoint that the chaos run can close and reopen.
 
 While it is down, new connections are refused (the listener is closed, so clients see
-"connection refused" as from a dead endpoint) and open ones are cut. The object store's
-data is untouched, so the endpoint comes back with everything it had.
+"connection refused" as from a dead endpoint) and open ones are cut. While it is stalled,
+connections are accepted and kept but no byte is passed on either way (an endpoint that
+stops answering: requests hang until their read timeouts, or until it resumes and they
+complete late). The object store's data is untouched, so the endpoint comes back with
+everything it had.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ class S3Gate:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._flowing = threading.Event()
+        self._flowing.set()
 
     @property
     def url(self) -> str:
@@ -60,8 +65,21 @@ class S3Gate:
         for c in conns:
             _close(c)
 
+    def stall(self) -> None:
+        """Stop answering: keep every connection (and accept new ones) but pass no byte on."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        """Pass bytes on again: what the stalled requests sent meanwhile goes through now."""
+        self._flowing.set()
+
+    @property
+    def is_stalled(self) -> bool:
+        return not self._flowing.is_set()
+
     def close(self) -> None:
         self._closed = True
+        self._flowing.set()  # a stalled pipe thread ends with its sockets
         self.down()
 
     def _accept(self, listener: socket.socket) -> None:
@@ -91,6 +109,7 @@ class S3Gate:
                 data = src.recv(65536)
                 if not data:
                     break
+                self._flowing.wait()
                 dst.sendall(data)
         except OSError:
             pass
