@@ -118,7 +118,10 @@ def throughput_run(system: str, args) -> dict:
 
 def checkpoint_run(upload: str, args) -> dict:
     """``gpu_smoke.py`` with one uploader: back-to-back saves' blocked time, persist GB/s."""
-    flags = ["--in-process", "--steps", "6", "--every", "2", "--resume-steps", "1", "--upload", upload]
+    # when_busy="wait": every save on time, so the second of two back-to-back saves measures
+    # what a save waits for while the one before still uploads (deferred, it would come later).
+    flags = ["--in-process", "--steps", "6", "--every", "2", "--resume-steps", "1", "--upload", upload,
+             "--when-busy", "wait"]
     if args.cpu:
         import gpu_smoke
 

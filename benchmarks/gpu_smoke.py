@@ -121,7 +121,8 @@ def trainer(args, data: str, storage: str, ckpt: str, name: str, steps: int, res
                                        optimizer=rf.OptimizerConfig(lr=3e-4, warmup_steps=2, grad_clip=1.0)),
                       scaling=rf.ScalingConfig(num_workers=1, use_gpu=not args.cpu_smoke),
                       checkpoint=rf.CheckpointConfig(every_steps=args.every, keep=1, uri=ckpt, resume=resume,
-                                                     upload=args.upload, upload_threads=args.upload_threads),
+                                                     upload=args.upload, upload_threads=args.upload_threads,
+                                                     when_busy=args.when_busy),
                       **kwargs)
 
 
@@ -236,6 +237,9 @@ def parse_args(argv=None):
     ap.add_argument("--upload", choices=("auto", "process", "thread"), default="auto",
                     help="CheckpointConfig.upload: where the checkpoint's bytes are written from")
     ap.add_argument("--upload-threads", type=int, default=1, help="CheckpointConfig.upload_threads")
+    ap.add_argument("--when-busy", choices=("defer", "wait"), default="defer",
+                    help="CheckpointConfig.when_busy: a save due while the previous one uploads is "
+                         "deferred (the default) or waits for it")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the GPU's peak dense bf16 TFLOP/s")
     ap.add_argument("--storage", default=None, help="a directory for data, runs and checkpoints (default: a temp dir)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
