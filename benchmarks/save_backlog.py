@@ -1,0 +1,180 @@
+"""Saves due every step on a state whose upload takes many steps: what training waits for.
+
+    python benchmarks/save_backlog.py [--gb-per-rank 2] [--ranks 2] [--steps 12] [--step-s 0.25]
+                                      [--rounds 2] [--dir /var/tmp] [--out benchmarks/results/save_backlog.json]
+
+Each rank (a process; gloo) holds ``--gb-per-rank`` GB of float32 tensors and runs a loop of
+``--steps`` steps: ``--step-s`` seconds of compute (matmuls), then the step boundary a rayflex
+worker has — one all-reduce that agrees whether some rank's previous save is still being
+written — then ``rayflex.storage.save_timing`` with a save due at every step, and
+``AsyncCheckpointer.save`` (thread upload, local disk) when it says so. Per policy
+(``CheckpointConfig.when_busy``: ``defer``, the default, and ``wait``), in alternating rounds:
+the time each step was blocked by checkpointing (the save call: its staging copy, and with
+``wait`` the previous upload), the saves taken and deferred, and the steps' wall time. The
+floor is the memory copy itself: the same bytes ``copy_``'d into kept host buffers, timed
+in the same round. The goal: with ``defer`` no step blocks more than 2x that floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import emit, machine, setup_logging  # noqa: E402
+
+TENSOR_MB = 64
+POLICIES = ("defer", "wait")
+
+
+def _compute(seconds: float, a, b) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ b
+
+
+def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from rayflex.storage.checkpoint import AsyncCheckpointer, TrainState
+    from rayflex.storage.save_timing import save_timing
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    n = int(cfg["gb_per_rank"] * 1024 // TENSOR_MB)
+    module = nn.Module()
+    module.weights = nn.ParameterList(
+        [nn.Parameter(torch.full((TENSOR_MB * 2**20 // 4,), float(rank * n + i))) for i in range(n)])
+    tensors = [p.data for p in module.weights]
+    copies = [torch.empty_like(t) for t in tensors]  # the floor's destination, kept like staging
+    for t, c in zip(tensors, copies):  # touched once: a first copy also pays the page faults
+        c.copy_(t)
+    opt = torch.optim.SGD(module.parameters(), lr=0.0)
+    state = TrainState(modules=[module], optimizers=[opt], get_step=lambda: 1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    step_no = 1
+    # One checkpointer for the whole run, as a run keeps its own (staging buffers and save
+    # plans built by an untimed first save); the policy is only the workers' decision. Its own
+    # gloo group, as a worker's has: the background save's collectives must not interleave
+    # with the step's all-reduce on the default group.
+    ckpt = AsyncCheckpointer(f"file://{cfg['dir']}/warmup", rank=rank, use_async=True, keep=1, upload="thread",
+                             group=dist.new_group(backend="gloo"))
+    ckpt.save(state, step=step_no)
+    ckpt.wait()
+    step_no += 1
+    rows = []
+    for rnd in range(cfg["rounds"]):
+        for policy in POLICIES:
+            ckpt.root = f"file://{cfg['dir']}/{policy}"
+            dist.barrier()
+            t0 = time.perf_counter()
+            for t, c in zip(tensors, copies):
+                c.copy_(t)
+            floor_s = time.perf_counter() - t0
+            dist.barrier()
+            blocked, deferred, saved, pending = [], 0, 0, False
+            start = time.perf_counter()
+            for _ in range(cfg["steps"]):
+                _compute(cfg["step_s"], a, b)
+                flag = torch.tensor([float(ckpt.busy())])
+                dist.all_reduce(flag)
+                timing = save_timing(due=True, required=False, busy=bool(flag[0] > 0), pending=pending,
+                                     when_busy=policy)
+                pending = timing.pending
+                deferred += timing.deferred_now
+                t_save = time.perf_counter()
+                if timing.save:
+                    reports = ckpt.save(state, step=step_no)
+                    saved += 1
+                    assert not any(r.get("error") for r in reports), reports
+                blocked.append(time.perf_counter() - t_save)
+                step_no += 1
+            loop_s = time.perf_counter() - start
+            ckpt.wait()  # the round's last upload ends outside the timed steps
+            worst = torch.tensor([max(blocked), floor_s])
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                rows.append({"round": rnd, "policy": policy, "floor_copy_s": float(worst[1]),
+                             "blocked_s": blocked, "max_blocked_s": float(worst[0]), "saves": saved,
+                             "deferred": deferred, "steps": cfg["steps"], "loop_s": loop_s})
+                print(f"[save_backlog] round {rnd + 1}: {policy}: {saved} saves, max blocked "
+                      f"{float(worst[0]):.3f}s (copy floor {float(worst[1]):.3f}s), loop {loop_s:.1f}s",
+                      file=sys.stderr, flush=True)
+    ckpt.close()
+    if rank == 0:
+        results.put({"bytes_per_rank": sum(t.numel() * 4 for t in tensors), "rows": rows})
+    dist.destroy_process_group()
+
+
+def _summary(rows: list[dict], step_s: float) -> dict:
+    out = {}
+    for policy in POLICIES:
+        mine = [r for r in rows if r["policy"] == policy]
+        ratio = [r["max_blocked_s"] / r["floor_copy_s"] for r in mine]
+        out[policy] = {
+            "max_blocked_over_copy_floor": {"median": statistics.median(ratio), "min": min(ratio), "max": max(ratio),
+                                            "rounds": ratio},
+            "median_blocked_s_per_step": statistics.median(b for r in mine for b in r["blocked_s"]),
+            "saves_per_round": [r["saves"] for r in mine], "deferred_per_round": [r["deferred"] for r in mine],
+            "step_slowdown": statistics.median(r["loop_s"] / (r["steps"] * step_s) for r in mine),
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gb-per-rank", type=float, default=2.0)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--step-s", type=float, default=0.25, help="compute per step, seconds")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dir", default=None, help="where the files go (default: a new directory under /var/tmp)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    setup_logging()
+    import multiprocessing as mp
+
+    from rayflex.local_ray import free_ports
+
+    root = tempfile.mkdtemp(prefix="rayflex-backlog-", dir=args.dir or "/var/tmp")
+    cfg = {"gb_per_rank": args.gb_per_rank, "rounds": args.rounds, "steps": args.steps, "step_s": args.step_s,
+           "dir": root}
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_ports(1)[0]
+    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, cfg, results)) for r in range(args.ranks)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+        got = results.get()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    summary = _summary(got["rows"], args.step_s)
+    emit({"benchmark": "save_backlog", "machine": machine(), "command": " ".join(sys.argv),
+          "workload": {"ranks": args.ranks, "bytes_per_rank": got["bytes_per_rank"], "steps": args.steps,
+                       "step_compute_s": args.step_s, "rounds": args.rounds, "save_due": "every step",
+                       "storage": f"local disk ({root.rsplit('/', 1)[0]}), thread upload"},
+          "results": summary,
+          "goal": {"defer_max_blocked_within_2x_copy_floor":
+                   summary["defer"]["max_blocked_over_copy_floor"]["max"] <= 2.0},
+          "rows": got["rows"]},
+         args.out)
+
+
+if __name__ == "__main__":
+    main()
