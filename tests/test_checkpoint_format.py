@@ -172,3 +172,17 @@ def test_a_tensor_that_does_not_fill_its_planned_chunk_is_refused_before_it_is_w
     views = {}
     CheckpointWriter._tensor_payload(planned, torch.ones(3, 6)[:, :3], views)
     assert not views, "a non-contiguous tensor's bytes are a copy: never kept"
+
+
+def test_a_checkpoint_carries_the_metrics_of_its_last_steps(tmp_path):
+    """What a restart writes for steps no live rank reported (control.ledger): the saving
+    rank's metrics of the steps up to the save, none past it."""
+    from rayflex.storage.checkpoint import AsyncCheckpointer
+
+    root = f"file://{tmp_path}/ckpt"
+    recent = [{"step": s, "loss": 3.0 - s / 10, "step_time_s": 0.1, "lr": 1e-3, "grad_norm": 1.0, "time": 1.0 + s,
+               "samples": 8, "data_wait_s": 0.0, "world_size": 1} for s in (1, 2, 3, 4)]
+    state = tiny_state(seed=3, recent_steps=lambda: recent)
+    save_committed(root, state, step=3)
+    info = AsyncCheckpointer(root, rank=0).load_latest(tiny_state(seed=4))
+    assert info["step"] == 3 and info["recent_steps"] == recent[:3]

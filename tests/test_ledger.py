@@ -70,6 +70,30 @@ def test_a_committed_step_some_ranks_had_not_reported_is_written_when_the_next_a
     assert [s["step"] for s in samples] == [1, 2]
 
 
+def test_steps_no_live_rank_reported_are_written_from_the_metrics_the_checkpoint_carries(tmp_path):
+    """Every rank died between the commit of step 3 and the next poll (a one-worker run, or a
+    single-node job losing its node): steps 2-3 reached no rank's poll; the restored
+    checkpoint carries their metrics, so the run's curve has no hole."""
+    from rayflex.worker.status import recent_step
+
+    recorder, spec = _Recorder(), _spec(tmp_path)
+    ledger = StepLedger(spec, recorder)
+    plan = plan_mesh(spec.model, spec.parallel, spec.data, 4)
+    for rank in range(4):
+        ledger.absorb(rank, _status(rank, 1), plan, _Detector())
+    carried = [recent_step(_status(0, s).records[0], 4) for s in (1, 2, 3)]
+    assert ledger.restored(3, recovered=carried) == 0 and ledger.step == 3
+    lines = recorder.metrics
+    assert [(m["step"], m["ranks_reported"], m.get("from_checkpoint")) for m in lines] == \
+        [(1, 4, None), (2, 0, True), (3, 0, True)]
+    assert lines[-1]["loss"] == 2.0 and lines[-1]["world_size"] == 4 and lines[-1]["tokens_per_s"] == 8 * 8 / 0.1
+    # Without them (a checkpoint from before they were kept), the hole stays, as before.
+    recorder2 = _Recorder()
+    ledger2 = StepLedger(spec, recorder2)
+    ledger2.restored(3)
+    assert recorder2.metrics == []
+
+
 def test_a_saves_cost_is_what_it_blocked_plus_the_slowdown_of_the_steps_beside_its_upload(tmp_path):
     import dataclasses
 

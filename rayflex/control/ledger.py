@@ -119,7 +119,7 @@ class StepLedger:
         self._metrics = [json.loads(line) for line in lines]
         return self._metrics[-1]["step"] if self._metrics else 0
 
-    def restored(self, step: int) -> int:
+    def restored(self, step: int, recovered: Optional[list[dict]] = None) -> int:
         """An attempt starts at ``step``; lines past it belong to a rolled-back timeline
         and are rewritten. Returns how many steps were lost.
 
@@ -127,9 +127,17 @@ class StepLedger:
         ended (a fault between a checkpoint's commit and the next poll) are in the restored
         state, so they are never trained again: their lines are written from the ranks that
         did report (the loss, grad norm and LR are agreed over every rank; ``ranks_reported``
-        says how many did)."""
-        while self.step < step and (self.step + 1) in self._pending and self._plan is not None:
-            self._finish_step(self._pending.pop(self.step + 1), self._plan, None)
+        says how many did), and where no rank had (every rank died before the poll), from
+        ``recovered``: the metrics the checkpoint carries of its last steps (rank 0's,
+        ``ranks_reported`` 0, ``from_checkpoint``)."""
+        by_step = {r["step"]: r for r in recovered or []}
+        while self.step < step:
+            if (self.step + 1) in self._pending and self._plan is not None:
+                self._finish_step(self._pending.pop(self.step + 1), self._plan, None)
+            elif (self.step + 1) in by_step:
+                self._recovered_step(by_step[self.step + 1])
+            else:
+                break
         self._measure_saves()  # the ending attempt's steps are about to leave the window
         self.step = self.start_step = step
         self.committed_step = max(self.committed_step, step)
@@ -180,6 +188,20 @@ class StepLedger:
                                                         due_step=ck.get("due_step")))
         elif ck.get("error"):
             self.recorder.record(ev.CheckpointFailed(step=ck.get("step"), reason=ck["error"]))
+
+    def _recovered_step(self, rec: dict) -> None:
+        step_time = rec["step_time_s"]
+        line = {"step": rec["step"], "loss": rec["loss"], "step_time_s": step_time,
+                "tokens_per_s": rec["samples"] * self.spec.data.seq_len / step_time if step_time > 0 else None,
+                "lr": rec["lr"], "grad_norm": rec["grad_norm"], "world_size": rec["world_size"],
+                "ranks_reported": 0, "from_checkpoint": True, "time": rec["time"],
+                "data_wait_s": rec["data_wait_s"]}
+        if self.first_step_at is None:
+            self.first_step_at = line["time"]
+        with self._lock:
+            self._metrics.append(line)
+        self.recorder.add_metrics(line)
+        self.step = self.recorder.step = rec["step"]
 
     def _finish_step(self, recs: dict, plan, detector) -> None:
         r0 = recs[min(recs)]

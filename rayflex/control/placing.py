@@ -55,7 +55,7 @@ def place(ctx, state: Placing):
             ctx.record(ev.ScheduleChanged(step=step, from_total_steps=saved_total, to_total_steps=total,
                                           lr_before=opt.lr_of_step(step + 1, saved_total),
                                           lr_after=opt.lr_of_step(step + 1, total)))
-    lost = ctx.ledger.restored(step)
+    lost = ctx.ledger.restored(step, recovered=(restored or {}).get("recent_steps"))
     if state.restart_reason is not None:
         ctx.record(ev.Restarted(step=step, world_size=world, from_step=step, reason=state.restart_reason,
                                 lost_steps=lost, reused_workers=len(getattr(group, "reused", [])),

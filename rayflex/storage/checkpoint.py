@@ -61,6 +61,9 @@ class TrainState:
     total_steps: Optional[int] = None
     sample_order: Optional[int] = None  # rayflex.data.sampler.SAMPLE_ORDER of the run
     config: dict = field(default_factory=dict)
+    # The metrics of the steps up to the save (rank 0's), kept with it: a restart that finds
+    # no live rank that reported them writes their lines from here.
+    recent_steps: Optional[Callable[[], list[dict]]] = None
 
     def tensor_state(self, *, packed: bool = True) -> dict[str, Any]:
         """What DCP saves and loads: the model and optimizer state dicts (flattened), and —
@@ -140,7 +143,8 @@ class TrainState:
                 # The LR lambdas are code, not state: keep only the counters.
                 "schedulers": [{k: v for k, v in s.state_dict().items() if k != "lr_lambdas"}
                                for s in self.schedulers],
-                "torch_rng": base64.b64encode(buf.getvalue()).decode(), "config": self.config}
+                "torch_rng": base64.b64encode(buf.getvalue()).decode(), "config": self.config,
+                "recent_steps": self.recent_steps() if self.recent_steps is not None else []}
 
     def load_extra(self, extra: dict[str, Any]) -> None:
         # Every stage's scheduler follows the same schedule; the saved split may differ.
@@ -510,6 +514,7 @@ class AsyncCheckpointer:
         # The run.steps it was trained toward (None: saved before rayflex recorded it).
         info["total_steps"] = extra.get("total_steps")
         info["sample_order"] = extra.get("sample_order")  # None: saved before it was recorded
+        info["recent_steps"] = [r for r in extra.get("recent_steps") or [] if r["step"] <= info["step"]]
         return info
 
 

@@ -53,6 +53,18 @@ class StepRecord:
     data_wait_s: float = 0.0
 
 
+# Steps whose metrics a checkpoint carries (rank 0's): more than a poll interval's worth of
+# the quickest steps, so a restart after every rank died before its next poll still has them.
+RECENT_STEPS = 64
+
+
+def recent_step(record: StepRecord, world_size: int) -> dict:
+    """What a checkpoint keeps of a step's record: the metrics line's agreed fields."""
+    return {"step": record.step, "loss": record.loss, "step_time_s": record.step_time_s, "lr": record.lr,
+            "grad_norm": record.grad_norm, "time": record.time, "samples": record.samples,
+            "data_wait_s": record.data_wait_s, "world_size": world_size}
+
+
 @dataclass
 class WorkerStatus:
     rank: int

@@ -8,6 +8,7 @@ each step, so ranks agree on the step boundary where it happens.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -30,7 +31,8 @@ from rayflex.worker.instrument import ActivationCounter, pipeline_wait_timer
 from rayflex.mesh.plan import MeshPlan
 from rayflex.worker import flight_recorder
 from rayflex.worker.collective_faults import collective_fault_for, committed
-from rayflex.worker.status import FlightRecord, Leaving, StepRecord, WorkerState, WorkerStatus
+from rayflex.worker.status import (RECENT_STEPS, FlightRecord, Leaving, StepRecord, WorkerState, WorkerStatus,
+                                   recent_step)
 from rayflex.worker.meta_init import build_sharded_stages
 from rayflex.worker.float8 import check_device as check_float8_device
 from rayflex.worker.parallelize import (build_device_mesh, build_schedule, clip_grads_, data_parallel_mesh,
@@ -177,6 +179,7 @@ class TrainWorker:
         coords = plan.mesh_coords(rank)
         self.pp_index, self.dp_index, self.tp_index = coords.pp, coords.dp, coords.tp
         self._records: list[StepRecord] = []
+        self._recent: collections.deque = collections.deque(maxlen=RECENT_STEPS)  # saved with checkpoints
         self._checkpoint_events: list[dict] = []
         self._state = WorkerState.IDLE
         self._phase = "idle"
@@ -362,7 +365,7 @@ class TrainWorker:
 
         return TrainState(modules=[m for _, m in self.stages], optimizers=self.optimizers,
                           get_step=lambda: self._step, total_steps=self.spec.run.steps,
-                          sample_order=SAMPLE_ORDER,
+                          sample_order=SAMPLE_ORDER, recent_steps=lambda: list(self._recent),
                           config={"run": self.spec.run.name, "world_size": self.plan.world_size,
                                   "pp": self.plan.pp, "dp": self.plan.dp, "tp": self.plan.tp,
                                   "dp_replicate": self.plan.dp_replicate})
@@ -405,13 +408,13 @@ class TrainWorker:
                 loss = agreed.loss
                 stop_agreed = agreed.stop
                 dt = time.perf_counter() - t0
+                record = StepRecord(step=step, loss=loss, step_time_s=dt, lr=self._lr_of_step(step),
+                                    grad_norm=grad_norm, time=time.time(), samples=self.spec.data.global_batch,
+                                    pp_index=self.pp_index, dp_index=self.dp_index, tp_index=self.tp_index, **probe)
                 with self._lock:
                     self._step = step
-                    self._records.append(StepRecord(step=step, loss=loss, step_time_s=dt,
-                                                    lr=self._lr_of_step(step), grad_norm=grad_norm,
-                                                    time=time.time(), samples=self.spec.data.global_batch,
-                                                    pp_index=self.pp_index, dp_index=self.dp_index,
-                                                    tp_index=self.tp_index, **probe))
+                    self._records.append(record)
+                self._recent.append(recent_step(record, self.plan.world_size))
                 if self.checkpointer is not None:
                     self._note_checkpoint(self.checkpointer.completed())
                 self._maybe_save(step, end_step, agreed)
