@@ -273,6 +273,16 @@ class CheckpointReader(FsspecReader):
                                          f"metadata describes {expected} ({dtype}, {list(sizes)}): the checkpoint's "
                                          f".metadata and shard files do not belong together")
                     stream.seek(info.offset)
+                    target = planner.resolve_tensor(req).detach()
+                    if _whole_chunk_into(target, req, sizes, dtype):
+                        # Straight into the destination (a same-mesh restore on CPU hosts): no
+                        # buffer to allocate and fault in, no second copy.
+                        got = _read_into(stream, target.reshape(-1).view(torch.uint8).numpy().data)
+                        if got != expected:
+                            raise ValueError(f"{relative_path} ends inside entry {index.fqn} ({got} of "
+                                             f"{expected} bytes at offset {info.offset}): the file is truncated")
+                        planner.commit_tensor(req, target)
+                        continue
                     data, got = _read_exact(stream, expected)
                     if got != expected:
                         raise ValueError(f"{relative_path} ends inside entry {index.fqn} ({got} of "
@@ -280,7 +290,6 @@ class CheckpointReader(FsspecReader):
                     tensor = (torch.frombuffer(data, dtype=torch.uint8).view(dtype) if expected
                               else torch.empty(0, dtype=dtype)).view(sizes)
                     tensor = _narrow(tensor, req.storage_offsets, req.lengths)
-                    target = planner.resolve_tensor(req).detach()
                     if target.size() != tensor.size():
                         raise ValueError(f"entry {index.fqn}: the load plan wants {list(target.size())}, the "
                                          f"checkpoint's chunk gives {list(tensor.size())}")
@@ -288,16 +297,29 @@ class CheckpointReader(FsspecReader):
                     planner.commit_tensor(req, target)
 
 
-def _read_exact(stream, n: int) -> tuple[bytearray, int]:
-    """``n`` bytes from ``stream`` into one new buffer (no intermediate copy); (buffer, bytes read)."""
-    data = bytearray(n)
-    view, got = memoryview(data), 0
+def _whole_chunk_into(target, req, sizes, dtype) -> bool:
+    """The read item is the whole saved chunk and its destination a contiguous host tensor
+    of its dtype and shape: the bytes can be read into it directly."""
+    return (target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+            and target.numel() > 0 and tuple(target.size()) == tuple(sizes)
+            and all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(sizes))
+
+
+def _read_into(stream, view: memoryview) -> int:
+    """Fill ``view`` from ``stream``; the bytes read (fewer at the end of the file)."""
+    got, n = 0, len(view)
     while got < n:
         k = stream.readinto(view[got:])
         if not k:
             break
         got += k
-    return data, got
+    return got
+
+
+def _read_exact(stream, n: int) -> tuple[bytearray, int]:
+    """``n`` bytes from ``stream`` into one new buffer (no intermediate copy); (buffer, bytes read)."""
+    data = bytearray(n)
+    return data, _read_into(stream, memoryview(data))
 
 
 def _narrow(tensor, offsets, lengths):
