@@ -87,10 +87,11 @@ def test_steps_no_live_rank_reported_are_written_from_the_metrics_the_checkpoint
     assert [(m["step"], m["ranks_reported"], m.get("from_checkpoint")) for m in lines] == \
         [(1, 4, None), (2, 0, True), (3, 0, True)]
     assert lines[-1]["loss"] == 2.0 and lines[-1]["world_size"] == 4 and lines[-1]["tokens_per_s"] == 8 * 8 / 0.1
-    # Without them (a checkpoint from before they were kept), the hole stays, as before.
+    # A run resumed by name (a new controller: its first attempt restores) already has the
+    # earlier job's lines: the carried steps are not written again.
     recorder2 = _Recorder()
     ledger2 = StepLedger(spec, recorder2)
-    ledger2.restored(3)
+    assert ledger2.restored(3, recovered=carried) == 0 and ledger2.step == 3
     assert recorder2.metrics == []
 
 

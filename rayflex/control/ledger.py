@@ -130,7 +130,9 @@ class StepLedger:
         says how many did), and where no rank had (every rank died before the poll), from
         ``recovered``: the metrics the checkpoint carries of its last steps (rank 0's,
         ``ranks_reported`` 0, ``from_checkpoint``)."""
-        by_step = {r["step"]: r for r in recovered or []}
+        # Only after an attempt of this controller's own: a run resumed by name starts with
+        # the earlier job's lines already written (its checkpoint carries steps of those).
+        by_step = {r["step"]: r for r in recovered or []} if self._plan is not None else {}
         while self.step < step:
             if (self.step + 1) in self._pending and self._plan is not None:
                 self._finish_step(self._pending.pop(self.step + 1), self._plan, None)
