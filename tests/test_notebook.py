@@ -48,9 +48,9 @@ def test_notebook_runs_headless(tmp_path):
     assert not errors, errors
     text = _texts(nb)
     assert "progress: step" in text                      # the live status loop
-    assert "notebook-demo: 100%" in text and "200/200" in text  # the progress bar of the resumed run
+    assert "notebook-demo: 100%" in text and "120/120" in text  # the progress bar of the resumed run
     assert "stopped: status=stopped" in text
-    assert "resumed run: status=finished steps=200" in text
+    assert "resumed run: status=finished steps=120" in text
     assert "checkpoint_loaded" in text                   # the event table shows the resume
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) >= 2                              # the loss plot and the run report
