@@ -35,3 +35,29 @@ def emit(obj: dict, out: str | None = None) -> None:
 def setup_logging() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def run_ranks(target, world: int, cfg: dict):
+    """Run ``target(rank, world, port, cfg, results)`` in ``world`` spawned processes (a gloo
+    group on a free loopback port) and return what rank 0 put on ``results``; a rank that
+    fails ends the benchmark naming the exit codes."""
+    import multiprocessing as mp
+
+    from rayflex.local_ray import free_ports
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_ports(1)[0]
+    procs = [ctx.Process(target=target, args=(r, world, port, cfg, results)) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+        return results.get()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()

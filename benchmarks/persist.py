@@ -37,7 +37,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import emit, machine, setup_logging  # noqa: E402
+from common import emit, machine, run_ranks, setup_logging  # noqa: E402
 
 TENSOR_MB = 64
 
@@ -108,7 +108,6 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
     nbytes = sum(t.numel() * 4 for t in tensors)
     opt = torch.optim.SGD(module.parameters(), lr=0.0)  # no state: the checkpoint is the tensors
     state = TrainState(modules=[module], optimizers=[opt], get_step=lambda: 1)
-    bench = os.path.join(cfg["dir"], f"rank{rank}")
 
     def timed(fn) -> float:
         dist.barrier()
@@ -227,30 +226,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     setup_logging()
-    import multiprocessing as mp
-
-    from rayflex.local_ray import free_ports
 
     threads = [int(t) for t in args.threads.split(",")]
     systems = [f"{kind}_{t}" for t in threads for kind in ("floor", "rayflex", "dcp")]
     root = tempfile.mkdtemp(prefix="rayflex-persist-", dir=args.dir or "/var/tmp")
     cfg = {"gb_per_rank": args.gb_per_rank, "rounds": args.rounds, "systems": systems, "dir": root}
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = free_ports(1)[0]
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, cfg, results)) for r in range(args.ranks)]
     try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-        got = results.get()
+        got = run_ranks(_rank, args.ranks, cfg)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
         shutil.rmtree(root, ignore_errors=True)
     total = got["bytes_per_rank"] * args.ranks
     rows = got["rows"]

@@ -26,7 +26,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import emit, machine, setup_logging  # noqa: E402
+from common import emit, machine, run_ranks, setup_logging  # noqa: E402
 
 TENSOR_MB = 64
 POLICIES = ("defer", "wait")
@@ -140,29 +140,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     setup_logging()
-    import multiprocessing as mp
-
-    from rayflex.local_ray import free_ports
 
     root = tempfile.mkdtemp(prefix="rayflex-backlog-", dir=args.dir or "/var/tmp")
     cfg = {"gb_per_rank": args.gb_per_rank, "rounds": args.rounds, "steps": args.steps, "step_s": args.step_s,
            "dir": root}
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = free_ports(1)[0]
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, cfg, results)) for r in range(args.ranks)]
     try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-        got = results.get()
+        got = run_ranks(_rank, args.ranks, cfg)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
         shutil.rmtree(root, ignore_errors=True)
     summary = _summary(got["rows"], args.step_s)
     emit({"benchmark": "save_backlog", "machine": machine(), "command": " ".join(sys.argv),
