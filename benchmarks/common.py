@@ -61,3 +61,27 @@ def run_ranks(target, world: int, cfg: dict):
         for p in procs:
             if p.is_alive():
                 p.kill()
+
+
+TENSOR_MB = 64
+
+
+def rank_state(rank: int, world: int, port: int, gb_per_rank: float):
+    """In a rank process of ``run_ranks``: join the gloo group and build ``gb_per_rank`` GB of
+    float32 tensors (``TENSOR_MB`` each) as one module with a stateless optimizer; returns
+    (tensors, ``TrainState``): the checkpoint is exactly the tensors."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from rayflex.storage.checkpoint import TrainState
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    n = int(gb_per_rank * 1024 // TENSOR_MB)
+    module = nn.Module()
+    module.weights = nn.ParameterList(
+        [nn.Parameter(torch.full((TENSOR_MB * 2**20 // 4,), float(rank * n + i))) for i in range(n)])
+    opt = torch.optim.SGD(module.parameters(), lr=0.0)  # no state: the checkpoint is the tensors
+    return [p.data for p in module.weights], TrainState(modules=[module], optimizers=[opt], get_step=lambda: 1)

@@ -37,9 +37,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import emit, machine, run_ranks, setup_logging  # noqa: E402
+from common import TENSOR_MB, emit, machine, rank_state, run_ranks, setup_logging  # noqa: E402
 
-TENSOR_MB = 64
 
 
 def _drop_caches() -> bool:
@@ -90,24 +89,13 @@ def _floor_read(tensors: list, root: str, threads: int) -> None:
 
 
 def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch import nn
 
-    from rayflex.storage.checkpoint import AsyncCheckpointer, TrainState
+    from rayflex.storage.checkpoint import AsyncCheckpointer
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    n = int(cfg["gb_per_rank"] * 1024 // TENSOR_MB)
-    module = nn.Module()
-    module.weights = nn.ParameterList(
-        [nn.Parameter(torch.full((TENSOR_MB * 2**20 // 4,), float(rank * n + i))) for i in range(n)])
-    tensors = [p.data for p in module.weights]
+    tensors, state = rank_state(rank, world, port, cfg["gb_per_rank"])
     nbytes = sum(t.numel() * 4 for t in tensors)
-    opt = torch.optim.SGD(module.parameters(), lr=0.0)  # no state: the checkpoint is the tensors
-    state = TrainState(modules=[module], optimizers=[opt], get_step=lambda: 1)
 
     def timed(fn) -> float:
         dist.barrier()

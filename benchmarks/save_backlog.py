@@ -26,9 +26,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import emit, machine, run_ranks, setup_logging  # noqa: E402
+from common import emit, machine, rank_state, run_ranks, setup_logging  # noqa: E402
 
-TENSOR_MB = 64
 POLICIES = ("defer", "wait")
 
 
@@ -41,24 +40,14 @@ def _compute(seconds: float, a, b) -> None:
 def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
     import torch
     import torch.distributed as dist
-    from torch import nn
 
-    from rayflex.storage.checkpoint import AsyncCheckpointer, TrainState
+    from rayflex.storage.checkpoint import AsyncCheckpointer
     from rayflex.storage.save_timing import save_timing
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    n = int(cfg["gb_per_rank"] * 1024 // TENSOR_MB)
-    module = nn.Module()
-    module.weights = nn.ParameterList(
-        [nn.Parameter(torch.full((TENSOR_MB * 2**20 // 4,), float(rank * n + i))) for i in range(n)])
-    tensors = [p.data for p in module.weights]
+    tensors, state = rank_state(rank, world, port, cfg["gb_per_rank"])
     copies = [torch.empty_like(t) for t in tensors]  # the floor's destination, kept like staging
     for t, c in zip(tensors, copies):  # touched once: a first copy also pays the page faults
         c.copy_(t)
-    opt = torch.optim.SGD(module.parameters(), lr=0.0)
-    state = TrainState(modules=[module], optimizers=[opt], get_step=lambda: 1)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     step_no = 1
     # One checkpointer for the whole run, as a run keeps its own (staging buffers and save
