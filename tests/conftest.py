@@ -158,11 +158,12 @@ def pytest_sessionfinish(session, exitstatus):
     SHARED.close()
 
 
-def run_events(tmp_path, name: str) -> list[dict]:
-    """The typed events a run wrote to ``{tmp_path}/runs/{name}/events.jsonl``."""
+def run_events(tmp_path, name: str, file: str = "events.jsonl") -> list[dict]:
+    """The typed events a run wrote to ``{tmp_path}/runs/{name}/events.jsonl`` (or the
+    lines of another of its files: ``metrics.jsonl``)."""
     import json
 
-    path = tmp_path / "runs" / name / "events.jsonl"
+    path = tmp_path / "runs" / name / file
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

@@ -143,9 +143,12 @@ def test_frozen_worker_is_detected_as_hang(two_node_cluster, dataset_uri, tmp_pa
     events = run_events(tmp_path, "sigstop")
     hang = next(e for e in events if e["kind"] == "hang_detected")
     assert hang["ranks"] == [1] and hang["phases"]["1"] == "unresponsive"
-    # The heartbeat timeout (3 s) counts from the last answered poll, which is up to a poll
-    # interval before the SIGSTOP.
-    assert 2.0 <= hang["time"] - frozen_at < 12.0, "named within seconds of the heartbeat timeout"
+    # Named at the first poll after the rank's silence passed the heartbeat timeout, however
+    # long this host's controller cycle (poll_gap_s) took then ...
+    assert hang["timeout_s"] < hang["stalled_s"] <= hang["timeout_s"] + hang["poll_gap_s"], hang
+    # ... and that silence is the SIGSTOP: the last answer came before it, or was in flight
+    # then and collected by the next cycle.
+    assert hang["time"] - hang["stalled_s"] <= frozen_at + hang["poll_gap_s"], (frozen_at, hang)
     # The diagnosis, from the other ranks' flight records: who waits for the frozen rank, where.
     diagnosed = next(e for e in events if e["kind"] == "hang_diagnosed")
     # The others wait in the dp group's collective, or in the checkpoint group's when the
@@ -157,6 +160,7 @@ def test_frozen_worker_is_detected_as_hang(two_node_cluster, dataset_uri, tmp_pa
     waiting = re.match(r"rank 1 is not responding; ranks? ([\d, ]+) waits? in ", diagnosed["verdict"])
     assert waiting and set(map(int, waiting.group(1).split(", "))) == {0}, diagnosed["verdict"]
     assert diagnosed["verdict"].endswith(f" of the {diagnosed['group']} group (ranks 0, 1)"), diagnosed["verdict"]
-    assert diagnosed["time"] - frozen_at <= hang["timeout_s"] + 5.0 + 0.5, "within the timeout + 5 s (+ a poll)"
+    # The survivors' records are asked for as the hang is named, for at most the diagnosis timeout.
+    assert diagnosed["time"] - hang["time"] <= knob("DIAGNOSIS_TIMEOUT_S") + hang["poll_gap_s"], (hang, diagnosed)
     assert [e["world_size"] for e in events if e["kind"] == "restarted"] == [2], "one restart, at full size"
     _assert_recovered(result, trainer, events, world_size=2)

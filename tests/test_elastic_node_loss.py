@@ -9,6 +9,9 @@ import time
 
 import pytest
 
+from rayflex.constants import knob
+from rayflex.testing.chaos.bounds import DetectionTiming
+
 from conftest import run_events, wait_until_running
 from test_elastic_cluster import fast_detection  # noqa: F401 - the autouse fixture
 from test_elastic_cluster import GROW_STEPS, ONE_PER_NODE, _assert_recovered, _stop_once_grown, _trainer
@@ -27,8 +30,8 @@ def test_node_loss_shrinks_then_capacity_return_grows_back(two_node_cluster, dat
     lost_ranks = [w["rank"] for w in st["workers"] if w["node_id"] == worker_node.node_id]
     assert len(lost_ranks) == 1, st["workers"]  # one rank a node: rank 0 or 1, as placed
     lost_id = worker_node.node_id
-    removed_at = time.time()
     cluster.remove_node(worker_node)
+    gone_at = time.time()  # its processes are dead: remove_node waits for them
     deadline = time.time() + 120
     while handle.status()["world_size"] != 1 or handle.status()["state"] != "RUNNING":
         assert time.time() < deadline, "the run should continue on the surviving node"
@@ -37,7 +40,11 @@ def test_node_loss_shrinks_then_capacity_return_grows_back(two_node_cluster, dat
     result = _stop_once_grown(handle, 2, timeout_s=300)
     events = run_events(tmp_path, "node-loss")
     lost = next(e for e in events if e["kind"] in ("node_lost", "worker_died"))
-    assert lost["time"] - removed_at < 5.0
+    # Named by the next poll (its rank's actor is dead) or the next refresh of Ray's node
+    # list once the node is gone: the chaos harness's rule for a removed node, its knobs plus
+    # six of this run's own steps for Ray's notices on this host.
+    timing = DetectionTiming.of_run(knob("HEARTBEAT_TIMEOUT_S"), run_events(tmp_path, "node-loss", "metrics.jsonl"))
+    assert lost["time"] - gone_at <= timing.mechanism_s("remove_node") + timing.slack_s, (lost, gone_at, timing)
     node_lost = [e for e in events if e["kind"] == "node_lost"]
     assert node_lost and node_lost[0]["node_id"] == lost_id and node_lost[0]["ranks"] == lost_ranks, node_lost
     sizes = [e["world_size"] for e in events if e["kind"] == "restarted"]
@@ -97,7 +104,11 @@ def test_a_frozen_node_is_declared_lost_and_the_run_shrinks_and_finishes(two_nod
     node_lost = [e for e in events if e["kind"] == "node_lost"]
     assert node_lost and node_lost[0]["node_id"] == worker_node.node_id, [e["kind"] for e in events]
     print({"node_lost_after_s": round(node_lost[0]["time"] - frozen_at, 1), "reason": node_lost[0]["reason"]})
-    assert first["time"] - frozen_at < 15.0, "the frozen ranks are named within seconds"
+    # The heartbeat (3 s) names the frozen ranks before Ray's health check (5 misses 1 s apart)
+    # can: at the first poll after their silence passed it, however long this host's cycle was.
+    assert first["kind"] == "hang_detected", first
+    assert first["timeout_s"] < first["stalled_s"] <= first["timeout_s"] + first["poll_gap_s"], first
+    assert first["time"] - first["stalled_s"] <= frozen_at + first["poll_gap_s"], (frozen_at, first)
     assert node_lost[0]["reason"].startswith("unreachable"), node_lost[0]
     restarted = [e for e in events if e["kind"] == "restarted"]
     assert not [e for e in restarted if "while the attempt started" in e["reason"]], \

@@ -55,6 +55,7 @@ class FaultDetector:
         self.last_answer = {r: clock() for r in range(world_size)}
         self.last_progress = clock()
         self.last_step = -1
+        self._last_check: Optional[float] = None  # when check() last ran: the cycle is measured
         self.step_times: deque = deque(maxlen=50)
         self.straggler_ratio = straggler_ratio
         self._slow_streak: dict[int, int] = {}
@@ -78,6 +79,10 @@ class FaultDetector:
     def check(self, poll, alive_nodes: Optional[set[str]] = None, now: Optional[float] = None) -> Fault:
         """One poll cycle's verdict."""
         now = now or self._clock()
+        # The controller's cycle as this host runs it now. A hang is named at the first check
+        # after its silence passed the timeout, so its event's stalled_s - poll_gap_s <= timeout_s.
+        gap = 0.0 if self._last_check is None else now - self._last_check
+        self._last_check = now
         fault = Fault()
         for rank in poll.statuses:
             self.last_answer[rank] = now
@@ -119,7 +124,7 @@ class FaultDetector:
             phases.update({r: "unresponsive" for r in frozen})
             fault.events.append(ev.HangDetected(step=self.last_step + 1, ranks=frozen, phases=_keys(phases),
                                                 stalled_s=max(silent[r] for r in frozen),
-                                                timeout_s=knob("HEARTBEAT_TIMEOUT_S")))
+                                                timeout_s=knob("HEARTBEAT_TIMEOUT_S"), poll_gap_s=gap))
             fault.bad_ranks.update(frozen)
             fault.hang = "frozen"
             fault.error = f"ranks {frozen} stopped answering (frozen process)"
@@ -130,7 +135,7 @@ class FaultDetector:
             phases = {r: st.phase for r, st in poll.statuses.items()}
             culprits = sorted(r for r, p in phases.items() if p not in ("collective",)) or sorted(phases)
             fault.events.append(ev.HangDetected(step=self.last_step + 1, ranks=culprits, phases=_keys(phases),
-                                                stalled_s=stalled, timeout_s=self.hang_timeout_s()))
+                                                stalled_s=stalled, timeout_s=self.hang_timeout_s(), poll_gap_s=gap))
             fault.bad_ranks.update(culprits)
             fault.hang = "collective"
             fault.error = f"no step finished for {stalled:.1f}s; ranks {culprits} not in a collective"

@@ -228,6 +228,10 @@ class HangDetected(Event):
     phases: dict = field(default_factory=dict)
     stalled_s: float = 0.0
     timeout_s: float = 0.0
+    # Seconds since the detector's check before the one that named the hang (the controller's
+    # cycle on this host then): stalled_s - poll_gap_s <= timeout_s < stalled_s. 0 where the
+    # hang was named otherwise (setup, a leaving rank).
+    poll_gap_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
