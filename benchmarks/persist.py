@@ -1,8 +1,8 @@
-"""Persist and restore speed on local disk: the storage's floor, rayflex's checkpoint path and
-torch DCP's own writer and reader, on the same bytes, in alternating rounds.
+"""Persist and restore speed on local disk or an S3 endpoint: the storage's floor, rayflex's
+checkpoint path and torch DCP's own writer and reader, on the same bytes, in alternating rounds.
 
-    python benchmarks/persist.py [--gb-per-rank 2] [--ranks 2] [--rounds 3] [--threads 1,2,4]
-                                 [--dir /var/tmp] [--out benchmarks/results/persist.json]
+    python benchmarks/persist.py [--storage disk|s3] [--gb-per-rank 2] [--ranks 2] [--rounds 3]
+                                 [--threads 1,2,4] [--dir /var/tmp] [--out benchmarks/results/persist.json]
 
 Each rank (a process; gloo process group) holds ``--gb-per-rank`` GB of float32 tensors
 (64 MB each) and, per round and per system, in turn:
@@ -16,6 +16,14 @@ Each rank (a process; gloo process group) holds ``--gb-per-rank`` GB of float32 
   then loads it) — ``CheckpointConfig.upload_threads=T``;
 * ``dcp_T``: ``dcp.save`` with ``FileSystemWriter(thread_count=T)``, then ``dcp.load`` with
   ``FileSystemReader``: the peer.
+
+With ``--storage s3`` the same three go to moto's S3 server on 127.0.0.1 (started here, in
+this process; every rank talks HTTP to it): the floor is a plain boto3 multipart upload per
+writer thread (one 64 MB part a tensor; boto3's defaults, its checksums included) and ranged
+GETs read back into the tensors; rayflex writes ``s3://`` through s3fs; DCP uses its
+``FsspecWriter(thread_count=T)`` / ``FsspecReader``. moto keeps the bytes on this machine and
+shares its 2 cores with the ranks, so the figures are this endpoint's, not a cloud bucket's:
+what compares is the three systems against one endpoint.
 
 Every persist time ends with ``os.sync()`` on each rank (the bytes on disk, not in the page
 cache: a local-disk checkpoint that a power loss takes is no checkpoint), and before every
@@ -59,17 +67,22 @@ def _split(tensors: list, parts: int) -> list[list]:
     return [p for p in out if p]
 
 
+def _threads(fn, parts: list) -> None:
+    """``fn(i, part)`` for every part, each in a thread of its own; returns when all are done."""
+    workers = [threading.Thread(target=fn, args=(i, p)) for i, p in enumerate(parts)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
 def _floor_write(tensors: list, root: str, threads: int) -> None:
     def write(i: int, part: list) -> None:
         with open(os.path.join(root, f"part{i}"), "wb", buffering=0) as f:
             for t in part:
                 f.write(memoryview(t.numpy()).cast("B"))
 
-    workers = [threading.Thread(target=write, args=(i, p)) for i, p in enumerate(_split(tensors, threads))]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    _threads(write, _split(tensors, threads))
 
 
 def _floor_read(tensors: list, root: str, threads: int) -> None:
@@ -81,11 +94,52 @@ def _floor_read(tensors: list, root: str, threads: int) -> None:
                 while got < len(view):
                     got += f.readinto(view[got:])
 
-    workers = [threading.Thread(target=read, args=(i, p)) for i, p in enumerate(_split(tensors, threads))]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
+    _threads(read, _split(tensors, threads))
+
+
+BUCKET = "rayflex-bench"
+
+
+def _s3():
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", config=Config(max_pool_connections=32))
+
+
+def _floor_upload(tensors: list, prefix: str, threads: int) -> None:
+    client = _s3()
+
+    def upload(i: int, part: list) -> None:
+        key = f"{prefix}/part{i}"
+        upload_id = client.create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
+        etags = [{"PartNumber": n, "ETag": client.upload_part(
+                      Bucket=BUCKET, Key=key, UploadId=upload_id, PartNumber=n,
+                      Body=memoryview(t.numpy()).cast("B"))["ETag"]}
+                 for n, t in enumerate(part, 1)]
+        client.complete_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload_id,
+                                         MultipartUpload={"Parts": etags})
+
+    _threads(upload, _split(tensors, threads))
+
+
+def _floor_download(tensors: list, prefix: str, threads: int) -> None:
+    client = _s3()
+
+    def download(i: int, part: list) -> None:
+        offset = 0
+        for t in part:
+            view = memoryview(t.numpy()).cast("B")
+            body = client.get_object(Bucket=BUCKET, Key=f"{prefix}/part{i}",
+                                     Range=f"bytes={offset}-{offset + len(view) - 1}")["Body"]
+            got = 0
+            while got < len(view):
+                chunk = body.read(min(8 << 20, len(view) - got))
+                view[got:got + len(chunk)] = chunk
+                got += len(chunk)
+            offset += len(view)
+
+    _threads(download, _split(tensors, threads))
 
 
 def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
@@ -105,10 +159,25 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
         dist.barrier()
         return time.perf_counter() - t0
 
+    s3 = cfg["storage"] == "s3"
+
     def fresh(path: str) -> str:
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path, exist_ok=True)
         return path
+
+    def uri(system: str) -> str:
+        return f"s3://{BUCKET}/persist/{system}" if s3 else f"file://{os.path.join(cfg['dir'], system)}"
+
+    def remove(system: str) -> None:
+        if s3:
+            import fsspec
+
+            fs = fsspec.filesystem("s3")
+            if fs.exists(f"{BUCKET}/persist/{system}"):
+                fs.rm(f"{BUCKET}/persist/{system}", recursive=True)
+        else:
+            shutil.rmtree(os.path.join(cfg["dir"], system), ignore_errors=True)
 
     # One checkpointer per thread count for the whole run, as a training run keeps its own:
     # a save reuses its staging buffers and save plan (what a run's first save builds, in an
@@ -117,8 +186,7 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
     for system in cfg["systems"]:
         kind, threads = system.rsplit("_", 1)
         if kind == "rayflex":
-            warm = os.path.join(cfg["dir"], f"{system}-warmup")
-            ckpt = AsyncCheckpointer(f"file://{warm}", rank=rank, use_async=True, keep=1, upload="thread",
+            ckpt = AsyncCheckpointer(uri(f"{system}-warmup"), rank=rank, use_async=True, keep=1, upload="thread",
                                      upload_threads=int(threads))
             ckpt.save(state, step=1)
             ckpt.wait()
@@ -131,16 +199,22 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
             threads = int(threads)
             root = os.path.join(cfg["dir"], system)  # shared by the ranks: one checkpoint
             if rank == 0:
-                fresh(root)
+                remove(system)
+                if not s3:
+                    fresh(root)
             dist.barrier()
             blocked = None
-            if kind == "floor":
+            if kind == "floor" and s3:
+                prefix = f"persist/{system}/rank{rank}"
+                write_s = timed(lambda: _floor_upload(tensors, prefix, threads))
+                read_fn = lambda: _floor_download(tensors, prefix, threads)  # noqa: E731
+            elif kind == "floor":
                 mine = fresh(os.path.join(root, f"rank{rank}"))
                 write_s = timed(lambda: _floor_write(tensors, mine, threads))
                 read_fn = lambda: _floor_read(tensors, mine, threads)  # noqa: E731
             elif kind == "rayflex":
                 ckpt = checkpointers[system]
-                ckpt.root = f"file://{root}"  # this round's own directory: the cache drop makes it cold
+                ckpt.root = uri(system)  # this round's own directory: the cache drop makes it cold
                 saved: dict = {}
 
                 def save():
@@ -151,16 +225,19 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
                 write_s = timed(save)
                 blocked = saved.get("blocked_s")
                 # A restore is a new attempt's: its own checkpointer (the saving one keeps its staging).
-                read_fn = lambda: AsyncCheckpointer(f"file://{root}", rank=rank, use_async=False).load_latest(state)  # noqa: E731,E501
+                read_fn = lambda: AsyncCheckpointer(uri(system), rank=rank, use_async=False).load_latest(state)  # noqa: E731,E501
             else:
-                from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+                from torch.distributed.checkpoint import (FileSystemReader, FileSystemWriter, FsspecReader,
+                                                          FsspecWriter)
 
                 sd = {f"r{rank}.w{i}": t for i, t in enumerate(tensors)}  # each rank's own entries
-                write_s = timed(lambda: dcp.save(sd, storage_writer=FileSystemWriter(
-                    root, thread_count=threads, single_file_per_rank=True, sync_files=False)))
-                read_fn = lambda: dcp.load(sd, storage_reader=FileSystemReader(root))  # noqa: E731
+                writer, reader = (FsspecWriter, FsspecReader) if s3 else (FileSystemWriter, FileSystemReader)
+                path = uri(system) if s3 else root
+                write_s = timed(lambda: dcp.save(sd, storage_writer=writer(
+                    path, thread_count=threads, single_file_per_rank=True, sync_files=False)))
+                read_fn = lambda: dcp.load(sd, storage_reader=reader(path))  # noqa: E731
             dist.barrier()
-            dropped = _drop_caches() if rank == 0 else None
+            dropped = (None if s3 else _drop_caches()) if rank == 0 else None
             read_s = timed(read_fn)
             if rank == 0:
                 rows.append({"round": rnd, "system": system, "write_s": write_s, "read_s": read_s,
@@ -169,9 +246,12 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
                       f"read {world * nbytes / read_s / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
             dist.barrier()
             if rank == 0:
-                shutil.rmtree(root, ignore_errors=True)
+                remove(system)
     for ckpt in checkpointers.values():
         ckpt.close()
+    if rank == 0:
+        for system in checkpointers:
+            remove(f"{system}-warmup")
     if rank == 0:
         results.put({"bytes_per_rank": nbytes, "rows": rows})
     dist.destroy_process_group()
@@ -206,6 +286,8 @@ def _ratios(rows: list[dict], total_bytes: int, ours: str, theirs: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--storage", choices=("disk", "s3"), default="disk",
+                    help="local disk (--dir), or moto's S3 server started here on 127.0.0.1")
     ap.add_argument("--gb-per-rank", type=float, default=2.0)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
@@ -218,11 +300,19 @@ def main() -> None:
     threads = [int(t) for t in args.threads.split(",")]
     systems = [f"{kind}_{t}" for t in threads for kind in ("floor", "rayflex", "dcp")]
     root = tempfile.mkdtemp(prefix="rayflex-persist-", dir=args.dir or "/var/tmp")
-    cfg = {"gb_per_rank": args.gb_per_rank, "rounds": args.rounds, "systems": systems, "dir": root}
+    cfg = {"gb_per_rank": args.gb_per_rank, "rounds": args.rounds, "systems": systems, "dir": root,
+           "storage": args.storage}
+    server = None
     try:
+        if args.storage == "s3":
+            from checkpoint import start_s3
+
+            _, server = start_s3()  # the ranks inherit its AWS_* environment
         got = run_ranks(_rank, args.ranks, cfg)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        if server is not None:
+            server.stop()
     total = got["bytes_per_rank"] * args.ranks
     rows = got["rows"]
     best = {kind: max((s for s in systems if s.startswith(kind)),
@@ -230,8 +320,11 @@ def main() -> None:
             for kind in ("floor", "rayflex", "dcp")}
     emit({"benchmark": "persist", "machine": machine(), "command": " ".join(sys.argv),
           "workload": {"ranks": args.ranks, "bytes_per_rank": got["bytes_per_rank"], "tensor_mb": TENSOR_MB,
-                       "storage": f"local disk ({root.rsplit('/', 1)[0]})", "rounds": args.rounds,
-                       "cache_dropped_before_restore": all(r["cache_dropped"] for r in rows)},
+                       "storage": ("moto S3 server on 127.0.0.1 in the benchmark's process" if args.storage == "s3"
+                                   else f"local disk ({root.rsplit('/', 1)[0]})"),
+                       "rounds": args.rounds,
+                       "cache_dropped_before_restore": (None if args.storage == "s3"
+                                                        else all(r["cache_dropped"] for r in rows))},
           "results": _summary(rows, total),
           "best_persist": best,
           "ratios": {"rayflex_vs_floor": _ratios(rows, total, best["rayflex"], best["floor"]),

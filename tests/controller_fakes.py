@@ -205,8 +205,9 @@ class FakeGroup:
                 while_waiting()
             if self.cluster.during_restore:  # one action a second, as a test queued them
                 self.cluster.during_restore.pop(0)(self)
-        stuck = sorted(r for r, a in enumerate(self.actors) if a.node in self.cluster.frozen_nodes)
-        if stuck:  # a process placed on a frozen node never answers
+        stuck = sorted(r for r, a in enumerate(self.actors)
+                       if a.node in self.cluster.frozen_nodes or a.node not in self.cluster.alive)
+        if stuck:  # a process placed on a frozen node, or one Ray has since declared dead, never answers
             self.cluster.clock.sleep(60.0)
             raise SetupFailed("start", dead={}, slow=stuck, timeout_s=60.0)
         self.step = self.cluster.committed if restore else 0

@@ -72,20 +72,23 @@ def test_the_planner_keeps_fsdp_inside_the_nodes_and_the_bytes_show_it(bed_run):
 def test_a_run_that_loses_an_emulated_node_goes_on_without_it(bed_run):
     run = bed_run["result"]["node_lost"]
     events = run["events"]
-    assert run["status"] == "finished" and run["steps_completed"] == 40
+    story = [(e["kind"], e.get("rank"), (e.get("node_id") or "")[:8], (e.get("reason") or "")[:160]) for e in events]
+    assert run["status"] == "finished" and run["steps_completed"] == 40, story
     first = next(e for e in events if e["kind"] == "plan_chosen")
     assert len(set(first["rank_to_node"])) == 2, "the run started on both nodes"
-    # Every rank of the killed node is named: dead workers, or the node lost once Ray has
-    # declared it dead (the survivors' broken collectives may restart the run before that)
-    on_lost = {r for r, n in enumerate(first["rank_to_node"]) if n == run["lost"]["node_id"]}
-    named = {e["rank"] for e in events if e["kind"] == "worker_died" and e["node_id"] == run["lost"]["node_id"]}
-    named |= {r for e in events if e["kind"] == "node_lost" and e["node_id"] == run["lost"]["node_id"]
-              for r in e["ranks"]}
-    assert len(on_lost) == 2 and on_lost <= named, (on_lost, [e["kind"] for e in events])
+    # The killed node is named: node_lost once Ray has declared it dead, or the deaths of
+    # its ranks (the survivors' broken collectives may restart the run before that, and a
+    # restart planned while Ray still listed it names it when its start gives up). Rank
+    # numbers change from one attempt to the next; the node and its deaths do not.
+    lost_id = run["lost"]["node_id"]
+    on_lost = sum(1 for n in first["rank_to_node"] if n == lost_id)
+    died_there = [e for e in events if e["kind"] == "worker_died" and e["node_id"] == lost_id]
+    named = [e for e in events if e["kind"] == "node_lost" and e["node_id"] == lost_id]
+    assert on_lost == 2 and (named or len(died_there) >= on_lost), story
     sizes = [e["world_size"] for e in events if e["kind"] == "restarted"]
-    assert sizes and sizes[-1] == 2, sizes
+    assert sizes and sizes[-1] == 2, story
     last_plan = [e for e in events if e["kind"] == "plan_chosen"][-1]
-    assert run["lost"]["node_id"] not in last_plan["rank_to_node"]
+    assert lost_id not in last_plan["rank_to_node"], story
 
 
 def test_an_emulated_node_targets_nothing_outside_loopback():

@@ -29,7 +29,8 @@ def place(ctx, state: Placing):
     ctx.plan = plan
     group = _start_group(ctx, plan, placement, survivors, world, shrinking=state.workers_up is not None)
     try:
-        infos = group.setup(restore=ctx.spec.checkpoint.resume, while_waiting=lambda: _while_starting(ctx))
+        infos = group.setup(restore=ctx.spec.checkpoint.resume,
+                            while_waiting=lambda: _while_starting(ctx, placement.rank_to_node))
     except SetupFailed as failure:
         return _setup_failed(ctx, group, placement, failure)
     ctx.record(_plan_event(world, plan, resolved, placement, group,
@@ -77,10 +78,18 @@ def place(ctx, state: Placing):
     return Running(Attempt(group=group, plan=plan, detector=detector))
 
 
-def _while_starting(ctx) -> None:
-    """Called back while the ranks start and restore: spot notices are kept for the
-    attempt's first poll."""
+def _while_starting(ctx, rank_to_node) -> None:
+    """Called back about once a second while the ranks start and restore: spot notices are
+    kept for the attempt's first poll, and a node of the plan that Ray has declared dead
+    since fails the start now. A machine that vanished is declared dead by Ray's health
+    check seconds after its ranks stopped, so a restart may have planned on it while Ray
+    still listed it; a rank placed there never starts (its bundle waits for a node that
+    will not return), and the start would otherwise wait out the setup timeout."""
     keep_notices_for_the_attempt(ctx)
+    gone = set(rank_to_node) - ctx.alive_nodes()
+    if gone:
+        raise SetupFailed("start", {rank: f"its node {node[:12]} is gone (Ray declared it dead)"
+                                    for rank, node in enumerate(rank_to_node) if node in gone}, [], 0.0)
 
 
 def _setup_failed(ctx, group, placement, failure: SetupFailed):
