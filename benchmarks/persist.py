@@ -19,7 +19,7 @@ Each rank (a process; gloo process group) holds ``--gb-per-rank`` GB of float32 
 
 With ``--storage s3`` the same three go to moto's S3 server on 127.0.0.1 (started here, in
 this process; every rank talks HTTP to it): the floor is a plain boto3 multipart upload per
-writer thread (one 64 MB part a tensor; boto3's defaults, its checksums included) and ranged
+writer thread (one 64 MB part a tensor, copied to bytes as boto3 takes them; no request checksums) and ranged
 GETs read back into the tensors; rayflex writes ``s3://`` through s3fs; DCP uses its
 ``FsspecWriter(thread_count=T)`` / ``FsspecReader``. moto keeps the bytes on this machine and
 shares its 2 cores with the ranks, so the figures are this endpoint's, not a cloud bucket's:
@@ -104,7 +104,10 @@ def _s3():
     import boto3
     from botocore.config import Config
 
-    return boto3.client("s3", config=Config(max_pool_connections=32))
+    # No request checksums (boto3's default computes one of every part in Python): the floor
+    # is the transfer, and rayflex's own checksum is part of what it is measured doing.
+    return boto3.client("s3", config=Config(max_pool_connections=32, request_checksum_calculation="when_required",
+                                            response_checksum_validation="when_required"))
 
 
 def _floor_upload(tensors: list, prefix: str, threads: int) -> None:
@@ -115,7 +118,7 @@ def _floor_upload(tensors: list, prefix: str, threads: int) -> None:
         upload_id = client.create_multipart_upload(Bucket=BUCKET, Key=key)["UploadId"]
         etags = [{"PartNumber": n, "ETag": client.upload_part(
                       Bucket=BUCKET, Key=key, UploadId=upload_id, PartNumber=n,
-                      Body=memoryview(t.numpy()).cast("B"))["ETag"]}
+                      Body=memoryview(t.numpy()).cast("B").tobytes())["ETag"]}  # boto3 takes bytes
                  for n, t in enumerate(part, 1)]
         client.complete_multipart_upload(Bucket=BUCKET, Key=key, UploadId=upload_id,
                                          MultipartUpload={"Parts": etags})
@@ -227,8 +230,8 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
                 # A restore is a new attempt's: its own checkpointer (the saving one keeps its staging).
                 read_fn = lambda: AsyncCheckpointer(uri(system), rank=rank, use_async=False).load_latest(state)  # noqa: E731,E501
             else:
-                from torch.distributed.checkpoint import (FileSystemReader, FileSystemWriter, FsspecReader,
-                                                          FsspecWriter)
+                from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+                from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
                 sd = {f"r{rank}.w{i}": t for i, t in enumerate(tensors)}  # each rank's own entries
                 writer, reader = (FsspecWriter, FsspecReader) if s3 else (FileSystemWriter, FileSystemReader)
