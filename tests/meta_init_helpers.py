@@ -76,9 +76,9 @@ def losses_of_two_steps(stages, spec: ModelSpec, rank: int) -> list[float]:
     return losses
 
 
-def run_rank(rank: int, layouts: list[tuple[int, int, int, int]], results) -> None:
-    """``layouts``: (world, pp, stages per rank, port) in order; a rank outside a layout's
-    world sits it out. Answers are keyed (world, pp, stages per rank, rank)."""
+def run_rank(rank: int, layouts: list[tuple[int, int, int, str]], results) -> None:
+    """``layouts``: (world, pp, stages per rank, rendezvous file) in order; a rank outside a
+    layout's world sits it out. Answers are keyed (world, pp, stages per rank, rank)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -92,11 +92,12 @@ def run_rank(rank: int, layouts: list[tuple[int, int, int, int]], results) -> No
     torch.set_num_threads(1)
     spec, device = buffered_spec(), torch.device("cpu")
     try:
-        for world, pp, per_rank, port in layouts:
+        for world, pp, per_rank, store in layouts:
             if rank >= world:
                 continue
             _clear_sharding_caches()
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            # A file rendezvous: no port chosen long before it is bound (another process took one).
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=60))
             parallel = (rf.ParallelConfig(pp=pp, schedule="interleaved", stages_per_rank=per_rank) if per_rank > 1
                         else rf.ParallelConfig(pp=pp))

@@ -14,7 +14,6 @@ import torch
 
 from rayflex.models.spec import build_stage
 from rayflex.testing.processes import ForkedContext
-from rayflex.local_ray import free_ports
 
 from meta_init_helpers import buffered_spec, run_rank
 
@@ -24,10 +23,11 @@ TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
-def built():
+def built(tmp_path_factory):
     ctx = ForkedContext()
     results = ctx.Queue()
-    layouts = [(*layout, free_ports(1)[0]) for layout in LAYOUTS]
+    stores = tmp_path_factory.mktemp("rendezvous")
+    layouts = [(*layout, str(stores / f"layout{i}")) for i, layout in enumerate(LAYOUTS)]
     procs = [ctx.Process(target=run_rank, args=(r, layouts, results), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
