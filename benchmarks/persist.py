@@ -202,9 +202,10 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
             threads = int(threads)
             root = os.path.join(cfg["dir"], system)  # shared by the ranks: one checkpoint
             if rank == 0:
-                remove(system)
-                if not s3:
-                    fresh(root)
+                if s3:
+                    remove(system)
+                else:
+                    fresh(root)  # emptied and made again
             dist.barrier()
             blocked = None
             if kind == "floor" and s3:

@@ -85,11 +85,13 @@ def _wait_for_replicas(handle, run, *, held_by: str, of: str, timeout_s: float =
 
 def _replicas_in_place(handle, run, a: str, b: str) -> int:
     """Wait until nodes ``a`` and ``b`` each hold a copy of the other's shard files of one
-    committed step, the newest when last looked at; returns that step."""
-    while True:
+    committed step, the newest when last looked at; returns that step. Each look takes a
+    fraction of a commit interval, so two in a row agree long before ten tries are spent."""
+    for _ in range(10):
         step = _wait_for_replicas(handle, run, held_by=a, of=b)
         if _wait_for_replicas(handle, run, held_by=b, of=a) == step:
             return step
+    raise AssertionError("every look at the replicas found a newer commit than the one before")
 
 
 def test_a_killed_worker_restores_from_its_nodes_own_copy(two_node_cluster, dataset_uri, tmp_path):
