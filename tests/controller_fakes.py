@@ -307,10 +307,15 @@ class FakeGroup:
         self.cluster.on_release = []
         leaving = getattr(self.cluster, "die_while_leaving", ())  # a test kills these as they leave
         uploading = frozenset(getattr(self.cluster, "upload_while_leaving", ()))  # these still upload
-        return Release(left=frozenset(r for r in ranks if self._live(r) and not self.actors[r].frozen
-                                      and r not in leaving and r not in uploading),
-                       died={r: "ActorDiedError: the actor died" for r in ranks if not self._live(r) or r in leaving},
-                       uploading=uploading & frozenset(ranks))
+        released = Release(left=frozenset(r for r in ranks if self._live(r) and not self.actors[r].frozen
+                                          and r not in leaving and r not in uploading),
+                           died={r: "ActorDiedError: the actor died" for r in ranks
+                                 if not self._live(r) or r in leaving},
+                           uploading=uploading & frozenset(ranks))
+        for act in self.cluster.after_release:  # what happens once they were let go (a node declared dead)
+            act(self)
+        self.cluster.after_release = []
+        return released
 
     def shutdown(self, graceful_s: float = 5.0) -> None:
         self.kill(range(len(self.actors)))
@@ -330,6 +335,7 @@ class FakeCluster:
         self.notices: list[Notice] = []
         self.during_restore: list[Callable] = []  # one a second while the next restore waits (restore_s)
         self.on_release: list[Callable] = []  # run once, as the survivors of a failed attempt leave
+        self.after_release: list[Callable] = []  # run once, when they have left
         self.committed = 0
         self.killed: list[FakeActor] = []
         self.releases: list[tuple] = []

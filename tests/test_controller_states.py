@@ -655,3 +655,38 @@ def test_a_node_ray_declares_dead_while_the_restart_starts_is_left_at_once(tmp_p
     assert next_attempt - declared[0] <= 1.5, (declared, attempts)
     assert set(_timeline(c).of(ev.PlanChosen)[-1].rank_to_node) == {"a"}
     assert result["status"] == "finished" and result["steps_completed"] == 8 and result["world_size"] == 2
+
+
+@pytest.mark.parametrize("declared", ["before the restart decides", "before the next start plans"])
+def test_a_vanished_node_is_named_when_a_survivor_raised_first_and_its_ranks_were_silent(tmp_path, declared):
+    # Seen on the link bed: a node killed outright breaks the survivors' collective first (a
+    # rank on the other node raises), its own ranks are silent while the others leave (named
+    # as a hang), and Ray declares it dead seconds later. The timeline said only that rank 0
+    # failed: the lost node was never named.
+    spec = _spec(tmp_path, min_workers=2, every=2, restart_while_warming=False)
+
+    def b_vanishes(group):
+        raise_in_rank(0, "RuntimeError: gloo: Connection closed by peer")(group)
+        freeze_rank(2)(group)
+        freeze_rank(3)(group)
+        cluster = group.cluster
+        if declared == "before the restart decides":
+            cluster.after_release = [lose_node("b")]
+            return
+        topology = cluster.topology  # the restart's decision reads the topology, then the start plans
+
+        def b_declared_after_the_decision():
+            view = topology()
+            if cluster.releases and "b" in cluster.alive:
+                lose_node("b")(group)
+            return view
+        cluster.topology = b_declared_after_the_decision
+
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, b_vanishes)])
+    timeline = _timeline(c)
+    assert [e.rank for e in timeline.of(ev.WorkerFailed)] == [0]
+    assert [(e.node_id, e.ranks) for e in timeline.of(ev.NodeLost)] == [("b", [2, 3])]
+    assert set(timeline.of(ev.PlanChosen)[-1].rank_to_node) == {"a"}
+    assert result["status"] == "finished" and result["steps_completed"] == 8 and result["world_size"] == 2
+    if declared == "before the next start plans":  # the size the restart decided no longer fit: decided again
+        assert "4 workers no longer fit in the 2 usable slots" in timeline.of(ev.Restarted)[-1].reason

@@ -11,6 +11,7 @@ import logging
 
 from rayflex.constants import knob
 from rayflex.control.notices import exclude_noticed_nodes, keep_notices_for_the_attempt
+from rayflex.control.restarting import follow_decision, name_vanished_nodes
 from rayflex.control.states import Attempt, Finished, Placing, Running
 from rayflex.errors import RayflexError, SetupFailed
 from rayflex.planning.capacity.memory import CapacityError
@@ -23,7 +24,11 @@ log = logging.getLogger(__name__)
 
 def place(ctx, state: Placing):
     t0 = ctx.clock.time()
+    name_vanished_nodes(ctx)  # Ray may have declared a node of the last attempt dead since the restart decided
     exclude_noticed_nodes(ctx)  # a node noticed while restarting gets no ranks (its survivors are let go)
+    redecided = _decide_again_if_slots_went(ctx, state)
+    if redecided is not None:
+        return redecided
     survivors = dict(state.survivors)
     world, plan, resolved, placement = _plan(ctx, state, survivors)
     ctx.plan = plan
@@ -78,6 +83,21 @@ def place(ctx, state: Placing):
     return Running(Attempt(group=group, plan=plan, detector=detector))
 
 
+def _decide_again_if_slots_went(ctx, state: Placing):
+    """A node may go between a restart's decision and its plan (Ray declares a vanished
+    machine dead seconds after its ranks stop): the size is decided again with the slots
+    usable now, charging no failure, instead of failing a plan that no longer fits."""
+    if state.restart_reason is None or state.world_size is None or state.workers_up is not None:
+        return None
+    usable = ctx.usable_slots()
+    if usable >= state.world_size:
+        return None
+    log.warning("%d workers no longer fit in the %d usable slots: deciding the size again", state.world_size, usable)
+    decision = ctx.policy.resize(usable_slots=usable, reason=f"{state.restart_reason}; {state.world_size} workers "
+                                                             f"no longer fit in the {usable} usable slots")
+    return follow_decision(ctx, decision, dict(state.survivors), state.fault_time, lambda: None)
+
+
 def _while_starting(ctx, rank_to_node) -> None:
     """Called back about once a second while the ranks start and restore: spot notices are
     kept for the attempt's first poll, and a node of the plan that Ray has declared dead
@@ -98,8 +118,6 @@ def _setup_failed(ctx, group, placement, failure: SetupFailed):
     dead). A failure like one in training, decided by the failure policy, never the end of
     the run by itself. Every worker of the attempt is let go: the others may be half-way
     into a rendezvous with the dead one."""
-    from rayflex.control.restarting import follow_decision
-
     now, step = ctx.clock.time(), ctx.ledger.step + 1
     # Where each rank is: known to the group once it answered, else where the plan put it.
     node_of = {**dict(enumerate(placement.rank_to_node)), **getattr(group, "node_of", {})}

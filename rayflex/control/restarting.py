@@ -30,10 +30,10 @@ def restart(ctx, state: Restarting):
     # holds its slot until it has left, so a bundle reserved there would only time out.
     gone = set(fault.bad_ranks) - raised
     _drain(ctx, attempt)
-    unreachable = _leave_out_unreachable_nodes(ctx, fault, node_of)  # before warming replacements there
+    _leave_out_unreachable_nodes(ctx, fault, node_of)  # before warming replacements there
     survivors = collect_survivors(ctx, attempt, set(fault.bad_ranks), raised,
                                   warm=(lambda: warm_replacements(ctx, node_of, gone)) if gone else None)
-    _name_lost_nodes(ctx, fault, node_of, named=unreachable)
+    name_vanished_nodes(ctx)
     commit_handed_off(ctx)  # an emergency save's keepers upload it: committed before a step is chosen
     decision = ctx.policy.decide(kind=fault.kind, step=ctx.ledger.step + 1, committed_step=ctx.ledger.committed_step,
                                  usable_slots=ctx.usable_slots(), error=fault.error, diagnosis=fault.diagnosis)
@@ -76,14 +76,21 @@ def _drain(ctx, attempt: Attempt) -> None:
         ctx.ledger.absorb(rank, st, attempt.plan, attempt.detector)
 
 
-def _name_lost_nodes(ctx, fault, node_of: dict[int, str], named: set[str] = frozenset()) -> None:
-    """Dead actors are seen before Ray declares their node dead; name the lost nodes now,
-    so the timeline says whether a process or a whole node went."""
-    reported = {e.node_id for e in fault.events if isinstance(e, ev.NodeLost)} | set(named)
-    alive = ctx.alive_nodes()
-    for node in sorted({node_of[r] for r in fault.bad_ranks if r in node_of} - alive - reported):
+def name_vanished_nodes(ctx) -> None:
+    """Name once each node of the last attempt that Ray no longer lists. What is seen first
+    of a vanished machine is its ranks' deaths, a survivor's broken collective, or its ranks'
+    silence while the others leave; Ray declares the node dead seconds later, before this
+    restart decides or before the next start plans, so both look: the timeline says that a
+    whole node went, not only that processes did."""
+    events = ctx.recorder.timeline.events
+    last = next((i for i in range(len(events) - 1, -1, -1) if isinstance(events[i], ev.PlanChosen)), None)
+    if last is None:
+        return
+    rank_to_node = events[last].rank_to_node
+    reported = {e.node_id for e in events[last:] if isinstance(e, ev.NodeLost)}
+    for node in sorted(set(rank_to_node) - ctx.alive_nodes() - reported):
         ctx.record(ev.NodeLost(step=ctx.ledger.step + 1, node_id=node,
-                               ranks=sorted(r for r, n in node_of.items() if n == node)))
+                               ranks=[r for r, n in enumerate(rank_to_node) if n == node]))
 
 
 def _leave_out_unreachable_nodes(ctx, fault, node_of: dict[int, str]) -> set[str]:
