@@ -690,3 +690,42 @@ def test_a_vanished_node_is_named_when_a_survivor_raised_first_and_its_ranks_wer
     assert result["status"] == "finished" and result["steps_completed"] == 8 and result["world_size"] == 2
     if declared == "before the next start plans":  # the size the restart decided no longer fit: decided again
         assert "4 workers no longer fit in the 2 usable slots" in timeline.of(ev.Restarted)[-1].reason
+
+
+def test_a_vanished_node_charges_the_failure_budget_once(tmp_path):
+    # The node's loss is seen first as a survivor's broken collective (charged: a failure);
+    # the restart plans on the node while Ray still lists it, and its start fails when Ray
+    # declares it dead. That is the same loss seen late: with max_failures=1 the run goes on.
+    spec = _spec(tmp_path, min_workers=2, every=2, restart_while_warming=False, max_failures=1)
+
+    def b_vanishes(group):
+        raise_in_rank(0, "RuntimeError: gloo: Connection closed by peer")(group)
+        freeze_rank(2)(group)
+        freeze_rank(3)(group)
+        group.cluster.restore_s = 3.0  # the restart's start restores for 3 s; b is declared dead 2 s in
+        group.cluster.during_restore = [lambda g: None, lose_node("b")]
+
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, b_vanishes)])
+    timeline = _timeline(c)
+    assert [(e.node_id, e.ranks) for e in timeline.of(ev.NodeLost)] == [("b", [2, 3])]
+    assert c.ctx.policy.failures == 1
+    assert "the loss being recovered from, not charged again" in timeline.of(ev.Restarted)[-1].reason
+    assert result["status"] == "finished" and result["steps_completed"] == 8 and result["world_size"] == 2
+
+
+def test_a_start_that_fails_on_a_node_the_run_had_not_used_is_charged(tmp_path):
+    # A node that joined during the restart and died before its ranks started is a new
+    # failure, not the one being recovered from.
+    spec = _spec(tmp_path, workers=4, min_workers=2, every=2, restart_while_warming=False, max_failures=1)
+
+    def a_rank_dies_and_c_joins(group):
+        kill_rank(3)(group)
+        group.cluster.nodes["b"] = 1
+        add_node("c", 1)(group)
+        group.cluster.restore_s = 2.0
+        group.cluster.during_restore = [lose_node("c")]
+
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, a_rank_dies_and_c_joins)])
+    assert c.ctx.policy.failures == 2
+    assert result["status"] == "failed" and "failure budget exhausted" in result["reason"]
+

@@ -116,8 +116,9 @@ def _setup_failed(ctx, group, placement, failure: SetupFailed):
     """Workers of the new attempt died or never answered while it started: their node went
     mid-restart (a spot node preempted, a frozen node that Ray's health check declared
     dead). A failure like one in training, decided by the failure policy, never the end of
-    the run by itself. Every worker of the attempt is let go: the others may be half-way
-    into a rendezvous with the dead one."""
+    the run by itself; one on nodes of the failed attempt that Ray has declared dead since
+    is the loss being recovered from and is not charged again. Every worker of the attempt
+    is let go: the others may be half-way into a rendezvous with the dead one."""
     now, step = ctx.clock.time(), ctx.ledger.step + 1
     # Where each rank is: known to the group once it answered, else where the plan put it.
     node_of = {**dict(enumerate(placement.rank_to_node)), **getattr(group, "node_of", {})}
@@ -134,8 +135,19 @@ def _setup_failed(ctx, group, placement, failure: SetupFailed):
     for actor in getattr(group, "actors", []):
         ctx.reservation.vacate(ctx.cluster.actor_id(actor))
         ctx.cluster.kill(actor)
-    decision = ctx.policy.decide(kind="failure", step=step, committed_step=ctx.ledger.committed_step,
-                                 usable_slots=ctx.usable_slots(), error=str(failure))
+    recent = ctx.recorder.timeline.since_last(ev.PlanChosen)
+    failed_on = {node_of.get(r) for r in [*failure.dead, *failure.slow]}
+    if recent and failed_on and failed_on <= set(recent[0].rank_to_node) - alive:
+        # Nodes of the attempt being recovered from, declared dead by Ray after the restart
+        # had planned on them: the loss it is recovering from, seen late, not a new failure
+        # (charged again, one vanished node could spend the whole failure budget).
+        usable = ctx.usable_slots()
+        decision = ctx.policy.resize(usable_slots=usable, reason=(
+            f"{failure}; node(s) {', '.join(sorted(n[:12] for n in failed_on))} of the failed attempt, which Ray "
+            f"declared dead since: the loss being recovered from, not charged again"))
+    else:
+        decision = ctx.policy.decide(kind="failure", step=step, committed_step=ctx.ledger.committed_step,
+                                     usable_slots=ctx.usable_slots(), error=str(failure))
     return follow_decision(ctx, decision, {}, now, lambda: failure)
 
 

@@ -82,12 +82,11 @@ def name_vanished_nodes(ctx) -> None:
     silence while the others leave; Ray declares the node dead seconds later, before this
     restart decides or before the next start plans, so both look: the timeline says that a
     whole node went, not only that processes did."""
-    events = ctx.recorder.timeline.events
-    last = next((i for i in range(len(events) - 1, -1, -1) if isinstance(events[i], ev.PlanChosen)), None)
-    if last is None:
+    recent = ctx.recorder.timeline.since_last(ev.PlanChosen)
+    if not recent:
         return
-    rank_to_node = events[last].rank_to_node
-    reported = {e.node_id for e in events[last:] if isinstance(e, ev.NodeLost)}
+    rank_to_node = recent[0].rank_to_node
+    reported = {e.node_id for e in recent if isinstance(e, ev.NodeLost)}
     for node in sorted(set(rank_to_node) - ctx.alive_nodes() - reported):
         ctx.record(ev.NodeLost(step=ctx.ledger.step + 1, node_id=node,
                                ranks=[r for r, n in enumerate(rank_to_node) if n == node]))

@@ -404,6 +404,13 @@ class Timeline:
     def of(self, cls: type[Event]) -> list[Event]:
         return [e for e in self.events if isinstance(e, cls)]
 
+    def since_last(self, cls: type[Event]) -> list[Event]:
+        """The newest event of ``cls`` and every event after it (empty: none of ``cls``)."""
+        for i in range(len(self.events) - 1, -1, -1):
+            if isinstance(self.events[i], cls):
+                return self.events[i:]
+        return []
+
     @classmethod
     def from_dicts(cls, dicts: Iterable[dict[str, Any]]) -> "Timeline":
         return cls(as_events(dicts))
