@@ -729,3 +729,16 @@ def test_a_start_that_fails_on_a_node_the_run_had_not_used_is_charged(tmp_path):
     assert c.ctx.policy.failures == 2
     assert result["status"] == "failed" and "failure budget exhausted" in result["reason"]
 
+
+def test_a_resumed_run_names_no_node_of_the_cluster_its_earlier_job_ran_on(tmp_path):
+    # The timeline of a resumed run holds the earlier job's attempts, on nodes of a cluster
+    # that is gone: nothing of it is a node this run lost.
+    first_c, _, first = _run(_spec(tmp_path, steps=4, every=2), {"a": 2, "b": 2})
+    assert first["status"] == "finished"
+
+    def rank_dies(group):
+        kill_rank(1)(group)
+    c, cluster, result = _run(_spec(tmp_path, steps=8, every=2), {"c": 2, "d": 2}, script=[(6, rank_dies)])
+    assert result["status"] == "finished" and result["steps_completed"] == 8
+    assert _timeline(c).of(ev.NodeLost) == [], _timeline(c).of(ev.NodeLost)
+

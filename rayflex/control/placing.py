@@ -11,7 +11,7 @@ import logging
 
 from rayflex.constants import knob
 from rayflex.control.notices import exclude_noticed_nodes, keep_notices_for_the_attempt
-from rayflex.control.restarting import follow_decision, name_vanished_nodes
+from rayflex.control.restarting import follow_decision, name_vanished_nodes, since_last_attempt
 from rayflex.control.states import Attempt, Finished, Placing, Running
 from rayflex.errors import RayflexError, SetupFailed
 from rayflex.planning.capacity.memory import CapacityError
@@ -135,7 +135,7 @@ def _setup_failed(ctx, group, placement, failure: SetupFailed):
     for actor in getattr(group, "actors", []):
         ctx.reservation.vacate(ctx.cluster.actor_id(actor))
         ctx.cluster.kill(actor)
-    recent = ctx.recorder.timeline.since_last(ev.PlanChosen)
+    recent = since_last_attempt(ctx)
     failed_on = {node_of.get(r) for r in [*failure.dead, *failure.slow]}
     if recent and failed_on and failed_on <= set(recent[0].rank_to_node) - alive:
         # Nodes of the attempt being recovered from, declared dead by Ray after the restart

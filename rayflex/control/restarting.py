@@ -76,13 +76,21 @@ def _drain(ctx, attempt: Attempt) -> None:
         ctx.ledger.absorb(rank, st, attempt.plan, attempt.detector)
 
 
+def since_last_attempt(ctx) -> list:
+    """The newest attempt this controller started (its ``plan_chosen``) and every event after
+    it; empty before its first. A resumed run's timeline also holds the attempts of the
+    controllers before this one, on the nodes of clusters that may be gone."""
+    mine = ev.Timeline(ctx.recorder.timeline.since_last(ev.RunStarted))
+    return mine.since_last(ev.PlanChosen)
+
+
 def name_vanished_nodes(ctx) -> None:
     """Name once each node of the last attempt that Ray no longer lists. What is seen first
     of a vanished machine is its ranks' deaths, a survivor's broken collective, or its ranks'
     silence while the others leave; Ray declares the node dead seconds later, before this
     restart decides or before the next start plans, so both look: the timeline says that a
     whole node went, not only that processes did."""
-    recent = ctx.recorder.timeline.since_last(ev.PlanChosen)
+    recent = since_last_attempt(ctx)
     if not recent:
         return
     rank_to_node = recent[0].rank_to_node
