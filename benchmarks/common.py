@@ -74,7 +74,7 @@ def rank_state(rank: int, world: int, port: int, gb_per_rank: float):
     import torch.distributed as dist
     from torch import nn
 
-    from rayflex.storage.checkpoint import TrainState
+    from rayflex.checkpoint.checkpointer import TrainState
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -149,7 +149,7 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from rayflex.storage.checkpoint import AsyncCheckpointer
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
 
     tensors, state = rank_state(rank, world, port, cfg["gb_per_rank"])
     nbytes = sum(t.numel() * 4 for t in tensors)

@@ -44,8 +44,8 @@ class RestoreRank:
     def save(self, uri: str) -> dict:
         import torch.distributed.checkpoint as dcp
 
-        from rayflex.replicas.client import ReplicaClient
-        from rayflex.replicas.dcp_io import ReplicatingWriter
+        from rayflex.checkpoint.replicas.client import ReplicaClient
+        from rayflex.checkpoint.replicas.dcp_io import ReplicatingWriter
         from rayflex.storage.fs import fsspec_kwargs
 
         writer = ReplicatingWriter(uri, step=1, client=ReplicaClient(self.run, self.node_id),
@@ -59,9 +59,9 @@ class RestoreRank:
     def load(self, uri: str, source: str) -> dict:
         import torch
         import torch.distributed.checkpoint as dcp
-        from rayflex.replicas.client import ReplicaClient
-        from rayflex.replicas.dcp_io import MemoryFirstReader
-        from rayflex.storage.dcp_io import CheckpointReader
+        from rayflex.checkpoint.replicas.client import ReplicaClient
+        from rayflex.checkpoint.replicas.dcp_io import MemoryFirstReader
+        from rayflex.checkpoint.dcp_io import CheckpointReader
         from rayflex.storage.fs import fsspec_kwargs
 
         target = {k: torch.empty_like(v) for k, v in self.state.items()}
@@ -88,7 +88,7 @@ def restore_benchmark(lc, storage: str, mb: int, rounds: int, log, budget_mb: fl
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from rayflex.planning.topology import Topology
-    from rayflex.replicas.keepers import KeeperSet
+    from rayflex.checkpoint.replicas.keepers import KeeperSet
 
     run = "restore-bench"
     nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]

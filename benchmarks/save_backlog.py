@@ -6,7 +6,7 @@
 Each rank (a process; gloo) holds ``--gb-per-rank`` GB of float32 tensors and runs a loop of
 ``--steps`` steps: ``--step-s`` seconds of compute (matmuls), then the step boundary a rayflex
 worker has — one all-reduce that agrees whether some rank's previous save is still being
-written — then ``rayflex.storage.save_timing`` with a save due at every step, and
+written — then ``rayflex.checkpoint.save_timing`` with a save due at every step, and
 ``AsyncCheckpointer.save`` (thread upload, local disk) when it says so. Per policy
 (``CheckpointConfig.when_busy``: ``defer``, the default, and ``wait``), in alternating rounds:
 the time each step was blocked by checkpointing (the save call: its staging copy, and with
@@ -41,8 +41,8 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
     import torch
     import torch.distributed as dist
 
-    from rayflex.storage.checkpoint import AsyncCheckpointer
-    from rayflex.storage.save_timing import save_timing
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
+    from rayflex.checkpoint.save_timing import save_timing
 
     tensors, state = rank_state(rank, world, port, cfg["gb_per_rank"])
     copies = [torch.empty_like(t) for t in tensors]  # the floor's destination, kept like staging

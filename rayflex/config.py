@@ -304,7 +304,7 @@ class DataConfig:
 
 
 UPLOAD_MODES = ("auto", "process", "thread")
-WHEN_BUSY = ("defer", "wait")  # what each does: rayflex.storage.save_timing
+WHEN_BUSY = ("defer", "wait")  # what each does: rayflex.checkpoint.save_timing
 
 
 @dataclass(kw_only=True, frozen=True)

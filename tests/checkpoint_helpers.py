@@ -8,7 +8,7 @@ import torch
 
 def tiny_state(seed: int = 0, *, scheduler: bool = False, **fields):
     """A Linear layer after one AdamW step, at step 3; ``fields`` go to TrainState."""
-    from rayflex.storage.checkpoint import TrainState
+    from rayflex.checkpoint.checkpointer import TrainState
 
     torch.manual_seed(seed)
     model = torch.nn.Linear(8, 4)
@@ -22,7 +22,7 @@ def tiny_state(seed: int = 0, *, scheduler: bool = False, **fields):
 def save_committed(root: str, state, step: int = 3) -> None:
     """Save ``state`` as ``step`` under ``root`` (asynchronously, as a worker does) and
     require the commit."""
-    from rayflex.storage.checkpoint import AsyncCheckpointer
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
 
     ckpt = AsyncCheckpointer(root, rank=0, use_async=True, keep=2)
     ckpt.save(state, step=step)

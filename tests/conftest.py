@@ -133,7 +133,7 @@ def pytest_configure(config):
     # server that imported these once (rayflex.testing.processes; ~2-4 CPU-s a process).
     from rayflex.testing.processes import preload
 
-    preload(["rayflex.models.hf", "rayflex.storage.checkpoint",
+    preload(["rayflex.models.hf", "rayflex.checkpoint.checkpointer",
              "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"])
 
 

@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"mesh", "local_ray", "schemes"},
     {"config", "models", "storage"},
     {"planning", "data", "telemetry"},
-    {"replicas"},  # checkpoint copies in host memory: DCP I/O over storage, peers by topology
+    {"checkpoint"},  # the checkpoint path: checkpointer, uploads, DCP I/O, manifest, replicas in host memory
     {"worker"},
     {"group"},
     {"faults"},
@@ -162,3 +162,24 @@ def test_the_worker_actor_shell_forwards_every_public_method():
     public = {n for n, f in inspect.getmembers(TrainWorker, inspect.isfunction) if not n.startswith("_")}
     assert set(ACTOR_METHODS) == public
     assert all(callable(getattr(TrainWorkerActor, n)) for n in ACTOR_METHODS)
+
+
+def _torch_imports(module: str) -> set[str]:
+    """Every torch module ``module`` imports, lazy imports included."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "torch")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            found.add(node.module)
+    return found
+
+
+def test_the_checkpoint_package_owns_the_checkpoint_path():
+    """``rayflex.storage`` is object-store I/O only (no torch); DCP is spoken inside
+    ``rayflex.checkpoint`` alone (and by the chaos replay, which checks its files)."""
+    storage_torch = {m: _torch_imports(m) for m in MODULES if part_of(m) == "storage" and _torch_imports(m)}
+    assert not storage_torch, f"storage modules that import torch: {storage_torch}"
+    dcp_outside = sorted(m for m in MODULES if part_of(m) not in ("checkpoint", "testing")
+                         and any(t.startswith("torch.distributed.checkpoint") for t in _torch_imports(m)))
+    assert not dcp_outside, f"DCP spoken outside rayflex.checkpoint: {dcp_outside}"

@@ -16,7 +16,7 @@ from cloud_fixtures import (create_azure_container, create_gcs_bucket, fresh_buc
                             is_bucket_creation)
 from conftest import SEQ_LEN, small_gpt
 from rayflex.errors import ConfigError, StorageError
-from rayflex.storage import manifest as mf
+from rayflex.checkpoint import manifest as mf
 
 STORES = ["gs", "az"]
 
@@ -55,7 +55,7 @@ def cloud(request):
 
 
 def test_checkpoint_round_trip(cloud):
-    from rayflex.storage.checkpoint import AsyncCheckpointer
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
     from rayflex.storage.fs import check_storage
 
     root = f"{cloud.uri}/runs/round-trip/checkpoints"
@@ -78,7 +78,7 @@ def test_checkpoint_round_trip(cloud):
 def test_no_bucket_or_container_is_ever_created(cloud):
     """Saving, committing, retention and loading are object calls under a prefix; a
     missing bucket fails with the command that creates it, and stays missing."""
-    from rayflex.storage.checkpoint import AsyncCheckpointer
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
     from rayflex.storage.fs import check_bucket, check_storage, exists
 
     offset = cloud.log_offset()

@@ -10,7 +10,7 @@ import pytest
 import rayflex as rf
 from rayflex.data.dataset import TokenDataset
 from rayflex.testing.reference import single_process_losses
-from rayflex.storage import manifest as mf
+from rayflex.checkpoint import manifest as mf
 
 from conftest import small_gpt
 

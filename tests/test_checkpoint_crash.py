@@ -9,7 +9,7 @@ import pytest
 
 import rayflex as rf
 from rayflex.cli.main import main as cli_main
-from rayflex.storage import manifest as mf
+from rayflex.checkpoint import manifest as mf
 
 from conftest import small_gpt, wait_for
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 import rayflex as rf
-from rayflex.storage import manifest as mf
+from rayflex.checkpoint import manifest as mf
 
 from conftest import small_gpt
 

@@ -26,7 +26,7 @@ def test_tensors_are_stored_as_their_bytes_and_load_back_exactly(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    from rayflex.storage.dcp_io import RAW_TENSOR, CheckpointReader, CheckpointWriter
+    from rayflex.checkpoint.dcp_io import RAW_TENSOR, CheckpointReader, CheckpointWriter
 
     saved = _odd_tensors()
     path = str(tmp_path / "step")
@@ -67,7 +67,7 @@ def test_a_truncated_shard_is_named_not_misread(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from rayflex.storage.dcp_io import CheckpointReader, CheckpointWriter
+    from rayflex.checkpoint.dcp_io import CheckpointReader, CheckpointWriter
 
     saved = {"w": torch.randn(64, 64)}
     path = str(tmp_path / "step")
@@ -83,9 +83,9 @@ def test_a_truncated_shard_is_named_not_misread(tmp_path):
 def test_the_optimizers_hyper_parameters_are_one_entry_and_resume_as_saved(tmp_path):
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from rayflex.storage.checkpoint import HPARAMS_KEY, AsyncCheckpointer
-    from rayflex.storage.dcp_io import CheckpointReader
-    from rayflex.storage.manifest import step_dir
+    from rayflex.checkpoint.checkpointer import HPARAMS_KEY, AsyncCheckpointer
+    from rayflex.checkpoint.dcp_io import CheckpointReader
+    from rayflex.checkpoint.manifest import step_dir
 
     root = f"file://{tmp_path}/ckpt"
     state = tiny_state(seed=4)
@@ -118,8 +118,8 @@ def test_a_checkpoint_in_dcps_own_format_with_one_entry_per_hyper_parameter_resu
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    from rayflex.storage import manifest as mf
-    from rayflex.storage.checkpoint import EXTRA_FILE, AsyncCheckpointer
+    from rayflex.checkpoint import manifest as mf
+    from rayflex.checkpoint.checkpointer import EXTRA_FILE, AsyncCheckpointer
 
     root = f"file://{tmp_path}/ckpt"
     state = tiny_state(seed=5)
@@ -157,7 +157,7 @@ def test_a_tensor_that_does_not_fill_its_planned_chunk_is_refused_before_it_is_w
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    from rayflex.storage.dcp_io import CheckpointWriter
+    from rayflex.checkpoint.dcp_io import CheckpointWriter
 
     planned = WriteItem(index=MetadataIndex("model.w", torch.Size([0, 0])), type=WriteItemType.SHARD,
                         tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([3, 3])),
@@ -177,7 +177,7 @@ def test_a_tensor_that_does_not_fill_its_planned_chunk_is_refused_before_it_is_w
 def test_a_checkpoint_carries_the_metrics_of_its_last_steps(tmp_path):
     """What a restart writes for steps no live rank reported (control.ledger): the saving
     rank's metrics of the steps up to the save, none past it."""
-    from rayflex.storage.checkpoint import AsyncCheckpointer
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
 
     root = f"file://{tmp_path}/ckpt"
     recent = [{"step": s, "loss": 3.0 - s / 10, "step_time_s": 0.1, "lr": 1e-3, "grad_norm": 1.0, "time": 1.0 + s,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from checkpoint_helpers import save_committed, tiny_state
-from rayflex.storage import manifest as mf
+from rayflex.checkpoint import manifest as mf
 
 WRITER_POLICY = {
     "Version": "2012-10-17",
@@ -70,7 +70,7 @@ def test_stock_dcp_writer_would_create_a_bucket(prefix_only_identity):
 
 
 def test_checkpoint_saves_and_loads_without_bucket_permissions(prefix_only_identity):
-    from rayflex.storage.checkpoint import AsyncCheckpointer
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
 
     root = f"{prefix_only_identity}/runs/prefix-only/checkpoints"
     state = tiny_state(scheduler=True)

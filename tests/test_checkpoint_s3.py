@@ -12,7 +12,7 @@ from rayflex.constants import knob
 from rayflex.testing.chaos.bounds import storage_outage_bound_s
 from rayflex.testing.chaos.s3_gate import S3Gate
 from rayflex.testing.reference import single_process_losses
-from rayflex.storage import manifest as mf
+from rayflex.checkpoint import manifest as mf
 
 from conftest import loopback_cluster, small_gpt, wait_for, wait_until_running
 from s3_fixture import TEST_ENV

@@ -16,7 +16,7 @@ def test_later_saves_reuse_the_plan_and_still_write_the_current_values(tmp_path,
     from torch.distributed.checkpoint import default_planner
     from torch.distributed.checkpoint.planner import SavePlanner
 
-    from rayflex.storage.checkpoint import AsyncCheckpointer
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
 
     planned = []
     real_plan = default_planner.create_default_local_save_plan
@@ -57,8 +57,8 @@ def test_later_saves_reuse_the_plan_and_still_write_the_current_values(tmp_path,
 
 def test_the_commit_records_the_writers_digests_without_reading_the_shards_back(tmp_path, monkeypatch):
     from rayflex.errors import CheckpointError
-    from rayflex.storage import manifest as mf
-    from rayflex.storage.checkpoint import AsyncCheckpointer
+    from rayflex.checkpoint import manifest as mf
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
 
     root = f"file://{tmp_path}/ckpt"
     read_back = []
@@ -89,7 +89,7 @@ def test_the_commit_records_the_writers_digests_without_reading_the_shards_back(
 
 
 def test_a_digest_file_that_is_not_a_digest_is_ignored_and_the_file_hashed(tmp_path, caplog):
-    from rayflex.storage import manifest as mf
+    from rayflex.checkpoint import manifest as mf
 
     step = tmp_path / "ckpt" / "step_00000003"
     step.mkdir(parents=True)
@@ -110,7 +110,7 @@ def test_checkpoints_committed_with_blake2b_digests_still_commit_and_verify(tmp_
     import hashlib
 
     from rayflex.errors import CheckpointError
-    from rayflex.storage import manifest as mf
+    from rayflex.checkpoint import manifest as mf
 
     step = tmp_path / "ckpt" / "step_00000003"
     step.mkdir(parents=True)
@@ -127,7 +127,7 @@ def test_checkpoints_committed_with_blake2b_digests_still_commit_and_verify(tmp_
 
 
 def test_a_ranks_plan_is_reused_only_for_the_same_tensors_under_the_same_keys():
-    from rayflex.storage.save_plan import SavePlanCache
+    from rayflex.checkpoint.save_plan import SavePlanCache
 
     cache, weight = SavePlanCache(), torch.ones(3)
     assert cache.reusable_local_plan({"w": weight, "lr": 0.1}) is None, "nothing planned yet"
@@ -153,8 +153,8 @@ def test_a_ranks_plan_is_reused_only_for_the_same_tensors_under_the_same_keys():
 def test_repeat_saves_write_the_same_metadata_without_pickling_it_again(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from rayflex.storage import save_plan
-    from rayflex.storage.checkpoint import AsyncCheckpointer
+    from rayflex.checkpoint import save_plan
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
 
     pickled = []
     real = save_plan.metadata_file_bytes
@@ -205,8 +205,8 @@ def test_write_results_travel_packed_and_describe_the_same_storage_as_dcps():
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from rayflex.storage.dcp_io import RAW_TENSOR
-    from rayflex.storage.save_plan import PackedWriteResults, storage_index_of
+    from rayflex.checkpoint.dcp_io import RAW_TENSOR
+    from rayflex.checkpoint.save_plan import PackedWriteResults, storage_index_of
 
     packed = PackedWriteResults.from_rows([("model.w", (4, 0), 1, "__1_0.distcp", 0, 64, [RAW_TENSOR]),
                                            ("optim_hparams.w", None, None, "__1_0.distcp", 64, 301, None)])
@@ -226,7 +226,7 @@ def test_the_metadata_broadcast_after_a_save_is_empty_and_rank_zero_keeps_it_who
 
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-    from rayflex.storage.save_plan import SavePlanCache
+    from rayflex.checkpoint.save_plan import SavePlanCache
 
     md = Metadata(state_dict_metadata={"w": TensorStorageMetadata.__new__(TensorStorageMetadata)},
                   planner_data={"w": ("w",)})
@@ -241,7 +241,7 @@ def test_the_metadata_broadcast_after_a_save_is_empty_and_rank_zero_keeps_it_who
 def test_the_cheap_flattening_matches_dcps_for_rayflexs_state_and_declines_the_rest():
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    from rayflex.storage.save_plan import flat_view
+    from rayflex.checkpoint.save_plan import flat_view
 
     state = tiny_state(seed=4).tensor_state()
     assert flat_view(state) == flatten_state_dict(state)

@@ -17,14 +17,14 @@ from rayflex.errors import ConfigError
 @pytest.fixture(autouse=True, scope="module")
 def _stop_uploader():
     yield
-    from rayflex.storage.upload_process import stop_uploader
+    from rayflex.checkpoint.upload_process import stop_uploader
 
     stop_uploader()
 
 
 def _save(root: str, state, *, step: int, upload: str) -> dict:
-    from rayflex.storage.checkpoint import AsyncCheckpointer
-    from rayflex.storage.upload_process import uploader
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
+    from rayflex.checkpoint.upload_process import uploader
 
     if upload == "process":
         uploader()  # started and answering: a save never waits for it (it uploads from a thread meanwhile)
@@ -36,14 +36,14 @@ def _save(root: str, state, *, step: int, upload: str) -> dict:
 
 
 def _shards(root: str, step: int) -> dict[str, bytes]:
-    from rayflex.storage import manifest as mf
+    from rayflex.checkpoint import manifest as mf
 
     sdir = mf.step_dir(root, step).removeprefix("file://")
     return {f: open(os.path.join(sdir, f), "rb").read() for f in sorted(os.listdir(sdir)) if f.endswith(".distcp")}
 
 
 def test_a_process_upload_writes_the_bytes_a_thread_upload_writes_and_loads_back(tmp_path):
-    from rayflex.storage.checkpoint import AsyncCheckpointer
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
 
     state = tiny_state(seed=3)
     by_thread = _save(f"file://{tmp_path}/thread", state, step=3, upload="thread")
@@ -64,8 +64,8 @@ def test_a_process_upload_writes_the_bytes_a_thread_upload_writes_and_loads_back
 def test_saves_go_on_while_the_uploader_starts_or_after_it_died(tmp_path):
     import glob
 
-    from rayflex.storage.checkpoint import AsyncCheckpointer
-    from rayflex.storage.upload_process import stop_uploader, uploader
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
+    from rayflex.checkpoint.upload_process import stop_uploader, uploader
 
     root = f"file://{tmp_path}/ckpt"
     state = tiny_state(seed=4)
@@ -94,7 +94,7 @@ def test_saves_go_on_while_the_uploader_starts_or_after_it_died(tmp_path):
 
 
 def test_without_room_in_dev_shm_a_save_uploads_from_a_thread(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr("rayflex.storage.upload_process.shm_room_for",
+    monkeypatch.setattr("rayflex.checkpoint.upload_process.shm_room_for",
                         lambda nbytes: (False, "/dev/shm has 0.06 GiB free"))
     report = _save(f"file://{tmp_path}/ckpt", tiny_state(seed=5), step=3, upload="process")
     assert report["upload"] == "thread"
@@ -102,7 +102,7 @@ def test_without_room_in_dev_shm_a_save_uploads_from_a_thread(tmp_path, monkeypa
 
 
 def test_shm_room_names_the_fix(tmp_path):
-    from rayflex.storage.upload_process import shm_room_for
+    from rayflex.checkpoint.upload_process import shm_room_for
 
     ok, why = shm_room_for(1 << 60, directory=str(tmp_path))
     assert not ok and "--shm-size" in why and "upload='thread'" in why

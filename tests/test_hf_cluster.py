@@ -11,7 +11,7 @@ import torch
 
 import rayflex as rf
 from rayflex.models import hf_causal_lm
-from rayflex.storage import manifest as mf
+from rayflex.checkpoint import manifest as mf
 
 from hf_helpers import SEQ_LEN, hf_model, tiny_config
 

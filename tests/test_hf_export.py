@@ -21,7 +21,7 @@ import torch
 
 import rayflex as rf
 from rayflex import export_hf
-from rayflex.storage.checkpoint_reader import CheckpointWeights
+from rayflex.checkpoint.reader import CheckpointWeights
 from rayflex.cli.main import main as rayflex_main
 from rayflex.errors import CheckpointError, ConfigError
 from rayflex.models.hf import causal_lm
@@ -167,8 +167,8 @@ def _checkpoint_state(spec: rf.TrainSpec, step: int) -> dict:
     blocks (no exporter involved)."""
     import torch.distributed.checkpoint as dcp
 
-    from rayflex.storage.dcp_io import CheckpointReader
-    from rayflex.storage.manifest import step_dir
+    from rayflex.checkpoint.dcp_io import CheckpointReader
+    from rayflex.checkpoint.manifest import step_dir
 
     stage = build_stage(spec.model, list(range(spec.model.num_blocks)))
     state = stage.state_dict()

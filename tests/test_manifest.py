@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from rayflex.errors import CheckpointError, ConfigError
-from rayflex.storage import manifest as mf
+from rayflex.checkpoint import manifest as mf
 from rayflex.storage.fs import exists, join, listdir, read_text, remove_tree, resolve
 
 SHARDS = {"__0_0.distcp": 3000, "__1_0.distcp": 2500, "rayflex/train_state.json": 40}
@@ -170,7 +170,7 @@ def test_flipped_byte_is_detected_and_loader_falls_back(backend, request, caplog
     assert "__0_0.distcp" not in message
     # Same size, so the cheap check passes: that is the trade-off of deep=False.
     assert mf.verify(root, 20, deep=False).step == 20
-    with caplog.at_level(logging.WARNING, logger="rayflex.storage.manifest"):
+    with caplog.at_level(logging.WARNING, logger="rayflex.checkpoint.manifest"):
         resolution = mf.resolve_loadable(root)
     assert resolution.step == 10
     assert [s.step for s in resolution.skipped] == [20]

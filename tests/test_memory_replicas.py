@@ -5,11 +5,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from rayflex.planning.topology import Topology
-from rayflex.replicas.client import ReplicaClient
-from rayflex.replicas.holders import OWN_COPY, REPLICA, STORAGE, Holder
-from rayflex.replicas.dcp_io import MemoryFirstReader, ReplicatingWriter
-from rayflex.replicas.keeper import PRIMARY, ReplicaKeeper, digest_of
-from rayflex.replicas.peers import choose_peers
+from rayflex.checkpoint.replicas.client import ReplicaClient
+from rayflex.checkpoint.replicas.holders import OWN_COPY, REPLICA, STORAGE, Holder
+from rayflex.checkpoint.replicas.dcp_io import MemoryFirstReader, ReplicatingWriter
+from rayflex.checkpoint.replicas.keeper import PRIMARY, ReplicaKeeper, digest_of
+from rayflex.checkpoint.replicas.peers import choose_peers
 
 
 class _Now:
@@ -180,8 +180,8 @@ class _Held:
 def _emergency_save(root, keepers, node, leaving, step=9):
     import json
 
-    from rayflex.storage import manifest as mf
-    from rayflex.storage.checkpoint import EXTRA_FILE
+    from rayflex.checkpoint import manifest as mf
+    from rayflex.checkpoint.checkpointer import EXTRA_FILE
 
     client = InProcessClient(node, keepers)
     client.leaving(leaving)
@@ -204,8 +204,8 @@ def _wait_uploads(keeper, step):
 
 
 def test_an_emergency_save_on_a_leaving_node_hands_its_upload_to_the_replica_and_commits_after_it(tmp_path):
-    from rayflex.storage import manifest as mf
-    from rayflex.storage.checkpoint import commit_if_whole
+    from rayflex.checkpoint import manifest as mf
+    from rayflex.checkpoint.checkpointer import commit_if_whole
 
     root = f"file://{tmp_path}/ckpt"
     keepers = _keepers()
@@ -233,8 +233,8 @@ def test_a_handed_off_step_whose_keeper_went_is_never_committed(tmp_path):
     import pytest
 
     from rayflex.errors import CheckpointError
-    from rayflex.storage import manifest as mf
-    from rayflex.storage.checkpoint import commit_if_whole
+    from rayflex.checkpoint import manifest as mf
+    from rayflex.checkpoint.checkpointer import commit_if_whole
 
     root = f"file://{tmp_path}/ckpt"
     keepers = _keepers()
@@ -269,7 +269,7 @@ def test_a_save_abandoned_mid_way_writes_nothing_more_to_storage(tmp_path):
 
     import pytest
 
-    from rayflex.storage.dcp_io import CheckpointWriter
+    from rayflex.checkpoint.dcp_io import CheckpointWriter
 
     abandoned = threading.Event()
 

@@ -15,7 +15,7 @@ import signal
 import pytest
 
 import rayflex as rf
-from rayflex.storage import manifest as mf
+from rayflex.checkpoint import manifest as mf
 from rayflex.testing.chaos.replay import compare, replay, segments_from_events
 
 from conftest import run_events, small_gpt, wait_until_running
@@ -59,7 +59,7 @@ def _assert_equals_storage_restore(trainer, events, tmp_path):
 def _keeper_of(node_id, run):
     import ray
 
-    from rayflex.replicas.keepers import keeper_name
+    from rayflex.checkpoint.replicas.keepers import keeper_name
 
     return ray.get_actor(keeper_name(run, node_id))
 

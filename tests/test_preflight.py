@@ -311,7 +311,7 @@ def test_resubmitting_a_run_name_with_another_model(tmp_path, data_uri, d_model,
     import hashlib
 
     from rayflex.models.spec import build_stage
-    from rayflex.storage.checkpoint import TrainState
+    from rayflex.checkpoint.checkpointer import TrainState
 
     from checkpoint_helpers import save_committed
 

@@ -51,7 +51,7 @@ def test_a_checkpoint_of_another_order_says_later_steps_see_other_rows(tmp_path,
 
 
 def test_the_checkpoint_records_the_order_it_was_saved_with(tmp_path):
-    from rayflex.storage.checkpoint import AsyncCheckpointer
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
 
     for order, name in ((SAMPLE_ORDER, "now"), (None, "old")):
         root = f"file://{tmp_path}/{name}/checkpoints"

@@ -5,7 +5,7 @@ import pytest
 
 import rayflex as rf
 from rayflex.errors import ConfigError
-from rayflex.storage.save_timing import save_timing
+from rayflex.checkpoint.save_timing import save_timing
 
 
 def _timing(**kw):

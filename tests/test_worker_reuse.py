@@ -40,7 +40,7 @@ def test_renumbered_process_checkpoints_its_own_shards(dataset_uri, tmp_path):
                 assert not r["checkpoint_errors"], r["checkpoint_errors"][0][-600:]
             assert got["released"] == ["left"] * len(order)
 
-    from rayflex.storage import manifest as mf
+    from rayflex.checkpoint import manifest as mf
 
     root = f"file://{tmp_path}/runs/reuse/checkpoints"
     last = 4 * len(ATTEMPTS)

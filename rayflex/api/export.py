@@ -1,7 +1,7 @@
 """Weights out: a committed checkpoint of a Hugging Face model's run as an HF directory.
 
 It composes two layers that may not import each other: the checkpoint side
-(:mod:`rayflex.storage.checkpoint_reader`: find the run, pick and verify a committed step,
+(:mod:`rayflex.checkpoint.reader`: find the run, pick and verify a committed step,
 read DCP's model entries block by block) and the HF side
 (:func:`rayflex.models.hf_export.write_hf`). ``rayflex ckpt export`` calls it.
 """
@@ -28,7 +28,7 @@ def export_hf(source: str, out_dir, *, step: Optional[int] = None, shard_bytes: 
     ``out_dir`` is refused unless ``overwrite`` and it holds a previous export.
     """
     from rayflex.models.hf_export import DEFAULT_SHARD_BYTES, check_out_dir, hf_metadata, write_hf
-    from rayflex.storage.checkpoint_reader import RunCheckpoints
+    from rayflex.checkpoint.reader import RunCheckpoints
 
     check_out_dir(out_dir, overwrite)  # before anything is read
     run = RunCheckpoints.find(source)

@@ -19,8 +19,8 @@ def check_model_fits(model_spec, root: str, run_name: str) -> None:
     from rayflex.models.meta import on_meta
     from rayflex.models.spec import build_stage
     from rayflex.storage import fs as rfs
-    from rayflex.storage import manifest as mf
-    from rayflex.storage.checkpoint_reader import CheckpointWeights
+    from rayflex.checkpoint import manifest as mf
+    from rayflex.checkpoint.reader import CheckpointWeights
 
     latest = mf.latest_committed(root)
     if latest is None:

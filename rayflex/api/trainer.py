@@ -286,7 +286,7 @@ class Trainer:
             check_storage(self.spec.checkpoint.uri)
         ckpt = self.spec.checkpoint
         if ckpt.every_steps and not ckpt.resume:
-            from rayflex.storage import manifest as mf
+            from rayflex.checkpoint import manifest as mf
 
             latest = mf.latest_committed(self.spec.checkpoint_uri)
             if latest is not None:

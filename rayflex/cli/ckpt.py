@@ -22,7 +22,7 @@ def add_subcommand(subparsers) -> None:
 
 
 def cmd_ckpt(args) -> int:
-    from rayflex.storage import manifest as mf
+    from rayflex.checkpoint import manifest as mf
 
     if args.action == "export":
         return _cmd_export(args)

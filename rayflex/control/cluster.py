@@ -123,7 +123,7 @@ class RayCluster:
 
     def replica_keepers(self):
         """The run's memory-replica keepers (one per node, spawned by ``cover``)."""
-        from rayflex.replicas.keepers import KeeperSet
+        from rayflex.checkpoint.replicas.keepers import KeeperSet
 
         ckpt = self.spec.checkpoint
         return KeeperSet(self.spec.run.name, ckpt.memory_replicas, ckpt.memory_budget_bytes)

@@ -38,7 +38,7 @@ from rayflex.worker.float8 import check_device as check_float8_device
 from rayflex.worker.parallelize import (build_device_mesh, build_schedule, clip_grads_, data_parallel_mesh,
                                         shard_stage, tp_grad_summed_params)
 from rayflex.config import TrainSpec
-from rayflex.storage.save_timing import DEFERRABLE_REQUESTS, save_timing
+from rayflex.checkpoint.save_timing import DEFERRABLE_REQUESTS, save_timing
 from rayflex.constants import fault_log_path, injected_failure_steps, knob, node_ip
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class TrainWorker:
         _freeze_long_lived()
         if spec.checkpoint.async_save and (spec.checkpoint.every_steps or spec.checkpoint.resume) \
                 and spec.checkpoint.upload == "process":
-            from rayflex.storage.upload_process import prewarm_uploader
+            from rayflex.checkpoint.upload_process import prewarm_uploader
 
             prewarm_uploader()  # its imports overlap the rendezvous and build, not the first save
 
@@ -316,12 +316,12 @@ class TrainWorker:
         restored = None
         t_build = time.time()
         if self.spec.checkpoint.every_steps or self.spec.checkpoint.resume:
-            from rayflex.storage.checkpoint import AsyncCheckpointer
+            from rayflex.checkpoint.checkpointer import AsyncCheckpointer
 
             self._close_checkpointer()
             replicas = None
             if self.spec.checkpoint.memory_replicas and self.node_id != "local":
-                from rayflex.replicas.client import ReplicaClient
+                from rayflex.checkpoint.replicas.client import ReplicaClient
 
                 replicas = ReplicaClient(self.spec.run.name, self.node_id)
             self.checkpointer = AsyncCheckpointer(self.spec.checkpoint_uri, rank=self.rank,
@@ -361,7 +361,7 @@ class TrainWorker:
         return self.spec.run.optimizer.lr_of_step(step, self.spec.run.steps)
 
     def _stateful(self):
-        from rayflex.storage.checkpoint import TrainState
+        from rayflex.checkpoint.checkpointer import TrainState
 
         return TrainState(modules=[m for _, m in self.stages], optimizers=self.optimizers,
                           get_step=lambda: self._step, total_steps=self.spec.run.steps,

@@ -326,7 +326,7 @@ class Injector:
         deadline = time.time() + 5
         while time.time() < deadline and not any(e.time >= fault.time - 0.5 for e in self._events(ev.WorkerDied)):
             time.sleep(0.02)
-        from rayflex.storage import manifest as mf
+        from rayflex.checkpoint import manifest as mf
 
         step = mf.latest_committed(self.checkpoint_root)
         fault.detail["step"] = step
@@ -357,7 +357,7 @@ def _is_ray_worker(pid: int) -> bool:
 def corrupt_newest_file(root: str, step: int) -> str:
     """Flip one byte in the middle of the largest data file of checkpoint ``step``."""
     from rayflex.storage import fs as rfs
-    from rayflex.storage.manifest import step_dir
+    from rayflex.checkpoint.manifest import step_dir
 
     fs, path = rfs.resolve(step_dir(root, step))
     fs.invalidate_cache()

@@ -24,7 +24,7 @@ def checkpoints_verify(root: str, corrupted: dict[int, float]) -> tuple[bool, st
     from datetime import datetime
 
     from rayflex.errors import CheckpointError
-    from rayflex.storage import manifest as mf
+    from rayflex.checkpoint import manifest as mf
 
     committed = mf.list_committed(root)
     bad = []

@@ -54,7 +54,7 @@ def split_at_restores(segments: list[Segment]) -> list[Segment]:
 def replay(spec, segments: list[Segment], storage: str) -> str:
     """Run ``segments`` in order with no faults; returns the replay's checkpoint root."""
     from rayflex.testing.chaos.local_workers import LocalWorkerPool
-    from rayflex.storage import manifest as mf
+    from rayflex.checkpoint import manifest as mf
 
     spec = dataclasses.replace(
         spec, run=dataclasses.replace(spec.run, storage=storage, name=f"{spec.run.name}-replay"),
@@ -80,7 +80,7 @@ def load_full(step_uri: str) -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint, unsharded, keyed by its flattened name."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from rayflex.storage.dcp_io import CheckpointReader
+    from rayflex.checkpoint.dcp_io import CheckpointReader
     from rayflex.storage.fs import fsspec_kwargs
 
     # Explicit storage options (endpoint included): fsspec caches filesystems by their
@@ -115,7 +115,7 @@ def first_divergence(run_root: str, replay_root: str) -> dict:
     """Where a run and its replay part: every step both committed (the run keeps a few, the
     replay every segment's end), compared in order; the first that differs, with the last
     that was still equal."""
-    from rayflex.storage import manifest as mf
+    from rayflex.checkpoint import manifest as mf
 
     common = sorted(set(mf.list_committed(run_root)) & set(mf.list_committed(replay_root)))
     equal_until = None

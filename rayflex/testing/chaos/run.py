@@ -155,7 +155,7 @@ def run_chaos(cfg: ChaosConfig) -> dict:
     from rayflex.testing.chaos.bounds import DetectionTiming
     from rayflex.testing.chaos.cluster import LocalCluster
     from rayflex.testing.chaos.replay import compare, first_divergence, replay, segments_from_events
-    from rayflex.storage.manifest import step_dir
+    from rayflex.checkpoint.manifest import step_dir
 
     kinds = plan_faults(cfg.seed, cfg.faults)
     workdir = cfg.workdir or tempfile.mkdtemp(prefix="rayflex-chaos-")

@@ -34,8 +34,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from rayflex.replicas.holders import PRIMARY, REPLICA
-from rayflex.storage.manifest import DIGEST_SUFFIX, fingerprint_of
+from rayflex.checkpoint.replicas.holders import PRIMARY, REPLICA
+from rayflex.checkpoint.manifest import DIGEST_SUFFIX, fingerprint_of
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ import os
 import time
 from typing import Optional
 
-from rayflex.replicas.holders import OWN_COPY, REPLICA, STORAGE, Holder
-from rayflex.replicas.keeper import digest_of
+from rayflex.checkpoint.replicas.holders import OWN_COPY, REPLICA, STORAGE, Holder
+from rayflex.checkpoint.replicas.keeper import digest_of
 from rayflex.storage import fs as rfs
-from rayflex.storage.dcp_io import SHARD_SUFFIX, CheckpointReader, CheckpointWriter, PrefixFileSystem
-from rayflex.storage.manifest import DIGEST_SUFFIX
+from rayflex.checkpoint.dcp_io import SHARD_SUFFIX, CheckpointReader, CheckpointWriter, PrefixFileSystem
+from rayflex.checkpoint.manifest import DIGEST_SUFFIX
 
 log = logging.getLogger(__name__)
 

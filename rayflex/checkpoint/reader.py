@@ -47,7 +47,7 @@ class RunCheckpoints:
         import json
 
         from rayflex.storage import fs as rfs
-        from rayflex.storage import manifest as mf
+        from rayflex.checkpoint import manifest as mf
 
         uri = _strip(source)
         named = mf.parse_step(uri)
@@ -74,7 +74,7 @@ class RunCheckpoints:
         """The committed ``step`` (default: the one the source names, else the newest),
         verified against its manifest (sizes and checksums)."""
         from rayflex.storage import fs as rfs
-        from rayflex.storage import manifest as mf
+        from rayflex.checkpoint import manifest as mf
 
         if self.step is not None:
             if step is not None and step != self.step:
@@ -119,7 +119,7 @@ class CheckpointWeights:
     _infos: Optional[dict] = field(default=None, repr=False)
 
     def _reader(self):
-        from rayflex.storage.dcp_io import CheckpointReader
+        from rayflex.checkpoint.dcp_io import CheckpointReader
         from rayflex.storage.fs import fsspec_kwargs
 
         return CheckpointReader(self.step_uri, **fsspec_kwargs(self.step_uri))

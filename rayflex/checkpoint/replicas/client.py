@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from rayflex.constants import knob
-from rayflex.replicas.holders import Holder
-from rayflex.replicas.keeper import PRIMARY
-from rayflex.replicas.keepers import keeper_name, node_of_keeper
-from rayflex.storage.manifest import DIGEST_SUFFIX
+from rayflex.checkpoint.replicas.holders import Holder
+from rayflex.checkpoint.replicas.keeper import PRIMARY
+from rayflex.checkpoint.replicas.keepers import keeper_name, node_of_keeper
+from rayflex.checkpoint.manifest import DIGEST_SUFFIX
 
 log = logging.getLogger(__name__)
 
@@ -174,14 +174,14 @@ class ReplicaClient:
     def writer(self, path: str, *, step: int, emergency: bool, **options):
         """DCP's writer for a save of ``step`` that also keeps each shard file in memory
         (``emergency``: and hands its upload to a keeper, see ``ReplicatingWriter``)."""
-        from rayflex.replicas.dcp_io import ReplicatingWriter
+        from rayflex.checkpoint.replicas.dcp_io import ReplicatingWriter
 
         return ReplicatingWriter(path, step=step, client=self, emergency=emergency, **options)
 
     def reader(self, path: str, *, step: int, holders: dict, missing: dict, **options):
         """DCP's reader for ``step`` that reads what it can from the copies ``locate`` found;
         its ``report`` says which shard files came from where."""
-        from rayflex.replicas.dcp_io import MemoryFirstReader
+        from rayflex.checkpoint.replicas.dcp_io import MemoryFirstReader
 
         return MemoryFirstReader(path, step=step, holders=holders, missing=missing, client=self, **options)
 

@@ -31,8 +31,8 @@ from typing import Optional
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 
 from rayflex.storage import fs as rfs
-from rayflex.storage import manifest as mf
-from rayflex.storage.save_plan import PackedWriteResults, SavePlanCache, metadata_file_bytes, storage_index_of
+from rayflex.checkpoint import manifest as mf
+from rayflex.checkpoint.save_plan import PackedWriteResults, SavePlanCache, metadata_file_bytes, storage_index_of
 
 
 class SaveAbandoned(RuntimeError):
@@ -100,7 +100,7 @@ class CheckpointWriter(FsspecWriter):
 
     def __init__(self, path: str, abandoned: Optional[threading.Event] = None,
                  plans: Optional[SavePlanCache] = None, **kwargs) -> None:
-        """``plans``: the checkpointer's :class:`~rayflex.storage.save_plan.SavePlanCache`
+        """``plans``: the checkpointer's :class:`~rayflex.checkpoint.save_plan.SavePlanCache`
         (rank 0 then writes the last save's ``.metadata`` bytes again while nothing changed)."""
         super().__init__(path, **kwargs)
         fs = PrefixFileSystem()
@@ -333,7 +333,7 @@ def _narrow(tensor, offsets, lengths):
 def missing_shard_files(step_uri: str) -> list[str]:
     """What keeps the DCP checkpoint at ``step_uri`` from being whole: its ``.metadata``
     absent, or a shard file it names absent or shorter than the bytes it places there."""
-    from rayflex.storage.manifest import file_sizes
+    from rayflex.checkpoint.manifest import file_sizes
 
     try:
         metadata = CheckpointReader(step_uri, **rfs.fsspec_kwargs(step_uri)).read_metadata()

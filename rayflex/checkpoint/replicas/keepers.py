@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from rayflex.replicas.peers import choose_peers
+from rayflex.checkpoint.replicas.peers import choose_peers
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class KeeperSet:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from rayflex.constants import knob_env
-        from rayflex.replicas.keeper import ReplicaKeeper
+        from rayflex.checkpoint.replicas.keeper import ReplicaKeeper
 
         alive = {n.node_id for n in topology.nodes}
         named = set(ray.util.list_named_actors())  # a dead actor's name is free again
@@ -83,7 +83,7 @@ class KeeperSet:
 
         import ray
 
-        from rayflex.replicas.keeper import PENDING
+        from rayflex.checkpoint.replicas.keeper import PENDING
 
         deadline = time.monotonic() + timeout_s
         while True:

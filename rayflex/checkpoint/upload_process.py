@@ -176,7 +176,7 @@ def shm_room_for(nbytes: int, directory: str = SHM_DIR) -> tuple[bool, str]:
 
 # ----------------------------------------------------------------- the uploader process
 class UploadProcess:
-    """A ``python -m rayflex.storage.upload_process`` child that writes DCP save plans from
+    """A ``python -m rayflex.checkpoint.upload_process`` child that writes DCP save plans from
     shared blocks; one request at a time, over a socket pair."""
 
     def __init__(self, nice: int = 0):
@@ -185,7 +185,7 @@ class UploadProcess:
         parent, child = socket.socketpair()
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="",  # no CUDA context in the uploader
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # what this process imports
-        self.process = subprocess.Popen([sys.executable, "-m", "rayflex.storage.upload_process",
+        self.process = subprocess.Popen([sys.executable, "-m", "rayflex.checkpoint.upload_process",
                                          str(child.fileno()), str(int(nice))],
                                         pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
         child.close()
@@ -300,10 +300,10 @@ def stop_uploader() -> None:
 # ----------------------------------------------------------------- the DCP writer
 def process_upload_writer(path: str, block: SharedBlock, plans=None, **writer_kwargs):
     """A DCP storage writer for ``path`` whose ``write_data`` runs in the uploader process.
-    ``writer_kwargs``: the :class:`~rayflex.storage.dcp_io.CheckpointWriter` options
+    ``writer_kwargs``: the :class:`~rayflex.checkpoint.dcp_io.CheckpointWriter` options
     (``single_file_per_rank``, ``thread_count``, fsspec options...), used on both sides;
     ``plans``: the checkpointer's ``SavePlanCache`` (this side's ``.metadata``)."""
-    from rayflex.storage.dcp_io import CheckpointWriter
+    from rayflex.checkpoint.dcp_io import CheckpointWriter
 
     class ProcessUploadWriter(CheckpointWriter):
         def write_data(self, plan, planner):
@@ -340,7 +340,7 @@ def _serve(conn, nice: int) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch: no CUDA context in the uploader
     import torch
 
-    import rayflex.storage.dcp_io  # noqa: F401 - DCP and fsspec: imported before the first save needs them
+    import rayflex.checkpoint.dcp_io  # noqa: F401 - DCP and fsspec: imported before the first save needs them
 
     torch.set_num_threads(1)
     # Lowered once ready: the imports above are what a first save waits for, and at a low
@@ -380,7 +380,7 @@ def _serve(conn, nice: int) -> None:
 def _write(block, request: dict) -> list:
     import torch
 
-    from rayflex.storage.dcp_io import CheckpointWriter
+    from rayflex.checkpoint.dcp_io import CheckpointWriter
 
     raw = block.numpy()
     tensors = {}
@@ -409,7 +409,7 @@ def _write(block, request: dict) -> list:
     return writer.write_data(request["plan"], Resolved()).wait()
 
 
-if __name__ == "__main__":  # python -m rayflex.storage.upload_process FD NICE (UploadProcess starts it)
+if __name__ == "__main__":  # python -m rayflex.checkpoint.upload_process FD NICE (UploadProcess starts it)
     from multiprocessing.connection import Connection
 
     _serve(Connection(int(sys.argv[1])), int(sys.argv[2]))

@@ -31,7 +31,7 @@ from torch import nn
 
 from rayflex.constants import knob, slow_upload
 from rayflex.errors import CheckpointError
-from rayflex.storage import manifest as mf
+from rayflex.checkpoint import manifest as mf
 from rayflex.storage.fs import fsspec_kwargs
 from rayflex.storage.fs import join as fs_join
 from rayflex.storage.fs import resolve, with_retries
@@ -188,7 +188,7 @@ class HostStaging:
         self.block = None
         self.shared_fallback = ""  # why buffers meant to be shared are private
         if shared:
-            from rayflex.storage.upload_process import SharedBlock, shm_room_for
+            from rayflex.checkpoint.upload_process import SharedBlock, shm_room_for
 
             specs: list = []  # (shape, dtype) of each buffer, in the order host_copy takes them
             _walk(live, lambda t: specs.append((tuple(_local(t).shape), t.dtype)))
@@ -247,7 +247,7 @@ class AsyncCheckpointer:
         self.upload = upload
         self.upload_threads = upload_threads
         if use_async and upload == "process":
-            from rayflex.storage.upload_process import prewarm_uploader
+            from rayflex.checkpoint.upload_process import prewarm_uploader
 
             prewarm_uploader()
         self.rank = rank
@@ -258,7 +258,7 @@ class AsyncCheckpointer:
         self._inflight: Optional[Future] = None
         self._abandoned: Optional[threading.Event] = None
         self._staging: Optional[HostStaging] = None
-        from rayflex.storage.save_plan import SavePlanCache
+        from rayflex.checkpoint.save_plan import SavePlanCache
 
         self._plans = SavePlanCache(in_place_buffers=use_async)  # async: saves read the staging buffers
         # One background thread finishes (waits for, then commits) one save at a time.
@@ -278,7 +278,7 @@ class AsyncCheckpointer:
         """
         import torch.distributed.checkpoint as dcp
 
-        from rayflex.storage.dcp_io import CheckpointWriter
+        from rayflex.checkpoint.dcp_io import CheckpointWriter
 
         t_wait = time.perf_counter()
         reports = self.wait()  # at most one save in flight: its buffers are free again
@@ -289,7 +289,7 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         if self.use_async:
             if self._staging is not None and self._staging.block is not None:
-                from rayflex.storage.upload_process import can_write
+                from rayflex.checkpoint.upload_process import can_write
 
                 if not can_write(self._staging.block):  # its uploader died: a new block for a new one
                     log.warning("checkpoint uploader gone: staging the state into a new shared block")
@@ -313,7 +313,7 @@ class AsyncCheckpointer:
         block = self._staging.block if self.use_async else None
         self._abandoned = threading.Event()  # this save's: set by abandon()
         if block is not None:
-            from rayflex.storage import upload_process
+            from rayflex.checkpoint import upload_process
 
             if upload_process.ready():
                 writer = upload_process.process_upload_writer(path, block, plans=self._plans, **options)
@@ -438,7 +438,7 @@ class AsyncCheckpointer:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        from rayflex.storage.dcp_io import CheckpointReader
+        from rayflex.checkpoint.dcp_io import CheckpointReader
 
         # Rank 0 picks the newest committed step whose files are all there at their sizes;
         # the ranks then reread them for their checksums, each its share (rank 0 alone would
@@ -532,7 +532,7 @@ def commit_if_whole(root: str, step: int, *, world_size: int, mesh: dict, keep: 
     """Commit an emergency save whose uploads keepers finished (the ranks are gone): only
     if every shard file DCP's ``.metadata`` names is in storage, whole; else CheckpointError
     naming what is missing (the step then stays uncommitted and is never loaded)."""
-    from rayflex.storage.dcp_io import missing_shard_files
+    from rayflex.checkpoint.dcp_io import missing_shard_files
 
     step_uri = mf.step_dir(root, step)
     missing = missing_shard_files(step_uri)
