@@ -183,3 +183,13 @@ def test_the_checkpoint_package_owns_the_checkpoint_path():
     dcp_outside = sorted(m for m in MODULES if part_of(m) not in ("checkpoint", "testing")
                          and any(t.startswith("torch.distributed.checkpoint") for t in _torch_imports(m)))
     assert not dcp_outside, f"DCP spoken outside rayflex.checkpoint: {dcp_outside}"
+
+
+def test_no_state_handler_imports_another():
+    """Each state's handler returns the next state; what two of them share (ending an
+    attempt, acting on a decision, naming lost nodes) lives in a module of its own."""
+    from rayflex.control.controller import HANDLERS
+
+    handlers = {fn.__module__ for fn in HANDLERS.values()}
+    crossing = sorted(f"{m} -> {t}" for m in handlers for t in imports_of(m) & handlers)
+    assert len(handlers) == len(HANDLERS) and not crossing, crossing

@@ -11,7 +11,8 @@ import logging
 
 from rayflex.constants import knob
 from rayflex.control.notices import exclude_noticed_nodes, keep_notices_for_the_attempt
-from rayflex.control.restarting import follow_decision, name_vanished_nodes, since_last_attempt
+from rayflex.control.decisions import follow_decision
+from rayflex.control.lost_nodes import name_vanished_nodes, since_last_attempt
 from rayflex.control.states import Attempt, Finished, Placing, Running
 from rayflex.errors import RayflexError, SetupFailed
 from rayflex.planning.capacity.memory import CapacityError

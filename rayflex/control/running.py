@@ -13,8 +13,8 @@ from typing import Any, Optional
 from rayflex.constants import knob
 from rayflex.control.diagnosing import investigate
 from rayflex.control.notices import handle_notices, preemption_fault
-from rayflex.control.restarting import collect_survivors
 from rayflex.control.states import Attempt, Finished, Placing, Restarting, Running, Stopped
+from rayflex.control.survivors import collect_survivors
 from rayflex.control.warming import growth_target
 from rayflex.group.standby import Readiness
 from rayflex.telemetry import events as ev
