@@ -119,6 +119,28 @@ def test_commit_list_latest_and_verify(backend):
     assert resolution.step_uri == mf.step_dir(root, 20)
 
 
+def test_a_store_resolves_its_root_once_for_a_whole_commit(backend, monkeypatch):
+    # A commit, its retention and its collection of leftovers are a dozen small operations
+    # under one root: the root is resolved (scheme checked, filesystem built) once, not per
+    # operation, and the same steps come out as through plain URIs.
+    from rayflex.storage import fs as sfs
+
+    kind, root = backend
+    for step in (10, 20, 30):
+        write_step(root, step)
+    write_step(root, 5, metadata=False)  # a crashed save's leftovers
+    calls = []
+    real = sfs.resolve
+    monkeypatch.setattr(sfs, "resolve", lambda uri, options=None: calls.append(uri) or real(uri, options))
+    store = sfs.Store(root)
+    for step in (10, 20, 30):
+        mf.commit(store, step, world_size=4, mesh={"pp": 2, "dp": 2})
+    assert mf.apply_retention(store, 2) == [10] and mf.gc_uncommitted(store) == [5]
+    assert mf.list_committed(store) == [20, 30] and mf.verify(store, 30).step == 30
+    assert calls == [root], calls
+    assert mf.list_committed(root) == [20, 30] and not exists(mf.step_dir(root, 5))
+
+
 def test_uncommitted_dirs_are_ignored_and_collected(root):
     write_step(root, 5)                       # crashed before commit, older than newest
     commit_step(root, 10)

@@ -34,7 +34,7 @@ from rayflex.errors import CheckpointError
 from rayflex.checkpoint import manifest as mf
 from rayflex.storage.fs import fsspec_kwargs
 from rayflex.storage.fs import join as fs_join
-from rayflex.storage.fs import resolve, with_retries
+from rayflex.storage.fs import Store, resolve, with_retries
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +243,7 @@ class AsyncCheckpointer:
         (``CheckpointConfig.memory_replicas``): every shard file is also kept in the memory
         of this node and a peer's, and a restore reads the copies it can from there."""
         self.root = root.rstrip("/")
+        self._store: Optional[Store] = None  # the root resolved once, at its first use
         self.replicas = replicas
         self.upload = upload
         self.upload_threads = upload_threads
@@ -267,6 +268,12 @@ class AsyncCheckpointer:
         self.last_blocked_s = 0.0
 
     # ----------------------------------------------------------------- save
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = Store(self.root)
+        return self._store
     def save(self, state: TrainState, *, step: int, reason: str = "periodic",
              due_step: Optional[int] = None) -> list[dict]:
         """Start a checkpoint of ``step``; returns reports of saves that finished meanwhile.
@@ -421,7 +428,7 @@ class AsyncCheckpointer:
 
     def _commit(self, step: int, extra: dict) -> None:
         self._write_extra(step, extra)  # before the marker, so the manifest's checksums cover it too
-        commit_step(self.root, step, world_size=getattr(self.mesh, "world_size", 1), mesh=self._mesh_dims(),
+        commit_step(self.store, step, world_size=getattr(self.mesh, "world_size", 1), mesh=self._mesh_dims(),
                     keep=self.keep)
         if self.replicas is not None:
             self.replicas.committed(step)  # the older steps' memory copies are superseded
@@ -449,9 +456,9 @@ class AsyncCheckpointer:
         while True:
             choice: list[Any] = [None]
             if self.rank == 0:
-                found = mf.resolve_loadable(self.root, deep=world == 1)
+                found = mf.resolve_loadable(self.store, deep=world == 1)
                 for s in found.skipped:  # corrupt: withdraw it so it is never tried again
-                    mf.quarantine(self.root, s.step, s.reason)
+                    mf.quarantine(self.store, s.step, s.reason)
                 skipped += [f"step {s.step}: {s.reason}" for s in found.skipped]
                 if found.manifest is not None:
                     m = found.manifest
@@ -466,7 +473,7 @@ class AsyncCheckpointer:
                                           f"failed verification: {'; '.join(skipped)}")
                 # Step directories past the one we resume from are leftovers of attempts that
                 # crashed mid-upload (or quarantined); this attempt will write those steps anew.
-                mf.clear_after(self.root, choice[0]["step"] if choice[0] else -1)
+                mf.clear_after(self.store, choice[0]["step"] if choice[0] else -1)
             if dist.is_initialized():
                 dist.broadcast_object_list(choice, src=0, group=self.group)
             info = choice[0]
@@ -475,7 +482,7 @@ class AsyncCheckpointer:
             problem = None
             try:
                 share = info["files"][dist.get_rank(self.group)::world]
-                mf.verify(self.root, info["step"], deep=True, only=share)
+                mf.verify(self.store, info["step"], deep=True, only=share)
             except CheckpointError as err:
                 problem = str(err)
             problems: list[Any] = [None] * world
@@ -486,7 +493,7 @@ class AsyncCheckpointer:
             if self.rank == 0:
                 reason = "; ".join(bad)
                 log.warning("skipping checkpoint step %d: %s", info["step"], reason)
-                mf.quarantine(self.root, info["step"], reason)
+                mf.quarantine(self.store, info["step"], reason)
                 skipped.append(f"step {info['step']}: {reason}")
         if info is not None:
             info.pop("files", None)
@@ -518,12 +525,13 @@ class AsyncCheckpointer:
         return info
 
 
-def commit_step(root: str, step: int, *, world_size: int, mesh: dict, keep: int) -> None:
+def commit_step(root: "str | Store", step: int, *, world_size: int, mesh: dict, keep: int) -> None:
     """Commit ``step`` (every file of it written), then drop what retention no longer keeps."""
-    mf.commit(root, step, world_size=world_size, mesh=mesh, extra={"reason": "rayflex"})
+    store = Store.of(root)
+    mf.commit(store, step, world_size=world_size, mesh=mesh, extra={"reason": "rayflex"})
     try:
-        mf.apply_retention(root, keep)
-        mf.gc_uncommitted(root)
+        mf.apply_retention(store, keep)
+        mf.gc_uncommitted(store)
     except Exception as e:  # noqa: BLE001 - housekeeping must not fail a committed save
         log.warning("checkpoint housekeeping failed: %s", e)
 
@@ -534,15 +542,15 @@ def commit_if_whole(root: str, step: int, *, world_size: int, mesh: dict, keep: 
     naming what is missing (the step then stays uncommitted and is never loaded)."""
     from rayflex.checkpoint.dcp_io import missing_shard_files
 
-    step_uri = mf.step_dir(root, step)
-    missing = missing_shard_files(step_uri)
+    store = Store(root)
+    missing = missing_shard_files(mf.step_dir(store, step))
     if missing:
         raise CheckpointError(f"step {step} cannot be committed: {'; '.join(missing)}")
     try:
-        _read_bytes(fs_join(step_uri, EXTRA_FILE))
+        store.read_bytes(mf.step_name(step), EXTRA_FILE)
     except FileNotFoundError:
         raise CheckpointError(f"step {step} cannot be committed: {EXTRA_FILE} is missing (rank 0 did not finish)")
-    commit_step(root, step, world_size=world_size, mesh=mesh, keep=keep)
+    commit_step(store, step, world_size=world_size, mesh=mesh, keep=keep)
 
 
 def _low_priority(fn: Callable) -> Callable:

@@ -55,9 +55,7 @@ from datetime import datetime, timezone
 from typing import Iterable, Optional
 
 from rayflex.errors import CheckpointError, ConfigError
-from rayflex.storage.fs import (StorageOptions, exists, is_s3, join, listdir, read_text,
-                                redact_uri, remove_tree, resolve, with_retries,
-                                write_text_atomic)
+from rayflex.storage.fs import StorageOptions, Store, is_s3, join, redact_uri, resolve, with_retries
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +94,16 @@ def fingerprint_of(data) -> str:
     return digest.fingerprint()
 
 
-def step_dir(root: str, step: int) -> str:
-    """URI of the directory of ``step`` (zero-padded so names sort like numbers)."""
+def step_name(step: int) -> str:
+    """The directory name of ``step`` (zero-padded so names sort like numbers)."""
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return join(root, f"step_{step:08d}")
+    return f"step_{step:08d}"
+
+
+def step_dir(root: "str | Store", step: int) -> str:
+    """URI of the directory of ``step``."""
+    return join(root.uri if isinstance(root, Store) else root, step_name(step))
 
 
 def parse_step(name: str) -> Optional[int]:
@@ -272,37 +275,36 @@ def _current_fingerprint(fs, path: str, info: dict, recorded: str) -> Optional[s
     return None
 
 
-def _step_dirs(root: str, options: Optional[StorageOptions]) -> list[int]:
-    return sorted(s for s in map(parse_step, listdir(root, options)) if s is not None)
+def _step_dirs(store: Store) -> list[int]:
+    return sorted(s for s in map(parse_step, store.listdir()) if s is not None)
 
 
-def _is_committed(root: str, step: int, options: Optional[StorageOptions]) -> bool:
-    return exists(join(step_dir(root, step), MARKER), options)
+def _is_committed(store: Store, step: int) -> bool:
+    return store.exists(step_name(step), MARKER)
 
 
-def _remove_step(root: str, step: int, options: Optional[StorageOptions]) -> None:
-    sdir = step_dir(root, step)
-    remove_tree(join(sdir, MARKER), options)  # marker first: never a half-deleted "committed"
-    remove_tree(sdir, options)
+def _remove_step(store: Store, step: int) -> None:
+    store.remove_tree(step_name(step), MARKER)  # marker first: never a half-deleted "committed"
+    store.remove_tree(step_name(step))
 
 
 # --------------------------------------------------------------------------- public API
 
 
-def commit(root: str, step: int, *, world_size: int, mesh: dict, extra: Optional[dict] = None,
+def commit(root: "str | Store", step: int, *, world_size: int, mesh: dict, extra: Optional[dict] = None,
            options: Optional[StorageOptions] = None) -> Manifest:
     """Record every file of ``step`` with size and fingerprint, then write the marker.
 
     Call it once every rank's save has finished (DCP's ``.metadata`` exists). Refuses an
     already committed step and a step without ``.metadata``.
     """
-    sdir = step_dir(root, step)
-    shown = redact_uri(sdir)
-    if _is_committed(root, step, options):
+    store = Store.of(root, options)
+    name, shown = step_name(step), redact_uri(step_dir(store, step))
+    if _is_committed(store, step):
         raise CheckpointError(
             f"step {step} at {shown} is already committed; refusing to overwrite its marker. "
             "Fix: committed steps are immutable; save under a new step number")
-    fs, path = resolve(sdir, options)
+    fs, path = store.fs, store.path_of(name)
     files = with_retries(lambda: _list_files(fs, path), what=f"list {shown}")
     files.pop(MARKER, None)
     if METADATA not in files:
@@ -318,17 +320,18 @@ def commit(root: str, step: int, *, world_size: int, mesh: dict, extra: Optional
                         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         extra=dict(extra or {}))
     text = manifest.to_json()  # serialize before writing: a bad extra fails here, not half-way
-    write_text_atomic(join(sdir, MARKER), text, options)
+    store.write_text_atomic(text, name, MARKER)
     logger.info("committed checkpoint step %d at %s (%d files, %d bytes)", step, shown,
                 len(records), sum(r.size for r in records.values()))
     return manifest
 
 
-def read_manifest(root: str, step: int, options: Optional[StorageOptions] = None) -> Manifest:
+def read_manifest(root: "str | Store", step: int, options: Optional[StorageOptions] = None) -> Manifest:
     """The manifest of a committed step; CheckpointError if it is not committed."""
-    marker = join(step_dir(root, step), MARKER)
+    store = Store.of(root, options)
+    marker = join(step_dir(store, step), MARKER)
     try:
-        text = read_text(marker, options)
+        text = store.read_text(step_name(step), MARKER)
     except FileNotFoundError:
         raise CheckpointError(f"step {step} is not committed: {redact_uri(marker)} does not "
                               "exist. Fix: load a committed step (see list_committed)") from None
@@ -342,17 +345,18 @@ def read_manifest(root: str, step: int, options: Optional[StorageOptions] = None
     return manifest
 
 
-def list_committed(root: str, options: Optional[StorageOptions] = None) -> list[int]:
+def list_committed(root: "str | Store", options: Optional[StorageOptions] = None) -> list[int]:
     """Committed steps under ``root``, ascending. Directories without a marker are ignored."""
-    return [s for s in _step_dirs(root, options) if _is_committed(root, s, options)]
+    store = Store.of(root, options)
+    return [s for s in _step_dirs(store) if _is_committed(store, s)]
 
 
-def latest_committed(root: str, options: Optional[StorageOptions] = None) -> Optional[int]:
+def latest_committed(root: "str | Store", options: Optional[StorageOptions] = None) -> Optional[int]:
     steps = list_committed(root, options)
     return steps[-1] if steps else None
 
 
-def verify(root: str, step: int, *, deep: bool = True, only: Optional[Iterable[str]] = None,
+def verify(root: "str | Store", step: int, *, deep: bool = True, only: Optional[Iterable[str]] = None,
            options: Optional[StorageOptions] = None) -> Manifest:
     """Check that committed ``step`` is intact: every recorded file present, right size,
     and (``deep``) the same fingerprint. Raises CheckpointError naming each bad file.
@@ -361,10 +365,11 @@ def verify(root: str, step: int, *, deep: bool = True, only: Optional[Iterable[s
     every byte. ``only``: fingerprint just these files (the ranks of a restore split the
     rereading between them). Extra files not in the manifest are ignored.
     """
-    manifest = read_manifest(root, step, options)
+    store = Store.of(root, options)
+    manifest = read_manifest(store, step)
     only = None if only is None else set(only)
-    sdir = step_dir(root, step)
-    fs, path = resolve(sdir, options)
+    sdir = step_dir(store, step)
+    fs, path = store.fs, store.path_of(step_name(step))
     found = with_retries(lambda: _list_files(fs, path), what=f"list {redact_uri(sdir)}")
     problems = []
     for rel, record in sorted(manifest.files.items()):
@@ -388,38 +393,40 @@ def verify(root: str, step: int, *, deep: bool = True, only: Optional[Iterable[s
     return manifest
 
 
-def resolve_loadable(root: str, *, deep: bool = True,
+def resolve_loadable(root: "str | Store", *, deep: bool = True,
                      options: Optional[StorageOptions] = None) -> Resolution:
     """The newest committed step that verifies, skipping (and logging) corrupt ones.
 
     Storage errors (endpoint down) propagate instead of counting as corruption: falling
     back to an older step because the network blinked would silently lose progress.
     """
+    store = Store.of(root, options)
     skipped: list[SkippedStep] = []
-    for step in reversed(list_committed(root, options)):
+    for step in reversed(list_committed(store)):
         try:
-            manifest = verify(root, step, deep=deep, options=options)
+            manifest = verify(store, step, deep=deep)
         except CheckpointError as err:
             logger.warning("skipping checkpoint step %d: %s", step, err)
             skipped.append(SkippedStep(step=step, reason=str(err)))
             continue
-        return Resolution(manifest=manifest, step_uri=step_dir(root, step), skipped=tuple(skipped))
+        return Resolution(manifest=manifest, step_uri=step_dir(store, step), skipped=tuple(skipped))
     return Resolution(manifest=None, step_uri=None, skipped=tuple(skipped))
 
 
-def apply_retention(root: str, keep: int, options: Optional[StorageOptions] = None) -> list[int]:
+def apply_retention(root: "str | Store", keep: int, options: Optional[StorageOptions] = None) -> list[int]:
     """Delete committed steps older than the newest ``keep``; return the removed steps."""
     if not isinstance(keep, int) or keep < 1:
         raise ConfigError("CheckpointConfig.keep", f"must be an int >= 1, got {keep!r}",
                           "keep at least the newest checkpoint (keep=1)")
-    doomed = list_committed(root, options)[:-keep]
+    store = Store.of(root, options)
+    doomed = list_committed(store)[:-keep]
     for step in doomed:
-        _remove_step(root, step, options)
-        logger.info("retention: removed checkpoint step %d under %s", step, redact_uri(root))
+        _remove_step(store, step)
+        logger.info("retention: removed checkpoint step %d under %s", step, redact_uri(store.uri))
     return doomed
 
 
-def gc_uncommitted(root: str, *, older_than_step: Optional[int] = None,
+def gc_uncommitted(root: "str | Store", *, older_than_step: Optional[int] = None,
                    steps: Optional[Iterable[int]] = None,
                    options: Optional[StorageOptions] = None) -> list[int]:
     """Delete step directories without a marker (leftovers of a crash); return their steps.
@@ -430,8 +437,9 @@ def gc_uncommitted(root: str, *, older_than_step: Optional[int] = None,
     only when no worker can be saving (e.g. at restart, before workers start). Committed
     steps are never removed, even when listed.
     """
-    all_steps = _step_dirs(root, options)
-    committed = {s for s in all_steps if _is_committed(root, s, options)}
+    store = Store.of(root, options)
+    all_steps = _step_dirs(store)
+    committed = {s for s in all_steps if _is_committed(store, s)}
     threshold = older_than_step if older_than_step is not None else max(committed, default=None)
     explicit = set(steps or ())
     removed = []
@@ -440,10 +448,10 @@ def gc_uncommitted(root: str, *, older_than_step: Optional[int] = None,
             continue
         if not ((threshold is not None and step < threshold) or step in explicit):
             continue
-        if _is_committed(root, step, options):  # committed since we listed: keep it
+        if _is_committed(store, step):  # committed since we listed: keep it
             continue
-        remove_tree(step_dir(root, step), options)
-        logger.info("removed uncommitted checkpoint step %d under %s", step, redact_uri(root))
+        store.remove_tree(step_name(step))
+        logger.info("removed uncommitted checkpoint step %d under %s", step, redact_uri(store.uri))
         removed.append(step)
     return removed
 
@@ -451,28 +459,28 @@ def gc_uncommitted(root: str, *, older_than_step: Optional[int] = None,
 QUARANTINE = "QUARANTINED.json"
 
 
-def quarantine(root: str, step: int, reason: str, options: Optional[StorageOptions] = None) -> None:
+def quarantine(root: "str | Store", step: int, reason: str, options: Optional[StorageOptions] = None) -> None:
     """Withdraw a committed step that failed verification.
 
     The reason goes to ``QUARANTINED.json`` (for the post-mortem), then the marker is
     removed: loaders ignore the step from now on, and a later save of the same step number
     (the resumed run passing it again) may clear the directory and write it anew.
     """
-    sdir = step_dir(root, step)
-    write_text_atomic(join(sdir, QUARANTINE), json.dumps({"step": step, "reason": reason}), options)
-    remove_tree(join(sdir, MARKER), options)
-    logger.warning("quarantined checkpoint step %d at %s: %s", step, redact_uri(sdir), reason)
+    store = Store.of(root, options)
+    store.write_text_atomic(json.dumps({"step": step, "reason": reason}), step_name(step), QUARANTINE)
+    store.remove_tree(step_name(step), MARKER)
+    logger.warning("quarantined checkpoint step %d at %s: %s", step, redact_uri(step_dir(store, step)), reason)
 
 
-def clear_after(root: str, step: int, options: Optional[StorageOptions] = None) -> list[int]:
+def clear_after(root: "str | Store", step: int, options: Optional[StorageOptions] = None) -> list[int]:
     """Remove every step directory newer than ``step`` that is not committed (leftovers of
     an attempt that crashed mid-upload, or quarantined steps), so the resumed run writes
     those steps into empty directories. Committed steps are never touched."""
-    removed = []
-    for s in _step_dirs(root, options):
-        if s > step and not _is_committed(root, s, options):
-            remove_tree(step_dir(root, s), options)
+    store, removed = Store.of(root, options), []
+    for s in _step_dirs(store):
+        if s > step and not _is_committed(store, s):
+            store.remove_tree(step_name(s))
             removed.append(s)
     if removed:
-        logger.info("cleared uncommitted step directories %s under %s", removed, redact_uri(root))
+        logger.info("cleared uncommitted step directories %s under %s", removed, redact_uri(store.uri))
     return removed

@@ -535,95 +535,144 @@ def with_retries(fn: Callable[[], T], *, attempts: Optional[int] = None, base_de
 # this is cheap, and callers never juggle (fs, path) pairs.
 
 
-def write_text_atomic(uri: str, text: str, options: Optional[StorageOptions] = None) -> None:
-    """Write ``text`` so that readers see the old content or the new, never half.
+class Store:
+    """A storage root resolved once (scheme checked, backend found, filesystem built) and the
+    small-file operations under it, each wrapped in :func:`with_retries`. ``parts`` name
+    what lies below the root ("step_00000004", "COMMITTED"); they are joined in the
+    filesystem's own form, so nothing below the root is resolved or validated again."""
 
-    Local: temp file in the same directory, fsync, ``os.replace``. Object stores: one PUT
-    (upload), which S3, GCS and Azure Blob make visible atomically. Memory: one assignment.
-    """
-    fs, path = resolve(uri, options)
-    data = text.encode("utf-8")
+    def __init__(self, uri: str, options: Optional[StorageOptions] = None):
+        self.uri = uri
+        self.fs, self.path = resolve(uri, options)
 
-    def _write() -> None:
-        if is_local(fs):
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+    @classmethod
+    def of(cls, root: "str | Store", options: Optional[StorageOptions] = None) -> "Store":
+        """``root`` itself if it is a Store, else the Store of that URI."""
+        return root if isinstance(root, Store) else cls(root, options)
+
+    def uri_of(self, *parts: str) -> str:
+        return join(self.uri, *parts)
+
+    def path_of(self, *parts: str) -> str:
+        """The filesystem path of ``parts`` below the root (no URI round trip)."""
+        tail = "/".join(p for p in (str(part).strip("/") for part in parts) if p)
+        return f"{self.path.rstrip('/')}/{tail}" if tail else self.path
+
+    def _shown(self, parts) -> str:
+        return redact_uri(self.uri_of(*parts))
+
+    def write_text_atomic(self, text: str, *parts: str) -> None:
+        """Write ``text`` so that readers see the old content or the new, never half.
+
+        Local: temp file in the same directory, fsync, ``os.replace``. Object stores: one PUT
+        (upload), which S3, GCS and Azure Blob make visible atomically. Memory: one assignment.
+        """
+        fs, path, data = self.fs, self.path_of(*parts), text.encode("utf-8")
+
+        def _write() -> None:
+            if is_local(fs):
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+                try:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, path)
+                finally:
+                    if os.path.exists(tmp):
+                        os.remove(tmp)
+            else:
+                fs.pipe_file(path, data)
+                fs.invalidate_cache(path)
+
+        with_retries(_write, what=f"write {self._shown(parts)}")
+
+    def read_bytes(self, *parts: str) -> bytes:
+        """Read a whole small file. Raises FileNotFoundError if it does not exist."""
+        path = self.path_of(*parts)
+        return with_retries(lambda: self.fs.cat_file(path), what=f"read {self._shown(parts)}")
+
+    def read_text(self, *parts: str) -> str:
+        return self.read_bytes(*parts).decode("utf-8")
+
+    def exists(self, *parts: str) -> bool:
+        """Whether a file or non-empty directory exists there.
+
+        Uses ``info`` rather than ``fs.exists``: s3fs's ``exists`` turns some errors into
+        False, which would make an unreachable endpoint look like a missing checkpoint.
+        """
+        fs, path = self.fs, self.path_of(*parts)
+
+        def _exists() -> bool:
+            fs.invalidate_cache(path)
             try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-        else:
-            fs.pipe_file(path, data)
+                fs.info(path)
+                return True
+            except FileNotFoundError:
+                return False
+
+        return with_retries(_exists, what=f"stat {self._shown(parts)}")
+
+    def listdir(self, *parts: str) -> list[str]:
+        """Sorted names (not paths) of the direct children there.
+
+        A missing directory lists as empty: object stores have no empty directories, so
+        "missing" and "empty" cannot be told apart there and must not be on disk either.
+        The listing cache is dropped first, so writes by other processes are seen.
+        """
+        fs, path = self.fs, self.path_of(*parts)
+
+        def _ls() -> list[str]:
+            fs.invalidate_cache(path)
+            try:
+                entries = fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+            names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries
+                     if e.rstrip("/") != path.rstrip("/")}
+            return sorted(n for n in names if n)
+
+        return with_retries(_ls, what=f"list {self._shown(parts)}")
+
+    def remove_tree(self, *parts: str) -> None:
+        """Delete that path and everything under it; a missing tree is not an error."""
+        fs, path = self.fs, self.path_of(*parts)
+
+        def _rm() -> None:
+            fs.invalidate_cache(path)
+            try:
+                fs.rm(path, recursive=True)
+            except FileNotFoundError:
+                pass
             fs.invalidate_cache(path)
 
-    with_retries(_write, what=f"write {redact_uri(uri)}")
+        with_retries(_rm, what=f"remove {self._shown(parts)}")
+
+
+def write_text_atomic(uri: str, text: str, options: Optional[StorageOptions] = None) -> None:
+    """:meth:`Store.write_text_atomic` of one URI."""
+    Store(uri, options).write_text_atomic(text)
 
 
 def read_text(uri: str, options: Optional[StorageOptions] = None) -> str:
     """Read a whole small file. Raises FileNotFoundError if it does not exist."""
-    fs, path = resolve(uri, options)
-    return with_retries(lambda: fs.cat_file(path), what=f"read {redact_uri(uri)}").decode("utf-8")
+    return Store(uri, options).read_text()
 
 
 def exists(uri: str, options: Optional[StorageOptions] = None) -> bool:
-    """Whether a file or non-empty directory exists at ``uri``.
-
-    Uses ``info`` rather than ``fs.exists``: s3fs's ``exists`` turns some errors into
-    False, which would make an unreachable endpoint look like a missing checkpoint.
-    """
-    fs, path = resolve(uri, options)
-
-    def _exists() -> bool:
-        fs.invalidate_cache(path)
-        try:
-            fs.info(path)
-            return True
-        except FileNotFoundError:
-            return False
-
-    return with_retries(_exists, what=f"stat {redact_uri(uri)}")
+    """:meth:`Store.exists` of one URI."""
+    return Store(uri, options).exists()
 
 
 def listdir(uri: str, options: Optional[StorageOptions] = None) -> list[str]:
-    """Sorted names (not paths) of the direct children of ``uri``.
-
-    A missing directory lists as empty: object stores have no empty directories, so
-    "missing" and "empty" cannot be told apart there and must not be on disk either.
-    The listing cache is dropped first, so writes by other processes are seen.
-    """
-    fs, path = resolve(uri, options)
-
-    def _ls() -> list[str]:
-        fs.invalidate_cache(path)
-        try:
-            entries = fs.ls(path, detail=False)
-        except FileNotFoundError:
-            return []
-        names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries
-                 if e.rstrip("/") != path.rstrip("/")}
-        return sorted(n for n in names if n)
-
-    return with_retries(_ls, what=f"list {redact_uri(uri)}")
+    """:meth:`Store.listdir` of one URI."""
+    return Store(uri, options).listdir()
 
 
 def remove_tree(uri: str, options: Optional[StorageOptions] = None) -> None:
-    """Delete ``uri`` and everything under it; a missing tree is not an error."""
-    fs, path = resolve(uri, options)
-
-    def _rm() -> None:
-        fs.invalidate_cache(path)
-        try:
-            fs.rm(path, recursive=True)
-        except FileNotFoundError:
-            pass
-        fs.invalidate_cache(path)
-
-    with_retries(_rm, what=f"remove {redact_uri(uri)}")
+    """:meth:`Store.remove_tree` of one URI."""
+    Store(uri, options).remove_tree()
 
 
 # --------------------------------------------------------------------------- probe
