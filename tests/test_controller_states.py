@@ -7,11 +7,14 @@ the states it went through, the events in its timeline, its result. Runs in seco
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import rayflex as rf
 from rayflex.control.controller import Controller
 from rayflex.control.states import RunState as S
+from rayflex.faults.policy import Fail, FailurePolicy, Policies, Restart
 from rayflex.models.summary import ModelSummary
 from rayflex.telemetry import events as ev
 
@@ -43,12 +46,12 @@ def _spec(tmp_path, *, workers=4, min_workers=None, max_workers=None, steps=8, e
                         elastic=rf.ElasticConfig(watch_ray_drain=False, **elastic))
 
 
-def _run(spec, nodes, *, script=(), watch=False):
+def _run(spec, nodes, *, script=(), watch=False, policies=None):
     clock = FakeClock()
     cluster = FakeCluster(nodes, clock, every_steps=spec.checkpoint.every_steps, watch=watch)
     for step, action in script:
         cluster.at(step, action)
-    controller = Controller(spec, cluster=cluster, clock=clock)
+    controller = Controller(spec, cluster=cluster, clock=clock, policies=policies)
     result = controller.run()
     return controller, cluster, result
 
@@ -708,7 +711,7 @@ def test_a_vanished_node_charges_the_failure_budget_once(tmp_path):
     c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, b_vanishes)])
     timeline = _timeline(c)
     assert [(e.node_id, e.ranks) for e in timeline.of(ev.NodeLost)] == [("b", [2, 3])]
-    assert c.ctx.policy.failures == 1
+    assert c.ctx.policies.failure.failures == 1
     assert "the loss being recovered from, not charged again" in timeline.of(ev.Restarted)[-1].reason
     assert result["status"] == "finished" and result["steps_completed"] == 8 and result["world_size"] == 2
 
@@ -726,7 +729,7 @@ def test_a_start_that_fails_on_a_node_the_run_had_not_used_is_charged(tmp_path):
         group.cluster.during_restore = [lose_node("c")]
 
     c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, a_rank_dies_and_c_joins)])
-    assert c.ctx.policy.failures == 2
+    assert c.ctx.policies.failure.failures == 2
     assert result["status"] == "failed" and "failure budget exhausted" in result["reason"]
 
 
@@ -741,4 +744,33 @@ def test_a_resumed_run_names_no_node_of_the_cluster_its_earlier_job_ran_on(tmp_p
     c, cluster, result = _run(_spec(tmp_path, steps=8, every=2), {"c": 2, "d": 2}, script=[(6, rank_dies)])
     assert result["status"] == "finished" and result["steps_completed"] == 8
     assert _timeline(c).of(ev.NodeLost) == [], _timeline(c).of(ev.NodeLost)
+
+
+class QueuedFailures(FailurePolicy):
+    """A failure policy that answers each failure with the next queued decision."""
+
+    def __init__(self, spec, decisions):
+        super().__init__(spec)
+        self.queue, self.asked = list(decisions), []
+
+    def decide(self, **kw):
+        self.asked.append(kw)
+        return self.queue.pop(0)
+
+
+@pytest.mark.parametrize("decision", [Restart(world_size=2, reason="queued: restart at 2"),
+                                      Fail("queued: give up")])
+def test_the_controller_acts_on_what_its_injected_failure_policy_decides(tmp_path, decision):
+    spec = _spec(tmp_path, min_workers=2, every=2)
+    failures = QueuedFailures(spec, [decision])
+    policies = dataclasses.replace(Policies.for_spec(spec), failure=failures)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, kill_rank(1))], policies=policies)
+    assert [a["kind"] for a in failures.asked] == ["failure"] and failures.asked[0]["usable_slots"] == 4
+    if isinstance(decision, Restart):  # 4 slots were usable: the size is the policy's, not the cluster's
+        (restart,) = _timeline(c).of(ev.Restarted)
+        assert (restart.world_size, restart.reason) == (2, "queued: restart at 2")
+        assert result["status"] == "finished" and result["world_size"] == 2
+    else:
+        assert _timeline(c).of(ev.Restarted) == []
+        assert result["status"] == "failed" and result["reason"] == "queued: give up"
 

@@ -30,7 +30,7 @@ class CheckpointCadence:
         choice = self.policy.choose(save_costs_s=ledger.save_costs_s(), save_total_s=ledger.save_total_s(),
                                     step_time_s=ledger.step_time_estimate_s(),
                                     elapsed_s=self.clock.time() - self.started,
-                                    faults=ctx.policy.failures + ctx.policy.preemptions)
+                                    faults=ctx.policies.failure.failures + ctx.policies.failure.preemptions)
         if self.choice is None or abs(choice.steps - self.choice.steps) > 0.1 * self.choice.steps \
                 or choice.measured != self.choice.measured:
             ctx.record(ev.CheckpointIntervalChosen(

@@ -1,6 +1,6 @@
 """RunContext: what every state of one run shares.
 
-The services (clock, cluster, recorder, ledger, failure policy), the resources the run
+The services (clock, cluster, recorder, ledger, the policies it was given), the resources the run
 holds until teardown (the bundle reservation, the standby pool, the preemption watcher,
 the live worker group) and run-long facts: the nodes excluded by a preemption notice, the
 nodes that stopped answering (``control/unreachable.py``) and whether a stop was asked
@@ -20,18 +20,18 @@ from rayflex.control.ledger import StepLedger
 from rayflex.control.recorder import Recorder
 from rayflex.control.cadence import CheckpointCadence
 from rayflex.control.unreachable import UnreachableNodes
-from rayflex.faults.policy import FailurePolicy, best_world_size
+from rayflex.faults.policy import Policies, best_world_size
 from rayflex.mesh.plan import plan_mesh
 
 log = logging.getLogger(__name__)
 
 
 class RunContext:
-    def __init__(self, spec: TrainSpec, cluster, clock):
+    def __init__(self, spec: TrainSpec, cluster, clock, policies: Optional[Policies] = None):
         self.spec, self.cluster, self.clock = spec, cluster, clock
         self.recorder = Recorder(spec, clock)
         self.ledger = StepLedger(spec, self.recorder)
-        self.policy = FailurePolicy(spec)
+        self.policies = policies or Policies.for_spec(spec)
         self.cadence = CheckpointCadence(spec, clock) if spec.checkpoint.auto_interval else None
         self.excluded: set[str] = set()  # nodes with a preemption notice: about to vanish
         self.pending_notices: list = []  # seen while an attempt started; its first poll acts on them

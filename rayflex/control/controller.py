@@ -27,6 +27,7 @@ from rayflex.control.restarting import restart
 from rayflex.control.running import run_attempt
 from rayflex.control.states import Failed, Initializing, Placing, Restarting, Running, RunState
 from rayflex.errors import WorkerError
+from rayflex.faults.policy import Policies
 from rayflex.telemetry import events as ev
 
 log = logging.getLogger(__name__)
@@ -36,13 +37,13 @@ HANDLERS = {Placing: place, Running: run_attempt, Restarting: restart}
 
 class Controller:
     def __init__(self, spec: TrainSpec, *, cluster=None, clock: Optional[Clock] = None,
-                 knobs: Optional[dict] = None):
+                 knobs: Optional[dict] = None, policies: Optional[Policies] = None):
         from rayflex.constants import adopt_knobs
 
         adopt_knobs(knobs)
         self.spec = spec
         self.clock = clock or Clock()
-        self.ctx = RunContext(spec, cluster or RayCluster(spec), self.clock)
+        self.ctx = RunContext(spec, cluster or RayCluster(spec), self.clock, policies)
         self.state = Initializing()
         self.transitions: list[tuple[RunState, RunState]] = []
         self._started_at = self.clock.time()

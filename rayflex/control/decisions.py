@@ -29,7 +29,7 @@ def follow_decision(ctx, decision, survivors: dict, fault_time: float, error: Ca
             kill_all(ctx, survivors)
             return Failed(f"gave up waiting for resources after {decision.timeout_s:.0f}s: {decision.reason}")
         ctx.clock.sleep(knob("RESOURCE_POLL_S"))
-        decision = ctx.policy.resize(usable_slots=ctx.usable_slots())
+        decision = ctx.policies.failure.resize(usable_slots=ctx.usable_slots())
     if isinstance(decision, Fail):
         kill_all(ctx, survivors)
         return Failed(decision.reason, error())

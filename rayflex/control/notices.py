@@ -65,29 +65,20 @@ def handle_notices(ctx, loop) -> Optional[Fault]:
         needed = ctx.ledger.emergency_notice_s(margin)
         base = dict(step=ctx.ledger.step, node_id=notice.node_id, deadline=notice.deadline, source=notice.source,
                     ranks=ranks, seconds_left=left, needed_s=needed)
-        if not ranks:
-            ctx.record(ev.PreemptionNotice(**base, action="no_workers",
-                                           reason="no worker on the node; it is excluded from placement"))
-        elif loop.preempting is not None and left >= needed:
-            ctx.record(ev.PreemptionNotice(**base, action="emergency_checkpoint",
-                                           reason="joins the emergency checkpoint already under way"))
+        decision = ctx.policies.notice.decide(ranks=ranks, seconds_left=left, needed_s=needed, step_s=step_s,
+                                              save_s=estimate, margin_s=margin, saving=loop.preempting is not None,
+                                              committed_step=ctx.ledger.committed_step, node_id=notice.node_id)
+        ctx.record(ev.PreemptionNotice(**base, action=decision.action, reason=decision.reason))
+        if decision.action == "emergency_checkpoint":
             group.broadcast("request_stop", "preemption", sorted(ctx.excluded))  # its ranks' uploads go elsewhere too
-        elif left >= needed:
-            ctx.record(ev.PreemptionNotice(**base, action="emergency_checkpoint", reason=(
-                f"{left:.1f}s left >= {needed:.1f}s needed (a step {step_s:.2f}s + checkpoint "
-                f"{estimate:.2f}s + margin {margin:.1f}s)")))
-            loop.preempting = notice
-            loop.grow_to = None  # the restart after the checkpoint picks the size
-            group.broadcast("request_stop", "preemption", sorted(ctx.excluded))
-            warm_standbys(ctx, ctx.best_size())  # the node's replacements start during the checkpoint
-        else:  # too short, also beside an emergency checkpoint under way: that save cannot finish before the node goes
-            why = (f"only {left:.1f}s left, an emergency checkpoint needs {needed:.1f}s: restoring the last "
-                   f"committed checkpoint (step {ctx.ledger.committed_step}) without node {notice.node_id[:12]}")
-            ctx.record(ev.PreemptionNotice(**base, action="restore_last_committed", reason=why))
+            if not decision.joins:
+                loop.preempting, loop.grow_to = notice, None  # the restart after the checkpoint picks the size
+                warm_standbys(ctx, ctx.best_size())  # the node's replacements start during the checkpoint
+        elif decision.action == "restore_last_committed":
             # Notices read in the same poll are the restart's to act on (found by the overlap
             # chaos run: a second node's notice 0.1 s after a short one was dropped here).
             ctx.pending_notices[:0] = notices[i + 1:]
-            return Fault(bad_ranks=set(ranks), kind="preemption", error=why)
+            return Fault(bad_ranks=set(ranks), kind="preemption", error=decision.reason)
     return None
 
 

@@ -94,7 +94,7 @@ def _decide_again_if_slots_went(ctx, state: Placing):
     if usable >= state.world_size:
         return None
     log.warning("%d workers no longer fit in the %d usable slots: deciding the size again", state.world_size, usable)
-    decision = ctx.policy.resize(usable_slots=usable, reason=f"{state.restart_reason}; {state.world_size} workers "
+    decision = ctx.policies.failure.resize(usable_slots=usable, reason=f"{state.restart_reason}; {state.world_size} workers "
                                                              f"no longer fit in the {usable} usable slots")
     return follow_decision(ctx, decision, dict(state.survivors), state.fault_time, lambda: None)
 
@@ -143,11 +143,11 @@ def _setup_failed(ctx, group, placement, failure: SetupFailed):
         # had planned on them: the loss it is recovering from, seen late, not a new failure
         # (charged again, one vanished node could spend the whole failure budget).
         usable = ctx.usable_slots()
-        decision = ctx.policy.resize(usable_slots=usable, reason=(
+        decision = ctx.policies.failure.resize(usable_slots=usable, reason=(
             f"{failure}; node(s) {', '.join(sorted(n[:12] for n in failed_on))} of the failed attempt, which Ray "
             f"declared dead since: the loss being recovered from, not charged again"))
     else:
-        decision = ctx.policy.decide(kind="failure", step=step, committed_step=ctx.ledger.committed_step,
+        decision = ctx.policies.failure.decide(kind="failure", step=step, committed_step=ctx.ledger.committed_step,
                                      usable_slots=ctx.usable_slots(), error=str(failure))
     return follow_decision(ctx, decision, {}, now, lambda: failure)
 

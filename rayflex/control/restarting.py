@@ -36,7 +36,7 @@ def restart(ctx, state: Restarting):
                                   warm=(lambda: warm_replacements(ctx, node_of, gone)) if gone else None)
     name_vanished_nodes(ctx)
     commit_handed_off(ctx)  # an emergency save's keepers upload it: committed before a step is chosen
-    decision = ctx.policy.decide(kind=fault.kind, step=ctx.ledger.step + 1, committed_step=ctx.ledger.committed_step,
+    decision = ctx.policies.failure.decide(kind=fault.kind, step=ctx.ledger.step + 1, committed_step=ctx.ledger.committed_step,
                                  usable_slots=ctx.usable_slots(), error=fault.error, diagnosis=fault.diagnosis)
     return follow_decision(ctx, decision, survivors, state.fault_time, lambda: worker_error(fault))
 

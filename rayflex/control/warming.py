@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from rayflex.faults.policy import ElasticPolicy
-
 log = logging.getLogger(__name__)
 
 
@@ -58,7 +56,7 @@ def growth_target(ctx, world_size: int) -> Optional[int]:
     if not ctx.spec.checkpoint.every_steps:
         return None  # growing restarts from a checkpoint; without them it would lose progress
     slots = ctx.usable_slots()
-    target = ElasticPolicy(ctx.spec).grow_to(world_size, slots)
+    target = ctx.policies.elastic.grow_to(world_size, slots)
     if target is None:
         return None
     log.info("capacity for %d workers is back (%d usable slots): growing at the next step boundary", target, slots)

@@ -5,7 +5,9 @@ mesh and the global batch allow, within [min_workers, max_workers] and the slots
 usable), :class:`WaitForResources` or :class:`Fail` with the reason. Failures and
 preemptions have separate budgets, and a failure that repeats at the same step with no
 committed progress in between (a poison batch, a bug) fails the run instead of looping.
-``ElasticPolicy.grow_to`` says when a run should scale back up because capacity returned.
+``ElasticPolicy.grow_to`` says when a run should scale back up because capacity returned;
+``NoticePolicy.decide`` whether a spot notice leaves time for an emergency checkpoint.
+The controller receives them as one :class:`Policies`.
 """
 
 from __future__ import annotations
@@ -114,6 +116,53 @@ class ElasticPolicy:
     def grow_to(self, current: int, usable_slots: int) -> Optional[int]:
         size = best_world_size(self.spec, usable_slots)
         return size if size is not None and size > current else None
+
+
+@dataclass(frozen=True)
+class NoticeDecision:
+    """What a spot notice for a node of the running attempt leads to: ``"no_workers"`` (only
+    left out of placement), ``"emergency_checkpoint"`` (stop at the next step boundary with a
+    checkpoint; ``joins``: one is already under way) or ``"restore_last_committed"`` (too
+    little time: the node's ranks count as lost now)."""
+
+    action: str
+    reason: str
+    joins: bool = False
+
+
+class NoticePolicy:
+    """Whether a spot notice leaves time for an emergency checkpoint: a step, the save and a
+    margin (``needed_s``, from the run's measured step and save times)."""
+
+    def decide(self, *, ranks: list, seconds_left: float, needed_s: float, step_s: float, save_s: float,
+               margin_s: float, saving: bool, committed_step: int, node_id: str) -> NoticeDecision:
+        if not ranks:
+            return NoticeDecision("no_workers", "no worker on the node; it is excluded from placement")
+        if seconds_left >= needed_s:
+            if saving:
+                return NoticeDecision("emergency_checkpoint", "joins the emergency checkpoint already under way",
+                                      joins=True)
+            return NoticeDecision("emergency_checkpoint", (
+                f"{seconds_left:.1f}s left >= {needed_s:.1f}s needed (a step {step_s:.2f}s + checkpoint "
+                f"{save_s:.2f}s + margin {margin_s:.1f}s)"))
+        # Also beside an emergency checkpoint under way: that save cannot finish before the node goes.
+        return NoticeDecision("restore_last_committed", (
+            f"only {seconds_left:.1f}s left, an emergency checkpoint needs {needed_s:.1f}s: restoring the last "
+            f"committed checkpoint (step {committed_step}) without node {node_id[:12]}"))
+
+
+@dataclass(frozen=True)
+class Policies:
+    """The decisions a run's controller asks for, injected (``Controller(policies=...)``;
+    the tests queue decisions through it): failures, growth, spot notices."""
+
+    failure: FailurePolicy
+    elastic: ElasticPolicy
+    notice: NoticePolicy
+
+    @classmethod
+    def for_spec(cls, spec: TrainSpec) -> "Policies":
+        return cls(failure=FailurePolicy(spec), elastic=ElasticPolicy(spec), notice=NoticePolicy())
 
 
 def _last_line(text: str) -> str:
