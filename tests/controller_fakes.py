@@ -62,14 +62,14 @@ class FakeReservation:
         self.bound: dict[str, str] = {}
         self.removed = False
 
-    def slot_of(self, aid: str) -> Optional[FakeSlot]:
-        return FakeSlot(self.bound[aid]) if aid in self.bound else None
+    def slot_of(self, actor_id: str) -> Optional[FakeSlot]:
+        return FakeSlot(self.bound[actor_id]) if actor_id in self.bound else None
 
-    def node_of_actor(self, aid: str) -> Optional[str]:
-        return self.bound.get(aid)
+    def node_of_actor(self, actor_id: str) -> Optional[str]:
+        return self.bound.get(actor_id)
 
-    def vacate(self, aid: str) -> None:
-        self.bound.pop(aid, None)
+    def vacate(self, actor_id: str) -> None:
+        self.bound.pop(actor_id, None)
 
     def assign(self, plan, survivors: dict[str, Any]):
         members: list[Any] = [None] * len(plan.rank_to_node)
@@ -82,11 +82,11 @@ class FakeReservation:
             self.vacate(aid)
         return members, list(pool.values())
 
-    def bind_slot(self, slot: FakeSlot, aid: str) -> None:
-        self.bound[aid] = slot.node
+    def bind_slot(self, slot: FakeSlot, actor_id: str) -> None:
+        self.bound[actor_id] = slot.node
 
-    def bind(self, rank: int, aid: str) -> None:
-        self.bound[aid] = self.cluster.actors[aid].node
+    def bind(self, rank: int, actor_id: str) -> None:
+        self.bound[actor_id] = self.cluster.actors[actor_id].node
 
     def release_unused(self) -> None:
         pass
@@ -105,11 +105,11 @@ class FakeStandbyPool:
         self.cluster, self.reservation = cluster, reservation
         self.standbys: dict[str, tuple[FakeActor, bool]] = {}  # id -> (actor, ready)
 
-    def count(self, node=None) -> int:
-        return sum(1 for a, _ in self.standbys.values() if node is None or a.node == node)
+    def count(self, node_id=None) -> int:
+        return sum(1 for a, _ in self.standbys.values() if node_id is None or a.node == node_id)
 
-    def count_ready(self, node) -> int:
-        return sum(1 for a, ready in self.standbys.values() if a.node == node and ready)
+    def count_ready(self, node_id) -> int:
+        return sum(1 for a, ready in self.standbys.values() if a.node == node_id and ready)
 
     def nodes(self) -> set:
         return {a.node for a, _ in self.standbys.values()}
@@ -122,15 +122,15 @@ class FakeStandbyPool:
     def ready(self) -> int:
         return sum(1 for _, ready in self.standbys.values() if ready)
 
-    def start(self, node: str, count: int) -> None:
+    def start(self, node_id: str, count: int) -> None:
         for _ in range(count):
-            actor = self.cluster.new_actor(node)
-            self.reservation.bind_slot(FakeSlot(node), actor.id)
+            actor = self.cluster.new_actor(node_id)
+            self.reservation.bind_slot(FakeSlot(node_id), actor.id)
             self.standbys[actor.id] = (actor, False)
             self.cluster.standbys_started += 1
 
-    def adopt(self, aid, actor, node) -> None:
-        self.standbys[aid] = (actor, True)
+    def adopt(self, actor_id, actor, node_id) -> None:
+        self.standbys[actor_id] = (actor, True)
 
     def poll(self) -> list[str]:
         self.standbys = {aid: (a, True) for aid, (a, _) in self.standbys.items() if a.node in self.cluster.alive}
@@ -377,6 +377,9 @@ class FakeCluster:
 
     def standby_pool(self, reservation, plan_now) -> FakeStandbyPool:
         return FakeStandbyPool(self, reservation)
+
+    def replica_keepers(self):
+        return None  # no memory replicas in the fake cluster
 
     def preemption_watcher(self):
         return FakeWatcher(self) if self.watch else None

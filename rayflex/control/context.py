@@ -19,6 +19,7 @@ from rayflex.config import TrainSpec
 from rayflex.control.ledger import StepLedger
 from rayflex.control.recorder import Recorder
 from rayflex.control.cadence import CheckpointCadence
+from rayflex.control.seams import Cluster, Reservation, StandbyPool, WorkerGroup
 from rayflex.control.unreachable import UnreachableNodes
 from rayflex.faults.policy import Policies, best_world_size
 from rayflex.mesh.plan import plan_mesh
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class RunContext:
-    def __init__(self, spec: TrainSpec, cluster, clock, policies: Optional[Policies] = None):
+    def __init__(self, spec: TrainSpec, cluster: Cluster, clock, policies: Optional[Policies] = None):
         self.spec, self.cluster, self.clock = spec, cluster, clock
         self.recorder = Recorder(spec, clock)
         self.ledger = StepLedger(spec, self.recorder)
@@ -39,11 +40,11 @@ class RunContext:
         self.stop_requested = threading.Event()
         self.stop_reason = ""
         # Held until teardown.
-        self.reservation: Any = None
-        self.standby: Any = None
+        self.reservation: Optional[Reservation] = None
+        self.standby: Optional[StandbyPool] = None
         self.watcher: Any = None
         self.keepers: Any = None  # memory replicas' keepers (CheckpointConfig.memory_replicas)
-        self.group: Any = None  # the live attempt's workers (status, fault injection, teardown)
+        self.group: Optional[WorkerGroup] = None  # the live attempt's workers (status, fault injection, teardown)
         self.plan: Any = None  # the live attempt's mesh
         # layout="auto": the first attempt's tp, which restarts keep while it fits (the node
         # shape fixed it; docs/parallelism.md).

@@ -21,6 +21,7 @@ from typing import Optional
 from rayflex.config import TrainSpec
 from rayflex.control.cluster import Clock, RayCluster
 from rayflex.control.context import RunContext
+from rayflex.control.seams import Cluster
 from rayflex.control.handoff import commit_handed_off
 from rayflex.control.placing import place
 from rayflex.control.restarting import restart
@@ -36,7 +37,7 @@ HANDLERS = {Placing: place, Running: run_attempt, Restarting: restart}
 
 
 class Controller:
-    def __init__(self, spec: TrainSpec, *, cluster=None, clock: Optional[Clock] = None,
+    def __init__(self, spec: TrainSpec, *, cluster: Optional[Cluster] = None, clock: Optional[Clock] = None,
                  knobs: Optional[dict] = None, policies: Optional[Policies] = None):
         from rayflex.constants import adopt_knobs
 
