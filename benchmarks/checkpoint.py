@@ -24,6 +24,7 @@ points every Ray process at it, so uploads really go over HTTP through s3fs.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import statistics
@@ -49,6 +50,9 @@ def start_s3(nice: int = 0) -> tuple[str, object]:
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    # werkzeug logs a line per request at INFO, which the benchmarks' logging shows: CPU on
+    # the cores being measured, more for a client that sends more requests.
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
     def start():
         if nice:

@@ -186,3 +186,20 @@ def test_a_checkpoint_carries_the_metrics_of_its_last_steps(tmp_path):
     save_committed(root, state, step=3)
     info = AsyncCheckpointer(root, rank=0).load_latest(tiny_state(seed=4))
     assert info["step"] == 3 and info["recent_steps"] == recent[:3]
+
+
+def test_a_checkpointer_given_another_root_commits_there(tmp_path):
+    # The benchmarks point one checkpointer at a fresh directory per round: its commits,
+    # retention and loads follow the root it has now, not the one it first resolved.
+    from rayflex.checkpoint import manifest as mf
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
+
+    first, second = f"file://{tmp_path}/first", f"file://{tmp_path}/second"
+    ckpt = AsyncCheckpointer(first, rank=0, use_async=True, keep=2)
+    for root, step in ((first, 1), (second, 2)):
+        ckpt.root = root
+        ckpt.save(tiny_state(), step=step)
+        [report] = ckpt.wait(timeout_s=60)
+        assert report.get("committed"), report.get("error")
+    assert (mf.list_committed(first), mf.list_committed(second)) == ([1], [2])
+    assert ckpt.load_latest(tiny_state(seed=1))["step"] == 2

@@ -271,7 +271,7 @@ class AsyncCheckpointer:
 
     @property
     def store(self) -> Store:
-        if self._store is None:
+        if self._store is None or self._store.uri != self.root:  # a root set since is resolved anew
             self._store = Store(self.root)
         return self._store
     def save(self, state: TrainState, *, step: int, reason: str = "periodic",
