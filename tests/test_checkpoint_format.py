@@ -1,4 +1,4 @@
-"""What a checkpoint's shard files hold: tensors as their bytes (storage.dcp_io.RAW_TENSOR),
+"""What a checkpoint's shard files hold: tensors as their bytes (checkpoint.dcp_io.RAW_TENSOR),
 the optimizer's hyper-parameters as one entry per parameter (checkpoint.HPARAMS_KEY); and checkpoints
 written in DCP's own format with one entry per hyper-parameter (rayflex's layout before)
 still resume exactly."""

@@ -1,5 +1,5 @@
 """What a save costs beside training: saves after an attempt's first reuse its DCP save plan
-(storage.save_plan.SavePlanCache) and still write the state of their step; the commit records the
+(checkpoint.save_plan.SavePlanCache) and still write the state of their step; the commit records the
 digests the writer took instead of reading every shard back."""
 
 from __future__ import annotations

@@ -774,3 +774,18 @@ def test_the_controller_acts_on_what_its_injected_failure_policy_decides(tmp_pat
         assert _timeline(c).of(ev.Restarted) == []
         assert result["status"] == "failed" and result["reason"] == "queued: give up"
 
+
+
+def test_a_healthy_node_of_the_failed_attempt_lost_while_the_restart_starts_is_charged(tmp_path):
+    # The fault struck node a (a killed process); node b was healthy and its ranks survived.
+    # b going while the restart starts is a second failure, not the first one seen late.
+    spec = _spec(tmp_path, min_workers=2, every=2, restart_while_warming=False, max_failures=1)
+
+    def a_rank_dies_then_b_goes_during_the_restore(group):
+        kill_rank(1)(group)
+        group.cluster.restore_s = 3.0
+        group.cluster.during_restore = [lambda g: None, lose_node("b")]
+
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, a_rank_dies_then_b_goes_during_the_restore)])
+    assert c.ctx.policies.failure.failures == 2
+    assert result["status"] == "failed" and "failure budget exhausted" in result["reason"]

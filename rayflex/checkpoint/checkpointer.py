@@ -267,13 +267,14 @@ class AsyncCheckpointer:
         self._uploader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rayflex-ckpt-upload")
         self.last_blocked_s = 0.0
 
-    # ----------------------------------------------------------------- save
-
     @property
     def store(self) -> Store:
         if self._store is None or self._store.uri != self.root:  # a root set since is resolved anew
             self._store = Store(self.root)
         return self._store
+
+    # ----------------------------------------------------------------- save
+
     def save(self, state: TrainState, *, step: int, reason: str = "periodic",
              due_step: Optional[int] = None) -> list[dict]:
         """Start a checkpoint of ``step``; returns reports of saves that finished meanwhile.
@@ -386,7 +387,7 @@ class AsyncCheckpointer:
 
     def abandon(self) -> None:
         """The attempt is over and its collectives aborted: the save in flight can never
-        commit. It writes no further file (``storage.dcp_io.SaveAbandoned``), so it ends
+        commit. It writes no further file (``checkpoint.dcp_io.SaveAbandoned``), so it ends
         soon and this process can be reused; a file already being written finishes."""
         if self._abandoned is not None:
             self._abandoned.set()

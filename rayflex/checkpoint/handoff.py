@@ -15,15 +15,15 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from rayflex.checkpoint.replicas.keeper import UPLOADED
-
 
 def commit_handed_off(keepers: Optional[Any], checkpoint_uri: str, step: int, info: dict, timeout_s: float) -> float:
     """Wait up to ``timeout_s`` for ``keepers``' uploads of ``step`` and commit it (``info``:
-    what rank 0 reported handing off: world size, mesh, keep); the seconds it waited.
+    what rank 0 reported handing off: world size, mesh, keep); the seconds it waited. The
+    keepers are not told (``keepers.committed``): the caller does, once it recorded the commit.
     Raises, naming the files or the check that failed, when the step cannot be committed."""
-    # Loaded here: it loads torch, and the controller (torch-free) imports this module.
+    # Loaded here: they load torch and numpy, and the controller (torch-free) imports this module.
     from rayflex.checkpoint.checkpointer import commit_if_whole
+    from rayflex.checkpoint.replicas.keeper import UPLOADED
 
     t0 = time.monotonic()
     states = keepers.wait_uploads(step, timeout_s) if keepers else {}
@@ -32,6 +32,4 @@ def commit_handed_off(keepers: Optional[Any], checkpoint_uri: str, step: int, in
         raise RuntimeError("uploads by the memory replicas' keepers did not finish: "
                            + "; ".join(f"{name}: {state}" for name, state in failed.items()))
     commit_if_whole(checkpoint_uri, step, world_size=info["world_size"], mesh=info["mesh"], keep=info["keep"])
-    if keepers:
-        keepers.committed(step)
     return time.monotonic() - t0

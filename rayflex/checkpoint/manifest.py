@@ -65,7 +65,7 @@ FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _HASH_CHUNK = 4 << 20
 # Beside a shard file: the fingerprint of its bytes (``crc32:<hex>``), written by the writer
-# (storage.dcp_io) or a replica keeper; the commit records it as the file's fingerprint.
+# (checkpoint.dcp_io) or a replica keeper; the commit records it as the file's fingerprint.
 DIGEST_SUFFIX = ".digest"
 # What writers left beside shard files before: a blake2b (32-byte) hex digest.
 LEGACY_DIGEST_SUFFIX = ".blake2b"

@@ -30,6 +30,8 @@ def commit_handed_off(ctx) -> None:
         log.error("emergency checkpoint of step %d not committed: %s", step, e)
         ctx.record(ev.CheckpointFailed(step=step, reason=f"emergency save handed to memory replicas: {e}"))
         return
+    if ctx.keepers:
+        ctx.keepers.committed(step)
     log.info("emergency checkpoint of step %d committed after its keepers' uploads (%.1fs more)", step, waited)
     ctx.ledger.checkpoint_done({**ck, "committed": True, "total_s": ck.get("total_s", 0.0) + waited,
                                 "upload": "replica_keepers"})

@@ -26,6 +26,23 @@ def name_vanished_nodes(ctx) -> None:
         return
     rank_to_node = recent[0].rank_to_node
     reported = {e.node_id for e in recent if isinstance(e, ev.NodeLost)}
-    for node in sorted(set(rank_to_node) - ctx.alive_nodes() - reported):
+    for node in sorted(set(filter(None, rank_to_node)) - ctx.alive_nodes() - reported):
         ctx.record(ev.NodeLost(step=ctx.ledger.step + 1, node_id=node,
                                ranks=[r for r, n in enumerate(rank_to_node) if n == node]))
+
+
+def implicated_nodes(ctx) -> set[str]:
+    """The nodes of the last attempt's fault: where a rank died, raised, hung or was lost,
+    by the events since this controller's last attempt started."""
+    recent = since_last_attempt(ctx)
+    if not recent:
+        return set()
+    rank_to_node = recent[0].rank_to_node
+    nodes = set()
+    for e in recent[1:]:
+        if isinstance(e, (ev.WorkerDied, ev.WorkerFailed, ev.NodeLost)):
+            nodes.add(e.node_id)
+        if isinstance(e, ev.HangDetected):
+            nodes.update(rank_to_node[r] for r in e.ranks if 0 <= r < len(rank_to_node))
+    return nodes - {""}
+

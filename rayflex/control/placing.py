@@ -12,7 +12,7 @@ import logging
 from rayflex.constants import knob
 from rayflex.control.notices import exclude_noticed_nodes, keep_notices_for_the_attempt
 from rayflex.control.decisions import follow_decision
-from rayflex.control.lost_nodes import name_vanished_nodes, since_last_attempt
+from rayflex.control.lost_nodes import implicated_nodes, name_vanished_nodes
 from rayflex.control.states import Attempt, Finished, Placing, Running
 from rayflex.errors import RayflexError, SetupFailed
 from rayflex.planning.capacity.memory import CapacityError
@@ -117,10 +117,11 @@ def _setup_failed(ctx, group, placement, failure: SetupFailed):
     """Workers of the new attempt died or never answered while it started: their node went
     mid-restart (a spot node preempted, a frozen node that Ray's health check declared
     dead). A failure like one in training, decided by the failure policy, never the end of
-    the run by itself; one on nodes of the failed attempt that Ray has declared dead since
-    is the loss being recovered from and is not charged again. Every worker of the attempt
+    the run by itself; one on the nodes where the failed attempt's fault struck, which Ray
+    has declared dead since, is the loss being recovered from and is not charged again. Every worker of the attempt
     is let go: the others may be half-way into a rendezvous with the dead one."""
     now, step = ctx.clock.time(), ctx.ledger.step + 1
+    implicated = implicated_nodes(ctx)  # before this start's own failures are recorded
     # Where each rank is: known to the group once it answered, else where the plan put it.
     node_of = {**dict(enumerate(placement.rank_to_node)), **getattr(group, "node_of", {})}
     log.warning("attempt failed to start: %s", failure)
@@ -136,12 +137,12 @@ def _setup_failed(ctx, group, placement, failure: SetupFailed):
     for actor in getattr(group, "actors", []):
         ctx.reservation.vacate(ctx.cluster.actor_id(actor))
         ctx.cluster.kill(actor)
-    recent = since_last_attempt(ctx)
     failed_on = {node_of.get(r) for r in [*failure.dead, *failure.slow]}
-    if recent and failed_on and failed_on <= set(recent[0].rank_to_node) - alive:
-        # Nodes of the attempt being recovered from, declared dead by Ray after the restart
-        # had planned on them: the loss it is recovering from, seen late, not a new failure
-        # (charged again, one vanished node could spend the whole failure budget).
+    if failed_on and failed_on <= implicated - alive:
+        # Nodes where the failed attempt's fault struck, declared dead by Ray after the
+        # restart had planned on them: the loss it is recovering from, seen late, not a new
+        # failure (charged again, one vanished node could spend the whole failure budget).
+        # A node of that attempt that was healthy then and dies now is a new failure.
         usable = ctx.usable_slots()
         decision = ctx.policies.failure.resize(usable_slots=usable, reason=(
             f"{failure}; node(s) {', '.join(sorted(n[:12] for n in failed_on))} of the failed attempt, which Ray "

@@ -531,8 +531,7 @@ def with_retries(fn: Callable[[], T], *, attempts: Optional[int] = None, base_de
 
 
 # --------------------------------------------------------------------------- small API
-# Every function takes a URI and resolves it: fsspec caches the filesystem instance, so
-# this is cheap, and callers never juggle (fs, path) pairs.
+# A Store resolves its root once; the functions after it take one URI each (a Store of it).
 
 
 class Store:
@@ -548,7 +547,11 @@ class Store:
     @classmethod
     def of(cls, root: "str | Store", options: Optional[StorageOptions] = None) -> "Store":
         """``root`` itself if it is a Store, else the Store of that URI."""
-        return root if isinstance(root, Store) else cls(root, options)
+        if isinstance(root, Store):
+            if options is not None:
+                raise ValueError("a Store was resolved with its options already; pass the URI to apply other options")
+            return root
+        return cls(root, options)
 
     def uri_of(self, *parts: str) -> str:
         return join(self.uri, *parts)

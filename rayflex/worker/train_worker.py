@@ -65,7 +65,7 @@ class InjectedFailure:
 class StepAgreement:
     """What every rank agreed on at a step boundary (the control all-reduce): the step's
     mean loss, whether to stop, whether to checkpoint (and whether a save may be deferred:
-    ``storage.save_timing``), and how long the reduce waited."""
+    ``checkpoint.save_timing``), and how long the reduce waited."""
 
     loss: float
     stop: bool
