@@ -129,8 +129,11 @@ def test_a_hung_endpoint_stalls_no_step_and_the_next_commit_follows_its_return(s
     assert [m["step"] for m in metrics] == list(range(1, result.steps_completed + 1)), "every step once"
     step_times = sorted(m["step_time_s"] for m in metrics)
     median = step_times[len(step_times) // 2]
-    during = [m for m in metrics if t_stall + median <= m["time"] <= t_resume]
-    # At the run's own pace: at least half the steps its median step time fits into the
-    # stall, and none that waited the stall out.
-    assert len(during) >= 0.5 * (t_resume - t_stall) / median, (len(during), median)
+    # Training went on through the stall: steps kept finishing, and no step waited for the
+    # endpoint (the longest gap between finished steps inside the stall is far below it).
+    # Not a pace: the suite's other worker shares the host, and how fast steps run is a
+    # benchmark's question (a pace bound failed in a 0.6-core quota: 43% of the median).
+    inside = sorted(m["time"] for m in metrics if t_stall <= m["time"] <= t_resume)
+    gaps = [b - a for a, b in zip([t_stall, *inside], [*inside, t_resume])]
+    assert len(inside) >= 3 and max(gaps) < stall_s / 2, (len(inside), max(gaps), median)
     assert step_times[-1] < stall_s, step_times[-5:]
