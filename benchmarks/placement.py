@@ -53,10 +53,11 @@ from pathlib import Path
 from importlib import metadata
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rayflex.mesh.plan import MeshPlan
 from rayflex.planning.capacity.memory import preset
 from rayflex.planning.capacity.search import ClusterDescription, evaluate_layout, search
 from rayflex.planning.capacity.step_time import layout_mesh, layout_profile, placed_breakdown
-from rayflex.planning.placement.planner import CommProfile, MeshShape, Planner, brute_force_plan, naive_plan
+from rayflex.planning.placement.planner import CommProfile, Planner, brute_force_plan, naive_plan
 from rayflex.planning.topology import NodeInfo, Topology
 
 log = logging.getLogger("benchmarks.placement")
@@ -103,7 +104,7 @@ def timed(fn, repeats):
 
 
 def run_case(name, nodes, gpus, racks, zones, pp, dp, model, seeds, repeats):
-    mesh = MeshShape(pp, dp)
+    mesh = MeshPlan(pp, dp)
     profile = transformer_profile(model, pp, microbatches=4 * pp)
     log.info("%s: pp=%d x dp=%d on %d nodes", name, pp, dp, nodes)
     rayflex, naive, plan_times = [], [], []

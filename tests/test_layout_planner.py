@@ -18,19 +18,13 @@ from rayflex.planning.capacity.auto import resolve_parallel
 from rayflex.planning.capacity.memory import (Layout, estimate_memory, preset, schedule_peak, schedule_peak_linear)
 from rayflex.planning.capacity.search import ClusterDescription, DeviceSpec, group_tiers, search
 from rayflex.planning.comm_profile import comm_profile, plan_for
-from rayflex.planning.placement.planner import CommProfile, MeshShape, Planner, brute_force_plan, naive_plan
+from rayflex.planning.placement.planner import CommProfile, Planner, brute_force_plan, naive_plan
 from rayflex.planning.topology import LinkTier, NodeInfo, Topology
 
 from test_placement_planner import random_nodes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100_8X8 = os.path.join(ROOT, "examples", "clusters", "h100_8x8.yaml")
-
-
-def _mesh_plan(pp, dp, tp, dp_replicate):
-    return MeshPlan(world_size=pp * dp * tp, pp=pp, dp=dp, schedule="1f1b", stages_per_rank=1,
-                    stage_blocks=tuple((i,) for i in range(pp)), per_rank_batch=1, microbatches=1, micro_batch=1,
-                    accum_steps=1, balance="params", tp=tp, dp_replicate=dp_replicate)
 
 
 def _racks(nodes, slots, per_rack):
@@ -53,7 +47,7 @@ def _small_case(rng, tp, hsdp):
     params = tuple(10 ** rng.uniform(8, 10) for _ in range(pp))
     tp_bytes = tuple(10 ** rng.uniform(8, 11) for _ in range(pp)) if tp > 1 else ()
     profile = CommProfile(params, 10 ** rng.uniform(3, 12), rng.randint(1, 16), rng.random() < 0.3, tp_bytes)
-    return Topology(tuple(nodes)), MeshShape(pp, dp, tp, reps), profile
+    return Topology(tuple(nodes)), MeshPlan(pp, dp, tp, reps), profile
 
 
 def _assert_tp_groups_whole(plan):
@@ -63,18 +57,22 @@ def _assert_tp_groups_whole(plan):
 
 
 # ------------------------------------------------------------------------------ rank layout
-def test_mesh_shape_rank_layout_is_mesh_plans():
+def test_the_rank_order_is_row_major_over_the_mesh_dims_with_tp_innermost():
     for pp, reps, shard, tp in itertools.product((1, 2, 3), (1, 2), (1, 3), (1, 2, 4)):
-        shape, plan = MeshShape(pp, reps * shard, tp, reps), _mesh_plan(pp, reps * shard, tp, reps)
-        assert shape.world_size == plan.world_size and shape.dp_shard == plan.dp_shard
-        for rank in range(shape.world_size):
-            c = plan.mesh_coords(rank)
-            assert shape.mesh_coords(rank) == (c.pp, c.dp_replicate, c.dp_shard, c.tp)
-            assert shape.coords(rank) == plan.coords(rank)
-            assert shape.rank(c.pp, c.dp, c.tp) == rank == plan.rank_of(c.pp, c.dp, c.tp)
-    assert MeshShape(2, 3) == MeshShape(pp=2, dp=3, tp=1, dp_replicate=1)  # the 2-D mesh as before
+        mesh = MeshPlan(pp, reps * shard, tp, reps)
+        assert mesh.world_size == pp * reps * shard * tp and mesh.dp_shard == shard
+        # what init_device_mesh(shape, MESH_DIMS) numbers: the last dim varies fastest
+        order = itertools.product(range(pp), range(reps), range(shard), range(tp))
+        for rank, (p, r, s, t) in enumerate(order):
+            c = mesh.mesh_coords(rank)
+            assert (c.pp, c.dp_replicate, c.dp_shard, c.tp) == (p, r, s, t)
+            assert mesh.coords(rank) == (p, r * shard + s) == (c.pp, c.dp)
+            assert mesh.rank_of(c.pp, c.dp, c.tp) == rank
+    assert MeshPlan(2, 3) == MeshPlan(pp=2, dp=3, tp=1, dp_replicate=1)  # the 2-D mesh as before
     with pytest.raises(rf.ConfigError, match="dp_replicate=4 does not divide dp=6"):
-        MeshShape(1, 6, dp_replicate=4)
+        MeshPlan(1, 6, dp_replicate=4)
+    with pytest.raises(rf.ConfigError, match="MeshPlan.tp.*must be an integer >= 1"):
+        MeshPlan(1, 2, tp=0)
 
 
 # ------------------------------------------------------------------------------ placement
@@ -95,17 +93,17 @@ def test_tp_groups_always_land_on_one_node_and_the_unit_reduction_is_exact():
 def test_tp_groups_stay_whole_on_nodes_of_uneven_size():
     # 12- and 4-slot nodes in two racks; tp=4: 3 + 1 groups per pair of nodes
     nodes = [NodeInfo(f"n{i}", slots=12 if i % 2 else 4, labels={"rack": f"r{i // 4}"}) for i in range(8)]
-    mesh = MeshShape(pp=2, dp=4, tp=4)
+    mesh = MeshPlan(pp=2, dp=4, tp=4)
     plan = Planner(Topology(tuple(nodes))).plan(mesh, CommProfile.uniform(2, 8e9, 1e8, 8, tp_allreduce_bytes=1e11))
     _assert_tp_groups_whole(plan)
     assert "each on one node: SAME_NODE" in plan.explanation
 
 
 @pytest.mark.parametrize("nodes, slots, mesh, words", [
-    (4, 8, MeshShape(1, 1, 16), ["tp=16 needs 16 slots on one node", "largest usable node has 8 slots",
+    (4, 8, MeshPlan(1, 1, 16), ["tp=16 needs 16 slots on one node", "largest usable node has 8 slots",
                                  "Fix: use a tp dividing the node size (at most 8)"]),
     # 16 ranks fit 18 slots, but 6-slot nodes hold one tp group of 4 each: 3 of the 4 needed
-    (3, 6, MeshShape(1, 4, 4), ["need 4 tensor-parallel groups of tp=4", "hold only 3 whole groups",
+    (3, 6, MeshPlan(1, 4, 4), ["need 4 tensor-parallel groups of tp=4", "hold only 3 whole groups",
                                 "Fix: use a tp dividing the node size"]),
 ])
 def test_a_tp_the_nodes_cannot_hold_is_refused_with_the_fix(nodes, slots, mesh, words):
@@ -139,8 +137,8 @@ def test_hsdp_keeps_shard_groups_in_a_rack_when_the_dp_group_spans_racks():
     # 2 racks x 4 nodes x 8; dp=8 tp groups of 8: one stage's dp group needs both racks
     topology = _racks(8, 8, 4)
     profile = CommProfile.uniform(1, 14e9 / 8, 0, 1, True, tp_allreduce_bytes=5e10)
-    plain = Planner(topology).plan(MeshShape(1, 8, 8), profile)
-    hsdp = Planner(topology).plan(MeshShape(1, 8, 8, dp_replicate=2), profile)
+    plain = Planner(topology).plan(MeshPlan(1, 8, 8), profile)
+    hsdp = Planner(topology).plan(MeshPlan(1, 8, 8, dp_replicate=2), profile)
     assert plain.optimal and hsdp.optimal
     for r in range(2):  # each shard group (4 consecutive tp groups) on one rack
         ranks = range(r * 32, (r + 1) * 32)
@@ -169,7 +167,7 @@ def test_the_search_picks_hsdp_for_the_modeled_reason():
 def test_naive_placement_pays_for_a_split_tp_group():
     # 6-slot nodes, tp=4: Ray's slot order puts ranks 4-7 on two nodes
     topology = Topology(tuple(NodeInfo(f"n{i}", slots=6, labels={"rack": "r"}) for i in range(4)))
-    mesh, profile = MeshShape(1, 4, 4), CommProfile.uniform(1, 1e9, 0, 1, True, tp_allreduce_bytes=1e11)
+    mesh, profile = MeshPlan(1, 4, 4), CommProfile.uniform(1, 1e9, 0, 1, True, tp_allreduce_bytes=1e11)
     naive = naive_plan(topology, mesh, profile)
     plan = Planner(topology).plan(mesh, profile)
     assert naive.tp_s == pytest.approx(2 * 3 / 4 * 1e11 / 50e9) and plan.tp_s == pytest.approx(2 * 3 / 4 * 1e11 / 900e9)

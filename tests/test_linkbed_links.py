@@ -4,7 +4,8 @@ model's collectives put on each tier: pure, no namespace."""
 import pytest
 
 from rayflex.errors import ConfigError
-from rayflex.planning.cost_model import CommProfile, MeshShape
+from rayflex.mesh.plan import MeshPlan
+from rayflex.planning.cost_model import CommProfile
 from rayflex.planning.topology import Topology
 from rayflex.planning.traffic import GLOO, RING, link_bytes
 from rayflex.testing.linkbed.links import bytes_by_link, plan_links, scale_for, tc_commands
@@ -52,7 +53,7 @@ def test_a_scale_that_would_slow_a_link_below_the_shaper_is_refused_naming_the_l
 
 
 def test_fsdp_bytes_land_on_the_tier_of_the_nodes_its_groups_span():
-    mesh, profile = MeshShape(pp=2, dp=2), CommProfile((4e5, 4e5), activation_bytes=8192, microbatches=4)
+    mesh, profile = MeshPlan(pp=2, dp=2), CommProfile((4e5, 4e5), activation_bytes=8192, microbatches=4)
     packed = link_bytes(TWO_RACKS, mesh, profile, ["n0", "n0", "n1", "n1"])
     # 2 stages x 2 ranks x (one all-gather + one reduce-scatter) x half the stage's bytes
     assert packed["same_node"] == pytest.approx(2 * 2 * 2 * 0.5 * 4e5)

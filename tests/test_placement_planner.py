@@ -13,9 +13,9 @@ import random
 import pytest
 
 from rayflex.errors import PlacementError
+from rayflex.mesh.plan import MeshPlan
 from rayflex.planning.placement.planner import (
     CommProfile,
-    MeshShape,
     Planner,
     brute_force_plan,
     modeled_comm_seconds,
@@ -72,7 +72,7 @@ def random_case(rng, max_slots=12):
         params[rng.randrange(pp)] = 0.0  # a stage without parameters (edge case of the bound)
     activations = 0.0 if rng.random() < 0.05 else 10 ** rng.uniform(6, 9) * scale
     profile = CommProfile(tuple(params), activations, rng.randint(1, 16), rng.random() < 0.3)
-    return Topology(tuple(nodes)), MeshShape(pp, dp), profile
+    return Topology(tuple(nodes)), MeshPlan(pp, dp), profile
 
 
 def assert_valid(plan, topology):
@@ -116,18 +116,18 @@ def test_planner_matches_brute_force_on_random_small_clusters():
 def test_uniform_clusters_are_planned_optimally_without_search(nodes, slots, racks, zones, pp, dp):
     topology = uniform_topology(nodes, slots, racks, zones, seed=1)
     profile = CommProfile.uniform(pp, 14e9, 64e6, 16)
-    plan = Planner(topology, exact_search_states=0, time_budget_s=120).plan(MeshShape(pp, dp), profile)
+    plan = Planner(topology, exact_search_states=0, time_budget_s=120).plan(MeshPlan(pp, dp), profile)
     assert_valid(plan, topology)
     assert plan.optimal and plan.modeled_comm_s <= plan.lower_bound_s * (1 + 1e-9)
     if nodes * slots <= 12:
         assert plan.modeled_comm_s == pytest.approx(
-            brute_force_plan(topology, MeshShape(pp, dp), profile).modeled_comm_s, rel=1e-9)
+            brute_force_plan(topology, MeshPlan(pp, dp), profile).modeled_comm_s, rel=1e-9)
 
 
 def test_each_fsdp_group_stays_in_one_rack():
     # 4 nodes x 2 slots, racks interleaved in Ray's order: n0 r0, n1 r1, n2 r0, n3 r1
     topology = Topology(tuple(NodeInfo(f"n{i}", slots=2, labels={"rack": f"r{i % 2}"}) for i in range(4)))
-    mesh = MeshShape(pp=2, dp=4)
+    mesh = MeshPlan(pp=2, dp=4)
     plan = Planner(topology).plan(mesh, CommProfile.uniform(2, 8e9, 32e6, 8))
     for stage in range(mesh.pp):
         group = plan.rank_to_node[stage * mesh.dp:(stage + 1) * mesh.dp]
@@ -143,7 +143,7 @@ def test_cost_model_formula_on_a_hand_example():
     bw = Bandwidths()
     topology = Topology(tuple(NodeInfo(n, slots=2, labels={"rack": "r"}) for n in "ab"))
     profile = CommProfile((4e9, 2e9), activation_bytes=1e8, microbatches=4)
-    mesh = MeshShape(2, 2)
+    mesh = MeshPlan(2, 2)
     cost = modeled_comm_seconds(topology, mesh, profile, ["a", "a", "b", "b"])
     fsdp = 2 * (1 / 2) * (4e9 + 2e9) / bw.same_node  # all-gather + reduce-scatter, ring share 1/2
     p2p = 2 * 1e8 * 4 / bw.same_domain  # activations forward + gradients backward, 4 microbatches
@@ -159,7 +159,7 @@ def test_cost_model_formula_on_a_hand_example():
 def test_activation_heavy_models_keep_pipelines_on_a_node():
     # huge activations, tiny parameters: each node should hold whole pipelines
     topology = uniform_topology(4, 4, 2, 1)
-    plan = Planner(topology).plan(MeshShape(4, 4), CommProfile.uniform(4, 1e6, 1e10, 32))
+    plan = Planner(topology).plan(MeshPlan(4, 4), CommProfile.uniform(4, 1e6, 1e10, 32))
     for d in range(4):
         assert len({plan.rank_to_node[s * 4 + d] for s in range(4)}) == 1
     assert all(p == pytest.approx(2 * 1e10 * 32 / 900e9) for p in plan.p2p_s)
@@ -167,7 +167,7 @@ def test_activation_heavy_models_keep_pipelines_on_a_node():
 
 def test_a_16k_rank_cluster_is_planned_optimally():
     topology = uniform_topology(2048, 8, 32, 2, seed=7)
-    mesh = MeshShape(pp=8, dp=2048)
+    mesh = MeshPlan(pp=8, dp=2048)
     # How fast is benchmarks/placement.py's to measure (goal < 1 s), not a timed test's.
     plan = Planner(topology).plan(mesh, CommProfile.uniform(8, 140e9, 256e6, 32))
     assert plan.optimal
@@ -178,7 +178,7 @@ def test_a_16k_rank_cluster_is_planned_optimally():
 def test_draining_and_dead_nodes_get_no_ranks():
     nodes = [NodeInfo("a", slots=4), NodeInfo("b", slots=4, draining=True),
              NodeInfo("c", slots=4, alive=False), NodeInfo("d", slots=4)]
-    plan = Planner(Topology(tuple(nodes))).plan(MeshShape(2, 4), CommProfile.uniform(2, 1e9, 1e6))
+    plan = Planner(Topology(tuple(nodes))).plan(MeshPlan(2, 4), CommProfile.uniform(2, 1e9, 1e6))
     assert set(plan.rank_to_node) == {"a", "d"}
 
 
@@ -188,18 +188,18 @@ def test_label_and_market_filters_choose_the_nodes():
              NodeInfo("spot2", slots=4, labels={"ray.io/market-type": "spot", "gpu": "a100"})]
     planner = Planner(Topology(tuple(nodes)))
     profile = CommProfile.uniform(1, 1e9, 0)
-    assert set(planner.plan(MeshShape(1, 4), profile, market_type="on-demand").rank_to_node) == {"od"}
-    assert set(planner.plan(MeshShape(1, 8), profile, require_labels={"gpu": "h100"}).rank_to_node) == {
+    assert set(planner.plan(MeshPlan(1, 4), profile, market_type="on-demand").rank_to_node) == {"od"}
+    assert set(planner.plan(MeshPlan(1, 8), profile, require_labels={"gpu": "h100"}).rank_to_node) == {
         "od", "spot1"}
-    assert set(planner.plan(MeshShape(1, 4), profile, market_type="spot",
+    assert set(planner.plan(MeshPlan(1, 4), profile, market_type="spot",
                             require_labels={"gpu": "a100"}).rank_to_node) == {"spot2"}
 
 
 @pytest.mark.parametrize("mesh, kwargs, words", [
-    (MeshShape(4, 4), {}, ["need 16 worker slots", "only 12", "1 dead", "1 draining"]),
-    (MeshShape(1, 2), {"require_labels": {"rack": "r9"}}, ["rack='r9'", "0 of 3", "['r0', 'r1']"]),
-    (MeshShape(1, 2), {"market_type": "spot"}, ["no usable spot nodes", "ray.io/market-type=spot"]),
-    (MeshShape(2, 4), {"market_type": "on-demand"},
+    (MeshPlan(4, 4), {}, ["need 16 worker slots", "only 12", "1 dead", "1 draining"]),
+    (MeshPlan(1, 2), {"require_labels": {"rack": "r9"}}, ["rack='r9'", "0 of 3", "['r0', 'r1']"]),
+    (MeshPlan(1, 2), {"market_type": "spot"}, ["no usable spot nodes", "ray.io/market-type=spot"]),
+    (MeshPlan(2, 4), {"market_type": "on-demand"},
      ["need 8 worker slots", "only 4", "market-type=on-demand"]),
 ])
 def test_infeasible_requests_name_what_is_missing(mesh, kwargs, words):
@@ -215,7 +215,7 @@ def test_infeasible_requests_name_what_is_missing(mesh, kwargs, words):
 
 def test_plan_serialises_and_explains_itself():
     topology = uniform_topology(8, 8, 2, 1, seed=3)
-    plan = Planner(topology).plan(MeshShape(4, 16), CommProfile.uniform(4, 14e9, 64e6, 16))
+    plan = Planner(topology).plan(MeshPlan(4, 16), CommProfile.uniform(4, 14e9, 64e6, 16))
     data = json.loads(json.dumps(plan.to_dict()))
     assert data["pp"] == 4 and len(data["rank_to_node"]) == 64 and data["optimal"] is True
     text = plan.format(ranks=True)

@@ -17,7 +17,8 @@ import pytest  # noqa: E402
 import rayflex as rf  # noqa: E402
 from rayflex.errors import PlacementError  # noqa: E402
 from rayflex.group.reservation import RunPlacement  # noqa: E402
-from rayflex.planning.placement.planner import CommProfile, MeshShape, Plan, Planner  # noqa: E402
+from rayflex.mesh.plan import MeshPlan  # noqa: E402
+from rayflex.planning.placement.planner import CommProfile, Plan, Planner  # noqa: E402
 from rayflex.planning.topology import Topology  # noqa: E402
 
 from conftest import small_gpt  # noqa: E402
@@ -38,7 +39,7 @@ def test_actors_run_on_their_planned_nodes(two_node_cluster, monkeypatch):
     topology = Topology.from_ray(cpus_per_worker=1)
     # Alive nodes: the shared cluster may remember one an earlier test removed (and replaced).
     assert sorted(n.rack for n in topology.nodes if n.alive) == ["r0", "r1"]
-    mesh = MeshShape(pp=2, dp=2)
+    mesh = MeshPlan(pp=2, dp=2)
     plan = Planner(topology).plan(mesh, CommProfile.uniform(2, 4e9, 16e6, 4))
     # each FSDP group inside one node (one "rack" each)
     assert plan.rank_to_node[0] == plan.rank_to_node[1] != plan.rank_to_node[2] == plan.rank_to_node[3]
@@ -67,7 +68,7 @@ def test_actors_run_on_their_planned_nodes(two_node_cluster, monkeypatch):
     # a plan naming a node that does not exist times out, cleans up and says which node
     monkeypatch.setenv("RAYFLEX_PLACEMENT_TIMEOUT_S", "2")
     ghost = "f" * 56
-    bogus = Plan(mesh=MeshShape(1, 1), rank_to_node=(ghost,), rank_to_slot=(0,), modeled_comm_s=0.0,
+    bogus = Plan(mesh=MeshPlan(1, 1), rank_to_node=(ghost,), rank_to_slot=(0,), modeled_comm_s=0.0,
                  naive_comm_s=0.0, explanation="")
     stuck = RunPlacement(_spec(1))
     try:

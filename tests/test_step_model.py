@@ -2,7 +2,8 @@
 
 import pytest
 
-from rayflex.planning.cost_model import CommProfile, CostBreakdown, MeshShape
+from rayflex.mesh.plan import MeshPlan
+from rayflex.planning.cost_model import CommProfile, CostBreakdown
 from rayflex.planning.step_model import (exposed_comm, hidden_reduction, pipeline_p2p, pipeline_reduction,
                                          step_seconds)
 
@@ -40,13 +41,13 @@ def test_pipeline_reductions_run_concurrently_and_later_stages_start_early():
 
 
 def test_without_a_pipeline_gathers_and_the_shard_groups_reduce_scatter_stay_charged_in_full():
-    mesh, profile = MeshShape(1, 4), CommProfile((1e6,), 0.0, reshard_after_forward=True)
+    mesh, profile = MeshPlan(1, 4), CommProfile((1e6,), 0.0, reshard_after_forward=True)
     out = exposed_comm(mesh, profile, breakdown(fsdp=(0.3,)), compute_s=0.1, units=6)
     assert (out.all_gather_s, out.reduction_s, out.p2p_s) == pytest.approx((0.2, 0.1, 0.0))
 
 
 def test_a_pipeline_charges_each_stages_gather_and_a_fraction_of_its_sends():
-    mesh, profile = MeshShape(2, 2), CommProfile((1e6, 1e6), 1e3, microbatches=4)
+    mesh, profile = MeshPlan(2, 2), CommProfile((1e6, 1e6), 1e3, microbatches=4)
     full = breakdown(fsdp=(0.02, 0.02), p2p=(0.016,))  # 2 A M / bw: 2 ms per crossing
     out = exposed_comm(mesh, profile, full, compute_s=0.1)  # 20 ms per microbatch slot
     assert out.all_gather_s == pytest.approx(0.02)
@@ -58,9 +59,9 @@ def test_a_pipeline_charges_each_stages_gather_and_a_fraction_of_its_sends():
 @pytest.mark.parametrize("layout", ["ddp", "hsdp", "pp"])
 def test_the_step_never_gets_faster_on_slower_links(layout):
     if layout == "pp":
-        mesh, profile = MeshShape(4, 1), CommProfile((1e6,) * 4, 1e4, microbatches=4)
+        mesh, profile = MeshPlan(4, 1), CommProfile((1e6,) * 4, 1e4, microbatches=4)
     else:
-        mesh = MeshShape(1, 4, dp_replicate=4 if layout == "ddp" else 2)
+        mesh = MeshPlan(1, 4, dp_replicate=4 if layout == "ddp" else 2)
         profile = CommProfile((1e6,), 0.0, reshard_after_forward=True)
     steps = []
     for slow in (1, 2, 4, 8, 16, 64, 256):  # bandwidth divided by `slow`: every term's seconds times it

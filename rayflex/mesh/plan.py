@@ -1,4 +1,10 @@
-"""MeshPlan: the layout of one run attempt (pp x dp x tp, stage split, batch arithmetic).
+"""MeshPlan: the one description of a mesh (pp x dp x tp, HSDP, stage split, batch arithmetic).
+
+Config validation, the placement planners, the capacity model, the controller and the
+workers all speak it: the planners read its degrees and rank order, the capacity search
+prices candidate MeshPlans, ``plan_mesh`` makes the one a run attempt trains on, and the
+workers build their DeviceMesh from its ``shape``. Its validity rules are
+:mod:`rayflex.mesh.rules`; the user's request is ``ParallelConfig``.
 
 Torch-free: the controller plans meshes without importing torch. Rank layout (the
 placement planner relies on it): the row-major order of a DeviceMesh with dims
@@ -10,13 +16,13 @@ the pipeline stage::
 
 ``dp_index = replica * dp_shard + shard`` numbers the data-parallel ranks (which samples a
 rank reads: the tp ranks of one dp index read the same ones). With tp = dp_replicate = 1
-this is the old ``rank = pp_index * dp + dp_index``.
+this is ``rank = pp_index * dp + dp_index``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import KW_ONLY, asdict, dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from rayflex.errors import ConfigError
@@ -30,11 +36,13 @@ if TYPE_CHECKING:
 
 # The mesh dimensions, outermost first; every DeviceMesh and placement rule uses these names.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# What a pp == 1 mesh's schedule field holds when nothing pipelines.
+NO_PIPELINE = "none"
 
 
 def mesh_position(shape: tuple[int, int, int, int], rank: int) -> tuple[int, int, int, int]:
     """(pp index, replica, shard, tp index) of ``rank`` in a mesh of ``shape`` (sizes of
-    :data:`MESH_DIMS`): the one statement of the rank order, for the workers and the planners."""
+    :data:`MESH_DIMS`): the one statement of the rank order."""
     _, _, dp_shard, tp = shape
     rest, t = divmod(rank, tp)
     rest, s = divmod(rest, dp_shard)
@@ -62,48 +70,70 @@ class MeshCoords:
 
 @dataclass(frozen=True)
 class MeshPlan:
-    """Everything a worker needs to know about the layout of one run attempt."""
+    """A mesh: its degrees and rank order, and (once cut for a batch and a model) its stage
+    split and batch arithmetic.
 
-    world_size: int
-    pp: int
-    dp: int
-    schedule: str
-    stages_per_rank: int
-    # Blocks (global indices) of each pipeline stage, stage 0 first.
-    stage_blocks: tuple[tuple[int, ...], ...]
-    # Per-rank samples per step (global_batch / dp) and how they are cut up.
-    per_rank_batch: int
-    microbatches: int
-    micro_batch: int
-    # Gradient-accumulation passes per step (pp == 1 only; a pipeline accumulates itself).
-    accum_steps: int
-    balance: str
-    stage_costs: tuple[float, ...] = field(default=())
-    # Tensor-parallel ranks per stage, and the FSDP replicas (dp = dp_replicate x dp_shard).
+    ``MeshPlan(pp, dp, tp, dp_replicate)`` is a mesh of degrees alone, what the placement
+    planners place; ``plan_mesh`` and the capacity search fill in the rest. ``dp`` is
+    ``dp_replicate x dp_shard``: FSDP shards over ``dp_shard`` ranks and replicates over
+    ``dp_replicate`` (HSDP; 1 is plain FSDP).
+    """
+
+    pp: int = 1
+    dp: int = 1
     tp: int = 1
     dp_replicate: int = 1
+    _: KW_ONLY
+    schedule: str = "1f1b"  # NO_PIPELINE | gpipe | 1f1b | interleaved
+    stages_per_rank: int = 1
+    # Blocks (global indices) of each pipeline stage, stage 0 first (empty: not cut yet).
+    stage_blocks: tuple[tuple[int, ...], ...] = ()
+    # Per-rank samples per step (global_batch / dp) and how they are cut up (0: not cut yet).
+    per_rank_batch: int = 0
+    microbatches: int = 1  # pipeline microbatches per step (1 when pp == 1)
+    micro_batch: int = 0  # samples per forward pass
+    # Gradient-accumulation passes per step (pp == 1 only; a pipeline accumulates itself).
+    accum_steps: int = 1
+    balance: str = "params"
+    stage_costs: tuple[float, ...] = field(default=())
     # The capacity planner's activation checkpointing (MemoryConfig(activation_checkpointing=
     # "auto")); None: the spec's MemoryConfig decides.
     activation_checkpointing: Optional[str] = None
     ac_every: int = 2
 
     def __post_init__(self) -> None:
-        if self.pp * self.dp * self.tp != self.world_size or self.dp % self.dp_replicate:
-            raise ValueError(f"inconsistent mesh: pp {self.pp} x dp {self.dp} x tp {self.tp} for "
-                             f"{self.world_size} ranks, dp_replicate {self.dp_replicate}")
+        for name in ("pp", "dp", "tp", "dp_replicate"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"MeshPlan.{name}", f"must be an integer >= 1, got {v!r}",
+                                  "use pp=1 for no pipeline, dp=1 for no data parallelism, tp=1 for no "
+                                  "tensor parallelism and dp_replicate=1 for plain FSDP")
+        if self.dp % self.dp_replicate:
+            raise ConfigError("MeshPlan.dp_replicate", f"dp_replicate={self.dp_replicate} does not divide "
+                              f"dp={self.dp}", "use a divisor of dp (dp_shard = dp / dp_replicate)")
 
     @property
-    def num_stages(self) -> int:
-        return len(self.stage_blocks)
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
 
     @property
     def dp_shard(self) -> int:
+        """Ranks a stage's state is sharded over (dp without HSDP)."""
         return self.dp // self.dp_replicate
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """Sizes of :data:`MESH_DIMS`."""
         return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    @property
+    def units(self) -> "MeshPlan":
+        """The pp x dp mesh of tp groups the planner places (one unit = ``tp`` slots of a node)."""
+        return MeshPlan(self.pp, self.dp)
 
     def mesh_coords(self, rank: int) -> MeshCoords:
         p, r, s, t = mesh_position(self.shape, rank)
@@ -115,8 +145,8 @@ class MeshPlan:
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(pp_index, dp_index) of a global rank."""
-        c = self.mesh_coords(rank)
-        return c.pp, c.dp
+        p, r, s, _ = mesh_position(self.shape, rank)
+        return p, r * self.dp_shard + s
 
     def memory_config(self, memory: MemoryConfig) -> MemoryConfig:
         """``memory`` (the spec's) with this mesh's activation-checkpointing choice, if it
@@ -127,16 +157,16 @@ class MeshPlan:
                                    ac_every=self.ac_every)
 
     def describe(self) -> str:
-        """``pp2 x dp3`` / ``pp2 x dp2(2x1) x tp2``: the layout in a few characters."""
-        dp = f"dp{self.dp}" if self.dp_replicate == 1 else f"dp{self.dp}({self.dp_replicate}x{self.dp_shard} hsdp)"
-        return " x ".join([f"pp{self.pp}", dp] + ([f"tp{self.tp}"] if self.tp > 1 else []))
+        """``pp=2 x dp=4`` / ``pp=2 x dp=4 (2x2 hsdp) x tp=8``: the layout in a few characters."""
+        dp = f"dp={self.dp}" + (f" ({self.dp_replicate}x{self.dp_shard} hsdp)" if self.dp_replicate > 1 else "")
+        return " x ".join([f"pp={self.pp}", dp] + ([f"tp={self.tp}"] if self.tp > 1 else []))
 
     def local_stages(self, pp_index: int) -> list[int]:
         """Stage indices a pp rank holds: looped layout for the interleaved schedule."""
         return [pp_index + k * self.pp for k in range(self.stages_per_rank)]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"world_size": self.world_size, **asdict(self)}
 
 
 def plan_mesh(spec: ModelSpec, parallel: ParallelConfig, data: DataConfig, world_size: int,
@@ -167,8 +197,7 @@ def plan_mesh(spec: ModelSpec, parallel: ParallelConfig, data: DataConfig, world
         costs = [float(c) for c in spec.param_counts()]
     stages = balanced_split(costs, parallel.num_stages)
     stage_costs = tuple(sum(costs[i] for i in blocks) for blocks in stages)
-    return MeshPlan(world_size=world_size, pp=split.pp, dp=split.dp, tp=split.tp,
-                    dp_replicate=split.dp_replicate, schedule=parallel.schedule,
+    return MeshPlan(split.pp, split.dp, split.tp, split.dp_replicate, schedule=parallel.schedule,
                     stages_per_rank=parallel.stages_per_rank,
                     stage_blocks=tuple(tuple(b) for b in stages), per_rank_batch=split.per_rank_batch,
                     microbatches=split.microbatches, micro_batch=split.micro_batch, accum_steps=split.accum_steps,

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 from rayflex.config import TrainSpec
 from rayflex.mesh.plan import MeshPlan
-from rayflex.planning.placement.planner import CommProfile, MeshShape, Plan, Planner, naive_plan, shuffled_plan
+from rayflex.planning.placement.planner import CommProfile, Plan, Planner, naive_plan, shuffled_plan
 from rayflex.planning.topology import Topology
 
 # fp32 on the CPU path; the activation width is the model's hidden size.
@@ -121,11 +121,10 @@ def plan_for(spec: TrainSpec, mesh: MeshPlan, topology: Optional[Topology] = Non
     if topology is None:
         topology = Topology.from_ray(cpus_per_worker=spec.scaling.cpus_per_worker or 1.0,
                                      use_gpu=spec.scaling.use_gpu)
-    shape = MeshShape(pp=mesh.pp, dp=mesh.dp, tp=mesh.tp, dp_replicate=mesh.dp_replicate)
     profile, labels = comm_profile(spec, mesh), dict(spec.scaling.node_labels) or None
     how, _, seed = spec.scaling.placement.partition(":")
     if how == "node_order":
-        return naive_plan(topology, shape, profile, require_labels=labels)
+        return naive_plan(topology, mesh, profile, require_labels=labels)
     if how == "shuffled":
-        return shuffled_plan(topology, shape, profile, int(seed), require_labels=labels)
-    return Planner(topology).plan(shape, profile, require_labels=labels)
+        return shuffled_plan(topology, mesh, profile, int(seed), require_labels=labels)
+    return Planner(topology).plan(mesh, profile, require_labels=labels)

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from rayflex.errors import ConfigError
-from rayflex.mesh.plan import mesh_position, mesh_rank
+from rayflex.mesh.plan import MeshPlan
 from rayflex.planning.topology import Bandwidths, LinkTier, NodeInfo, Topology
 
 REL_TOL = 1e-9  # relative tolerance when comparing modeled costs
@@ -84,63 +84,6 @@ def improves(cost: float, best: float) -> bool:
 # --------------------------------------------------------------------------------------
 # Requests
 # --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MeshShape:
-    """A pp x dp x tp mesh, dp = dp_replicate x dp_shard; rank order as ``MeshPlan``'s
-    (module docstring). ``MeshShape(pp, dp)`` is the plain pp x dp mesh."""
-
-    pp: int
-    dp: int
-    tp: int = 1
-    dp_replicate: int = 1
-
-    def __post_init__(self):
-        for name in ("pp", "dp", "tp", "dp_replicate"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"MeshShape.{name}", f"must be an integer >= 1, got {v!r}",
-                                  "use pp=1 for no pipeline, dp=1 for no data parallelism, tp=1 for no "
-                                  "tensor parallelism and dp_replicate=1 for plain FSDP")
-        if self.dp % self.dp_replicate:
-            raise ConfigError("MeshShape.dp_replicate", f"dp_replicate={self.dp_replicate} does not divide "
-                              f"dp={self.dp}", "use a divisor of dp (dp_shard = dp / dp_replicate)")
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
-
-    @property
-    def dp_shard(self) -> int:
-        return self.dp // self.dp_replicate
-
-    @property
-    def units(self) -> "MeshShape":
-        """The pp x dp mesh of tp groups the planner places (one unit = ``tp`` slots of a node)."""
-        return MeshShape(self.pp, self.dp)
-
-    @property
-    def shape(self) -> Tuple[int, int, int, int]:
-        """Sizes of ``MESH_DIMS`` (``rayflex.mesh.plan``), whose rank order this mesh shares."""
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-
-    def rank(self, stage: int, dp_index: int, tp_index: int = 0) -> int:
-        return mesh_rank(self.shape, stage, dp_index, tp_index)
-
-    def coords(self, rank: int) -> Tuple[int, int]:
-        """(stage, dp_index) of a rank."""
-        p, r, s, _ = mesh_position(self.shape, rank)
-        return p, r * self.dp_shard + s
-
-    def mesh_coords(self, rank: int) -> Tuple[int, int, int, int]:
-        """(stage, replica, shard, tp_index): the rank's place along ``MESH_DIMS``."""
-        return mesh_position(self.shape, rank)
-
-    def describe(self) -> str:
-        """``pp=2 x dp=4`` / ``pp=2 x dp=4 (2x2 hsdp) x tp=8``."""
-        dp = f"dp={self.dp}" + (f" ({self.dp_replicate}x{self.dp_shard} hsdp)" if self.dp_replicate > 1 else "")
-        return " x ".join([f"pp={self.pp}", dp] + ([f"tp={self.tp}"] if self.tp > 1 else []))
-
-
 @dataclass(frozen=True)
 class CommProfile:
     """Bytes the model moves per step: what the cost model needs and nothing more.
@@ -269,7 +212,7 @@ class TierCosts:
     a lower bound on the stage's cost, with a0, b0 the floors ``set_group_floors`` sets.
     """
 
-    def __init__(self, mesh: MeshShape, profile: CommProfile, bw: Bandwidths):
+    def __init__(self, mesh: MeshPlan, profile: CommProfile, bw: Bandwidths):
         if len(profile.stage_param_bytes) != mesh.pp:
             raise ConfigError("CommProfile.stage_param_bytes",
                               f"has {len(profile.stage_param_bytes)} entries for pp={mesh.pp}",
@@ -357,7 +300,7 @@ class GroupLevels:
     boundaries: Tuple[int, ...]
 
 
-def group_levels(tree: NodeTree, mesh: MeshShape, node_of_rank: Sequence[int]) -> GroupLevels:
+def group_levels(tree: NodeTree, mesh: MeshPlan, node_of_rank: Sequence[int]) -> GroupLevels:
     """The levels of every group of an explicit rank -> node assignment."""
     pp, dp, tp = mesh.pp, mesh.dp, mesh.tp
     tps = tuple(max(tree.span_level(node_of_rank[u * tp:(u + 1) * tp]) for u in range(s * dp, (s + 1) * dp))
@@ -376,12 +319,12 @@ def group_levels(tree: NodeTree, mesh: MeshShape, node_of_rank: Sequence[int]) -
     return GroupLevels(worst("rows"), worst("replicas"), tps, worst("boundaries"))
 
 
-def unit_levels(tree: NodeTree, mesh: MeshShape, node_of_unit: Sequence[int]) -> GroupLevels:
+def unit_levels(tree: NodeTree, mesh: MeshPlan, node_of_unit: Sequence[int]) -> GroupLevels:
     """The levels of a unit -> node assignment (every tp group on its unit's node)."""
     return _lane_levels(tree, mesh, node_of_unit, (0,) * mesh.pp)
 
 
-def _lane_levels(tree: NodeTree, mesh: MeshShape, node_of_unit: Sequence[int], tps: Tuple[int, ...]) -> GroupLevels:
+def _lane_levels(tree: NodeTree, mesh: MeshPlan, node_of_unit: Sequence[int], tps: Tuple[int, ...]) -> GroupLevels:
     """Levels of one tp lane: the pp x dp assignment of the ranks with one tp index."""
     pp, dp, shard, reps = mesh.pp, mesh.dp, mesh.dp_shard, mesh.dp_replicate
     rows, replicas = [], []
@@ -409,7 +352,7 @@ def price(costs: TierCosts, levels: GroupLevels) -> CostBreakdown:
     return CostBreakdown(total, fsdp, p2p, levels.rows, levels.boundaries, replica, levels.replicas, tp_s, levels.tps)
 
 
-def evaluate(tree: NodeTree, costs: TierCosts, mesh: MeshShape, node_of_rank: Sequence[int]) -> CostBreakdown:
+def evaluate(tree: NodeTree, costs: TierCosts, mesh: MeshPlan, node_of_rank: Sequence[int]) -> CostBreakdown:
     """The modeled seconds of an explicit rank -> node assignment (the ground truth)."""
     return price(costs, group_levels(tree, mesh, node_of_rank))
 
@@ -419,7 +362,7 @@ def expand_units(node_of_unit: Sequence[int], tp: int) -> List[int]:
     return [i for i in node_of_unit for _ in range(tp)] if tp > 1 else list(node_of_unit)
 
 
-def canonical_unit_orders(tree: NodeTree, mesh: MeshShape) -> List[List[int]]:
+def canonical_unit_orders(tree: NodeTree, mesh: MeshPlan) -> List[List[int]]:
     """Two simple unit -> node layouts on the tree's hierarchical order: dp-major (units in
     rank order fill nodes, so each stage's dp group, and in it each shard group, is packed
     node by node, rack by rack) and pipeline-major (each node holds whole pipelines)."""
@@ -469,7 +412,7 @@ def ranks_from_counts(tree: NodeTree, rows: Sequence[Mapping[int, int]], dp: int
     return out
 
 
-def modeled_comm(topology: Topology, mesh: MeshShape, profile: CommProfile, rank_to_node: Sequence[str],
+def modeled_comm(topology: Topology, mesh: MeshPlan, profile: CommProfile, rank_to_node: Sequence[str],
                  bandwidths: Optional[Bandwidths] = None) -> CostBreakdown:
     """The modeled communication of any rank -> node id assignment, term by term."""
     if len(rank_to_node) != mesh.world_size:
@@ -484,7 +427,7 @@ def modeled_comm(topology: Topology, mesh: MeshShape, profile: CommProfile, rank
     return evaluate(tree, costs, mesh, [index[n] for n in rank_to_node])
 
 
-def modeled_comm_seconds(topology: Topology, mesh: MeshShape, profile: CommProfile,
+def modeled_comm_seconds(topology: Topology, mesh: MeshPlan, profile: CommProfile,
                          rank_to_node: Sequence[str], bandwidths: Optional[Bandwidths] = None) -> float:
     """Modeled communication seconds per step of any rank -> node id assignment."""
     return modeled_comm(topology, mesh, profile, rank_to_node, bandwidths).total

@@ -56,7 +56,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from rayflex.planning.cost_model import CommProfile, CostBreakdown, MeshShape
+from rayflex.mesh.plan import MeshPlan
+from rayflex.planning.cost_model import CommProfile, CostBreakdown
 
 BACKWARD_SHARE = 2.0 / 3.0  # backward FLOPs over forward + backward (4P of 6P per token)
 
@@ -116,7 +117,7 @@ def pipeline_reduction(reduce_s: Sequence[float], transfer_s: Sequence[float], m
     return latest
 
 
-def exposed_comm(mesh: MeshShape, profile: CommProfile, breakdown: CostBreakdown, compute_s: float,
+def exposed_comm(mesh: MeshPlan, profile: CommProfile, breakdown: CostBreakdown, compute_s: float,
                  units: int = 1, stages_per_rank: int = 1) -> ExposedComm:
     """The exposed part of each of ``breakdown``'s terms (module docstring).
 
@@ -141,7 +142,7 @@ def exposed_comm(mesh: MeshShape, profile: CommProfile, breakdown: CostBreakdown
     return ExposedComm(sum(gathers), reduction, pipeline_p2p(transfer, microbatch, passes), breakdown.tp_total)
 
 
-def step_seconds(mesh: MeshShape, profile: CommProfile, breakdown: CostBreakdown, compute_s: float,
+def step_seconds(mesh: MeshPlan, profile: CommProfile, breakdown: CostBreakdown, compute_s: float,
                  units: int = 1, stages_per_rank: int = 1) -> float:
     """A step's modeled seconds: compute plus the communication it cannot hide."""
     return compute_s + exposed_comm(mesh, profile, breakdown, compute_s, units, stages_per_rank).total

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from rayflex.planning.cost_model import CommProfile, MeshShape
+from rayflex.mesh.plan import MeshPlan
+from rayflex.planning.cost_model import CommProfile
 from rayflex.planning.topology import LinkTier, Topology
 
 
@@ -39,7 +40,7 @@ RING = CollectiveBytes()
 GLOO = CollectiveBytes(reduce_scatter=2.0)
 
 
-def link_bytes(topology: Topology, mesh: MeshShape, profile: CommProfile, rank_to_node: Sequence[str],
+def link_bytes(topology: Topology, mesh: MeshPlan, profile: CommProfile, rank_to_node: Sequence[str],
                collectives: CollectiveBytes = RING) -> dict[str, float]:
     """Bytes per step over each link tier (``LinkTier`` names, lower case; every tier
     listed) when rank ``r`` runs on node ``rank_to_node[r]``."""
@@ -57,7 +58,7 @@ def link_bytes(topology: Topology, mesh: MeshShape, profile: CommProfile, rank_t
     for s in range(pp):
         params = profile.stage_param_bytes[s]
         for t in range(tp):
-            units = [mesh.rank(s, d, t) for d in range(dp)]
+            units = [mesh.rank_of(s, d, t) for d in range(dp)]
             frac = (shard - 1) / shard
             gathers = (profile.fsdp_collectives - 1) * collectives.all_gather + collectives.reduce_scatter
             for r in range(reps):
@@ -67,13 +68,13 @@ def link_bytes(topology: Topology, mesh: MeshShape, profile: CommProfile, rank_t
                     ring(units[i::shard], collectives.all_reduce * 2 * (reps - 1) / reps * params / shard)
         if tp > 1 and profile.tp_allreduce_bytes:
             for d in range(dp):
-                ring([mesh.rank(s, d, t) for t in range(tp)],
+                ring([mesh.rank_of(s, d, t) for t in range(tp)],
                      collectives.all_reduce * 2 * (tp - 1) / tp * profile.tp_allreduce_bytes[s])
     crossing = profile.activation_bytes * profile.microbatches * collectives.p2p
     for s in range(pp - 1):
         for d in range(dp):
             for t in range(tp):
-                a, b = rank_to_node[mesh.rank(s, d, t)], rank_to_node[mesh.rank(s + 1, d, t)]
+                a, b = rank_to_node[mesh.rank_of(s, d, t)], rank_to_node[mesh.rank_of(s + 1, d, t)]
                 out[topology.tier(a, b).name.lower()] += 2 * crossing  # forward and backward
     return out
 

@@ -35,9 +35,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from rayflex.mesh.plan import MeshPlan
 from rayflex.planning.capacity.memory import CapacityError, Layout, ModelDescription
 from rayflex.planning.comm_profile import block_tp_allreduces, layout_comm_profile
-from rayflex.planning.cost_model import (CommProfile, CostBreakdown, GroupLevels, MeshShape, NodeTree, TierCosts,
+from rayflex.planning.cost_model import (CommProfile, CostBreakdown, GroupLevels, NodeTree, TierCosts,
                                          canonical_unit_orders, modeled_comm, price, unit_levels)
 from rayflex.planning.topology import Topology
 
@@ -87,8 +88,8 @@ def layout_profile(model: ModelDescription, layout: Layout, global_batch: int) -
                                tp_allreduces=rank_tp_allreduces(model, layout) if layout.tp > 1 else ())
 
 
-def layout_mesh(layout: Layout) -> MeshShape:
-    return MeshShape(layout.pp, layout.dp, layout.tp, layout.dp_replicate)
+def layout_mesh(layout: Layout) -> MeshPlan:
+    return MeshPlan(layout.pp, layout.dp, layout.tp, layout.dp_replicate)
 
 
 class CommModel:
@@ -138,7 +139,7 @@ class CommModel:
         costs = TierCosts(mesh, layout_profile(self.model, layout, self.global_batch), self.bandwidths)
         return min((price(costs, lv) for lv in self._levels(mesh)), key=lambda ev: ev.total)
 
-    def _levels(self, mesh: MeshShape) -> list[GroupLevels]:
+    def _levels(self, mesh: MeshPlan) -> list[GroupLevels]:
         key = (mesh.pp, mesh.tp, mesh.dp_shard)
         if key not in self.levels:
             if mesh.tp not in self.trees:

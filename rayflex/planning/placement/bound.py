@@ -14,7 +14,8 @@ import heapq
 import itertools
 from typing import Dict, List, Optional, Tuple
 
-from rayflex.planning.cost_model import MeshShape, NodeTree, TierCosts
+from rayflex.mesh.plan import MeshPlan
+from rayflex.planning.cost_model import NodeTree, TierCosts
 
 
 class Relaxation:
@@ -27,7 +28,7 @@ class Relaxation:
     plan maps to a path of this DP with the same cost, hence the DP minimum is a lower bound.
     """
 
-    def __init__(self, tree: NodeTree, costs: TierCosts, mesh: MeshShape):
+    def __init__(self, tree: NodeTree, costs: TierCosts, mesh: MeshPlan):
         self.tree, self.costs, self.mesh = tree, costs, mesh
         self._units: Dict[Tuple[int, int], List[List[int]]] = {}
         self._ok: Dict[Tuple[int, int, int], bool] = {}

@@ -15,7 +15,8 @@ import math
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rayflex.planning.cost_model import MeshShape, NodeTree, TierCosts, evaluate, expand_units, improves, meets
+from rayflex.mesh.plan import MeshPlan
+from rayflex.planning.cost_model import NodeTree, TierCosts, evaluate, expand_units, improves, meets
 from rayflex.planning.topology import tier_between
 
 
@@ -41,7 +42,7 @@ def _canon(tree_zone, tree_dom, s: int, per_node: Sequence[tuple]) -> tuple:
     return (s, tuple(sorted(tuple(sorted(tuple(sorted(d)) for d in z.values())) for z in zones.values())))
 
 
-def exact_counts(tree: NodeTree, costs: TierCosts, mesh: MeshShape, max_states: int,
+def exact_counts(tree: NodeTree, costs: TierCosts, mesh: MeshPlan, max_states: int,
                  deadline: float = math.inf) -> Optional[Tuple[float, List[Dict[int, int]]]]:
     """Optimal per-stage node counts by memoised search; None past ``max_states`` or deadline.
 
@@ -124,7 +125,7 @@ def exact_counts(tree: NodeTree, costs: TierCosts, mesh: MeshShape, max_states: 
     return total, rows
 
 
-def brute_force_assignment(tree: NodeTree, costs: TierCosts, mesh: MeshShape) -> Tuple[float, List[int]]:
+def brute_force_assignment(tree: NodeTree, costs: TierCosts, mesh: MeshPlan) -> Tuple[float, List[int]]:
     """The optimal cost and a rank -> node index assignment achieving it, by exhaustive search.
 
     Independent of the planner's count reduction: it enumerates, stage by stage, which node
@@ -202,7 +203,7 @@ def brute_force_assignment(tree: NodeTree, costs: TierCosts, mesh: MeshShape) ->
     return f(0, tuple(tree.cap), tuple([0] * n)), out
 
 
-def brute_force_units(tree: NodeTree, costs: TierCosts, mesh: MeshShape,
+def brute_force_units(tree: NodeTree, costs: TierCosts, mesh: MeshPlan,
                       max_leaves: int = 200_000) -> Tuple[float, List[int]]:
     """The optimal cost and a unit -> node assignment achieving it, trying every assignment of
     the mesh's pp x dp units (tp groups) to nodes and pricing the expanded ranks with

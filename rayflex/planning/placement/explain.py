@@ -8,7 +8,8 @@ from __future__ import annotations
 import itertools
 from typing import Dict, Sequence
 
-from rayflex.planning.cost_model import CommProfile, CostBreakdown, MeshShape, NodeTree, TierCosts
+from rayflex.mesh.plan import MeshPlan
+from rayflex.planning.cost_model import CommProfile, CostBreakdown, NodeTree, TierCosts
 from rayflex.planning.topology import LinkTier
 
 
@@ -53,7 +54,7 @@ def _where(tree: NodeTree, members: Dict[int, int], level: int) -> str:
     return f"{len(nodes)} node(s) [{shown}{more}] in {home}"
 
 
-def explain(tree: NodeTree, costs: TierCosts, mesh: MeshShape, profile: CommProfile, nor: Sequence[int],
+def explain(tree: NodeTree, costs: TierCosts, mesh: MeshPlan, profile: CommProfile, nor: Sequence[int],
             ev: CostBreakdown, naive_s: float, lower_bound: float, optimal: bool, method: str) -> str:
     pp, dp, tp, shard, reps = mesh.pp, mesh.dp, mesh.tp, mesh.dp_shard, mesh.dp_replicate
     per_stage = dp * tp

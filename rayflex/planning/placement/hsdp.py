@@ -29,7 +29,8 @@ from __future__ import annotations
 import time
 from typing import List, Sequence, Tuple
 
-from rayflex.planning.cost_model import (MeshShape, NodeTree, TierCosts, canonical_unit_orders, improves, price,
+from rayflex.mesh.plan import MeshPlan
+from rayflex.planning.cost_model import (NodeTree, TierCosts, canonical_unit_orders, improves, price,
                                          unit_levels)
 from rayflex.planning.placement.unit_search import search_units
 from rayflex.planning.topology import GPU_DOMAIN_LABEL, RACK_LABEL, LinkTier, NodeInfo
@@ -37,7 +38,7 @@ from rayflex.planning.topology import GPU_DOMAIN_LABEL, RACK_LABEL, LinkTier, No
 Candidate = Tuple[List[int], str]  # unit -> node, how it was found
 
 
-def hsdp_candidates(nodes, tree: NodeTree, costs: TierCosts, mesh: MeshShape, base: Candidate,
+def hsdp_candidates(nodes, tree: NodeTree, costs: TierCosts, mesh: MeshPlan, base: Candidate,
                     deadline: float, level_plans: int = 16) -> List[Candidate]:
     """Unit -> node layouts worth pricing for an HSDP mesh (module docstring)."""
     out = [base]
@@ -51,7 +52,7 @@ def hsdp_candidates(nodes, tree: NodeTree, costs: TierCosts, mesh: MeshShape, ba
     return out + renumbered
 
 
-def _coarse(nodes, costs: TierCosts, mesh: MeshShape, deadline: float, level_plans: int) -> List[Candidate]:
+def _coarse(nodes, costs: TierCosts, mesh: MeshPlan, deadline: float, level_plans: int) -> List[Candidate]:
     """The shard-local and replica-local plans (module docstring), with the coarse units kept
     on one node, one rack or one zone (a group that cannot sit on a node may fit a rack)."""
     pp, dp, shard, reps = mesh.pp, mesh.dp, mesh.dp_shard, mesh.dp_replicate
@@ -69,7 +70,7 @@ def _coarse(nodes, costs: TierCosts, mesh: MeshShape, deadline: float, level_pla
             tree = NodeTree([home for home, _ in homes], unit=group * mesh.tp)
             if sum(tree.cap) < pp * count:
                 continue
-            found = search_units(tree, TierCosts.from_tables(table, costs.p2p), MeshShape(pp, count),
+            found = search_units(tree, TierCosts.from_tables(table, costs.p2p), MeshPlan(pp, count),
                                  deadline=deadline, level_plans=level_plans)
             # deal each coarse unit `group` unit slots of its home, node by node
             pools = [[i for i in members for _ in range(nodes[i].slots // mesh.tp)] for _, members in homes]
@@ -103,7 +104,7 @@ def _homes(nodes, tp: int, where: str) -> List[Tuple[NodeInfo, List[int]]]:
     return out
 
 
-def renumber(tree: NodeTree, mesh: MeshShape, units: Sequence[int], major: str) -> List[int]:
+def renumber(tree: NodeTree, mesh: MeshPlan, units: Sequence[int], major: str) -> List[int]:
     """The same placement with its dp indices renumbered: lanes (one dp index through every
     stage) sorted by their nodes in the tree's order, then dealt row-major (consecutive
     lanes form a shard group) or column-major (consecutive lanes form a replicate group)."""
@@ -119,7 +120,7 @@ def renumber(tree: NodeTree, mesh: MeshShape, units: Sequence[int], major: str) 
     return [units[s * dp + order[d]] for s in range(pp) for d in range(dp)]
 
 
-def refine(tree: NodeTree, costs: TierCosts, mesh: MeshShape, units: List[int], deadline: float,
+def refine(tree: NodeTree, costs: TierCosts, mesh: MeshPlan, units: List[int], deadline: float,
            max_units: int = 48) -> Tuple[List[int], bool]:
     """Local search on small meshes, within the deadline: move a unit to a node with a free
     unit slot, or swap two units on different nodes, while that lowers the cost; returns the

@@ -13,10 +13,11 @@ import math
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rayflex.planning.cost_model import MeshShape, NodeTree
+from rayflex.mesh.plan import MeshPlan
+from rayflex.planning.cost_model import NodeTree
 
 
-def realize(tree: NodeTree, mesh: MeshShape, rows: Sequence[int], bnds: Sequence[int],
+def realize(tree: NodeTree, mesh: MeshPlan, rows: Sequence[int], bnds: Sequence[int],
            robust: bool = False, budget: int = 4000,
            deadline: float = math.inf) -> Optional[List[Dict[int, int]]]:
     """Per-stage node counts honouring the level plan, or None if the packer finds none.

@@ -3,7 +3,7 @@ communication). Making Ray honour a plan is ``rayflex.group.reservation.RunPlace
 
 This module is the facade; its public names are the placement API. The pieces:
 
-* ``cost_model``: the rank layout, the request types (``MeshShape``, ``CommProfile``) and
+* ``cost_model``: the request type ``CommProfile`` (the mesh is ``rayflex.mesh.plan.MeshPlan``) and
   the communication cost model every plan is priced by (``modeled_comm_seconds``).
 * ``placement_bound``: a dynamic program over stages in a relaxation (each stage gets a tree
   level for its FSDP group; each boundary the level at which consecutive stages are "tied",
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from rayflex.errors import PlacementError
+from rayflex.mesh.plan import MeshPlan
 from rayflex.planning.cost_model import (
     CommProfile,
-    MeshShape,
     NodeTree,
     TierCosts,
     evaluate,
@@ -55,7 +55,6 @@ from rayflex.planning.topology import MARKET_LABEL, Bandwidths, NodeInfo, Topolo
 
 __all__ = [
     "CommProfile",
-    "MeshShape",
     "Plan",
     "Planner",
     "brute_force_plan",
@@ -65,7 +64,7 @@ __all__ = [
 ]
 
 
-def _eligible_nodes(topology: Topology, mesh: MeshShape, require_labels: Optional[Mapping[str, str]],
+def _eligible_nodes(topology: Topology, mesh: MeshPlan, require_labels: Optional[Mapping[str, str]],
                     market_type: Optional[str], check_tp: bool = True) -> List[NodeInfo]:
     """Usable nodes matching the filters; PlacementError naming what is missing otherwise."""
     dead = [n for n in topology.nodes if not n.alive]
@@ -105,7 +104,7 @@ def _eligible_nodes(topology: Topology, mesh: MeshShape, require_labels: Optiona
     return nodes
 
 
-def _check_tp_fits(nodes: Sequence[NodeInfo], mesh: MeshShape, shape: str, where: str) -> None:
+def _check_tp_fits(nodes: Sequence[NodeInfo], mesh: MeshPlan, shape: str, where: str) -> None:
     """A tp group (tp consecutive ranks) all-reduces activations twice per block each way, so
     it never leaves a node: refuse a tp no node can hold, and a mesh whose tp groups the
     nodes cannot hold whole (slots left over on nodes that tp does not divide)."""
@@ -128,7 +127,7 @@ def _check_tp_fits(nodes: Sequence[NodeInfo], mesh: MeshShape, shape: str, where
 class Plan:
     """Where every rank runs, what that costs in modeled communication, and why."""
 
-    mesh: MeshShape
+    mesh: MeshPlan
     rank_to_node: Tuple[str, ...]
     rank_to_slot: Tuple[int, ...]
     modeled_comm_s: float
@@ -168,7 +167,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def _make_plan(tree: NodeTree, costs: TierCosts, mesh: MeshShape, profile: CommProfile,
+def _make_plan(tree: NodeTree, costs: TierCosts, mesh: MeshPlan, profile: CommProfile,
                node_of_rank: Sequence[int], naive_s: float, lower_bound: float, optimal: bool,
                method: str) -> Plan:
     ev = evaluate(tree, costs, mesh, node_of_rank)
@@ -183,7 +182,7 @@ def _make_plan(tree: NodeTree, costs: TierCosts, mesh: MeshShape, profile: CommP
                 profile)
 
 
-def _setup(nodes: Sequence[NodeInfo], mesh: MeshShape, profile: CommProfile,
+def _setup(nodes: Sequence[NodeInfo], mesh: MeshPlan, profile: CommProfile,
            bw: Bandwidths) -> Tuple[NodeTree, TierCosts, Relaxation, float]:
     """The unit tree (nodes hold whole tp groups), the cost table, its relaxation and the
     lower bound on any plan that keeps tp groups whole."""
@@ -196,7 +195,7 @@ def _setup(nodes: Sequence[NodeInfo], mesh: MeshShape, profile: CommProfile,
     return tree, costs, relax, relax.solve() + costs.tp_floor
 
 
-def _naive(tree: NodeTree, costs: TierCosts, mesh: MeshShape) -> Tuple[List[int], float, bool]:
+def _naive(tree: NodeTree, costs: TierCosts, mesh: MeshPlan) -> Tuple[List[int], float, bool]:
     """Ray Train's placement (ranks fill nodes slot by slot in listed order), its cost, and
     whether it keeps every tp group on one node (a plan the planner may return)."""
     node_of_rank = [i for i, nd in enumerate(tree.nodes) for _ in range(nd.slots)][:mesh.world_size]
@@ -204,7 +203,7 @@ def _naive(tree: NodeTree, costs: TierCosts, mesh: MeshShape) -> Tuple[List[int]
     return node_of_rank, ev.total, not any(ev.tp_levels)
 
 
-def naive_plan(topology: Topology, mesh: MeshShape, profile: CommProfile, *,
+def naive_plan(topology: Topology, mesh: MeshPlan, profile: CommProfile, *,
                bandwidths: Optional[Bandwidths] = None, require_labels: Optional[Mapping[str, str]] = None,
                market_type: Optional[str] = None) -> Plan:
     """What Ray Train does: one PACK placement group, ranks filling nodes in listed order.
@@ -220,7 +219,7 @@ def naive_plan(topology: Topology, mesh: MeshShape, profile: CommProfile, *,
                       "naive: one PACK group, ranks in node order")
 
 
-def shuffled_plan(topology: Topology, mesh: MeshShape, profile: CommProfile, seed: int, *,
+def shuffled_plan(topology: Topology, mesh: MeshPlan, profile: CommProfile, seed: int, *,
                   bandwidths: Optional[Bandwidths] = None,
                   require_labels: Optional[Mapping[str, str]] = None) -> Plan:
     """The mesh's pp x dp units on the nodes' unit slots in a seeded random order (every tp
@@ -238,7 +237,7 @@ def shuffled_plan(topology: Topology, mesh: MeshShape, profile: CommProfile, see
     return _make_plan(tree, costs, mesh, profile, nor, naive_s, lb, meets(total, lb), f"shuffled (seed {seed})")
 
 
-def brute_force_plan(topology: Topology, mesh: MeshShape, profile: CommProfile, *,
+def brute_force_plan(topology: Topology, mesh: MeshPlan, profile: CommProfile, *,
                      bandwidths: Optional[Bandwidths] = None,
                      require_labels: Optional[Mapping[str, str]] = None,
                      market_type: Optional[str] = None, max_slots: int = 12) -> Plan:
@@ -283,7 +282,7 @@ class Planner:
         self.bandwidths = bandwidths or topology.bandwidths
         self.exact_search_states = exact_search_states
 
-    def plan(self, mesh: MeshShape, profile: CommProfile, *,
+    def plan(self, mesh: MeshPlan, profile: CommProfile, *,
              require_labels: Optional[Mapping[str, str]] = None,
              market_type: Optional[str] = None) -> Plan:
         nodes = _eligible_nodes(self.topology, mesh, require_labels, market_type)

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional
 
-from rayflex.planning.cost_model import REL_TOL, MeshShape, NodeTree, TierCosts, evaluate, improves, meets, \
+from rayflex.mesh.plan import MeshPlan
+from rayflex.planning.cost_model import REL_TOL, NodeTree, TierCosts, evaluate, improves, meets, \
     ranks_from_counts
 from rayflex.planning.placement.bound import Relaxation
 from rayflex.planning.placement.exact import exact_counts
@@ -35,7 +36,7 @@ class UnitPlan:
         return meets(self.cost, self.bound)
 
 
-def search_units(tree: NodeTree, costs: TierCosts, mesh: MeshShape, *, deadline: float, level_plans: int = 64,
+def search_units(tree: NodeTree, costs: TierCosts, mesh: MeshPlan, *, deadline: float, level_plans: int = 64,
                  exact_states: int = 0, exact_max_units: int = 64, exact_budget_s: float = 1.0,
                  relax: Optional[Relaxation] = None) -> UnitPlan:
     """The best unit -> node assignment found for ``mesh`` (tp = 1, no HSDP) under ``costs``.
