@@ -55,7 +55,7 @@ def search_timing(repeats: int = 5) -> dict:
                                "first_search_s": first, "search_s_median": statistics.median(times),
                                "search_s_max": max(times), "choice": best.label(),
                                "choice_pp": best.layout.pp, "choice_tp": best.layout.tp, "choice_dp": best.layout.dp,
-                               "choice_dp_shard": best.layout.shard,
+                               "choice_dp_shard": best.layout.dp_shard,
                                "tp_degrees_searched": sorted({c.layout.tp for c in result.candidates}),
                                "choice_peak_bytes": best.peak_bytes, "choice_step_s": best.step_s}
         log.warning("search %s: first %.3f s, median %.3f s, %d candidates -> %s", name, first,

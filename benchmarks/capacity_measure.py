@@ -349,10 +349,10 @@ ALL = CORE + (
 
 def compare(pool: MeasurePool, cfg: MeasureConfig, runtime=None) -> list[dict]:
     """Measure ``cfg`` and put the memory model's prediction next to each rank."""
-    from rayflex.planning.capacity.memory import Layout, ModelDescription, Runtime, estimate_memory
+    from rayflex.planning.capacity.memory import ModelDescription, Runtime, estimate_memory
 
     plan, measured = pool.measure(cfg)
-    layout = Layout.from_plan(plan)
+    layout = plan
     est = estimate_memory(ModelDescription.from_gpt(gpt_config(cfg)), layout, runtime or Runtime.cpu())
     rows = []
     for m in measured:

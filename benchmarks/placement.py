@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rayflex.mesh.plan import MeshPlan
 from rayflex.planning.capacity.memory import preset
 from rayflex.planning.capacity.search import ClusterDescription, evaluate_layout, search
-from rayflex.planning.capacity.step_time import layout_mesh, layout_profile, placed_breakdown
+from rayflex.planning.capacity.step_time import layout_profile, placed_breakdown
 from rayflex.planning.placement.planner import CommProfile, Planner, brute_force_plan, naive_plan
 from rayflex.planning.topology import NodeInfo, Topology
 
@@ -175,7 +175,7 @@ def placed(model, cluster, candidate, global_batch, plan):
 
 def layout_row(c, plan=None, **extra) -> dict:
     lay = c.layout
-    row = {"layout": c.label(), "pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "dp_shard": lay.shard,
+    row = {"layout": c.label(), "pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "dp_shard": lay.dp_shard,
            "dp_replicate": lay.dp_replicate, "schedule": lay.schedule, "stages_per_rank": lay.stages_per_rank,
            "microbatches": lay.microbatches, "micro_batch": lay.micro_batch,
            "fits": c.fits, "peak_gb_per_rank": round(c.peak_bytes / 1e9, 2),
@@ -210,7 +210,7 @@ def run_3d_case(name, path, global_batch, seeds):
     planner = Planner(cluster.topology)
 
     def placed_by_planner(c):
-        plan = planner.plan(layout_mesh(c.layout), layout_profile(model, c.layout, global_batch))
+        plan = planner.plan(c.layout, layout_profile(model, c.layout, global_batch))
         return placed(model, cluster, c, global_batch, plan), plan
 
     chosen, chosen_plan = placed_by_planner(result.best)
@@ -223,7 +223,7 @@ def run_3d_case(name, path, global_batch, seeds):
     pack = []
     for seed in range(seeds):  # Ray Train: the chosen layout, ranks in Ray's node order
         order = shuffled(base, seed)
-        plan = naive_plan(order.topology, layout_mesh(chosen.layout), layout_profile(model, chosen.layout,
+        plan = naive_plan(order.topology, chosen.layout, layout_profile(model, chosen.layout,
                                                                                      global_batch))
         pack.append(placed(model, order, chosen, global_batch, plan))
     pack_mean = statistics.mean(c.step_s for c in pack)

@@ -67,10 +67,10 @@ def measure(spec) -> dict:
 
 def modeled(spec) -> dict:
     from rayflex.mesh.plan import plan_mesh
-    from rayflex.planning.capacity.memory import Layout, Runtime, describe_model, estimate_memory
+    from rayflex.planning.capacity.memory import Runtime, describe_model, estimate_memory
 
     model = describe_model(spec.model, SEQ).for_run(spec.precision, spec.memory)
-    rank = estimate_memory(model, Layout.from_plan(plan_mesh(spec.model, spec.parallel, spec.data, 1)),
+    rank = estimate_memory(model, plan_mesh(spec.model, spec.parallel, spec.data, 1),
                            Runtime.cpu()).ranks[0]
     return {"activations_bytes": rank.activations, "backward_workspace_bytes": rank.workspace,
             "peak_bytes": rank.peak_bytes}

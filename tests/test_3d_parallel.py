@@ -177,16 +177,16 @@ def four_rank_runs(dataset_uri, tmp_path_factory):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name,mesh", [("tp2_dp2", "pp1 x dp2 x tp2"), ("pp2_tp2", "pp2 x dp1 x tp2"),
-                                       ("hsdp", "pp1 x dp4(2x2 hsdp)")])
+@pytest.mark.parametrize("name,mesh", [("tp2_dp2", "pp=1 x dp=2 x tp=2"), ("pp2_tp2", "pp=2 x dp=1 x tp=2"),
+                                       ("hsdp", "pp=1 x dp=4 (2x2 hsdp)")])
 def test_a_3d_mesh_trains_what_one_process_trains(four_rank_runs, name, mesh):
     got, reference = four_rank_runs
     for rank, runs in got.items():
         run = runs[name]
         assert run["mesh"] == mesh
         (rows, cols), local, placements = run["qkv"]
-        tp = 2 if "tp2" in mesh else 1
-        dp_shard = 2 if "hsdp" in mesh else 2 if "dp2" in mesh else 1
+        tp = 2 if "tp=2" in mesh else 1
+        dp_shard = 2 if "hsdp" in mesh else 2 if "dp=2" in mesh else 1
         assert local == (rows // (tp * dp_shard), cols), (name, run["qkv"])  # really split
         assert run["steps"] == list(range(1, STEPS + 1)), (rank, run)
         assert run["losses"] == pytest.approx(reference[STEPS]["losses"], abs=1e-5), (name, rank, run, reference)

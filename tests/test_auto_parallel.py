@@ -8,9 +8,9 @@ import os
 import pytest
 
 import rayflex as rf
-from rayflex.mesh.plan import plan_mesh
+from rayflex.mesh.plan import NO_PIPELINE, MeshPlan, plan_mesh
 from rayflex.planning.capacity.auto import resolve_parallel
-from rayflex.planning.capacity.memory import CapacityError, Layout, describe_model, estimate_memory
+from rayflex.planning.capacity.memory import CapacityError, describe_model, estimate_memory
 from rayflex.planning.capacity.search import ClusterDescription
 from rayflex.faults.policy import FailurePolicy, Restart, best_world_size, valid_world_sizes
 
@@ -96,9 +96,9 @@ def test_small_gpt_resolves_to_a_mesh_the_workers_can_build():
         assert mesh.pp * mesh.dp * mesh.tp == world and mesh.pp == r.choice.candidate.layout.pp
         assert mesh.per_rank_batch * mesh.dp == 8
         if mesh.pp == 1:  # the planner's accumulation micro-batch reaches the mesh
-            assert r.data.micro_batch == r.choice.micro_batch == mesh.micro_batch
+            assert r.data.micro_batch == r.choice.mesh.micro_batch == mesh.micro_batch
         else:
-            assert mesh.microbatches == r.choice.microbatches
+            assert mesh.microbatches == r.choice.mesh.microbatches
 
 
 def test_planner_micro_batch_reaches_the_mesh(tmp_path):
@@ -149,8 +149,8 @@ def test_70b_on_64_h100_picks_a_pipeline_that_fits_and_still_fits_after_a_shrink
     cluster = ClusterDescription.from_file(H100_8X8)
     model = describe_model(spec.model, 512)
     # data parallelism alone cannot hold it: the planner must pipeline
-    dp_only = Layout(pp=1, dp=64, schedule="none", microbatches=1, micro_batch=1, accum_steps=6,
-                     stage_blocks=(tuple(range(model.num_blocks)),))
+    dp_only = MeshPlan(1, 64, schedule=NO_PIPELINE, micro_batch=1, accum_steps=6,
+                       stage_blocks=(tuple(range(model.num_blocks)),))
     assert estimate_memory(model, dp_only, cluster.runtime).peak_bytes > cluster.usable_bytes
     policy = FailurePolicy(spec)
     tps = []
@@ -163,7 +163,7 @@ def test_70b_on_64_h100_picks_a_pipeline_that_fits_and_still_fits_after_a_shrink
         assert mesh.pp * mesh.dp * mesh.tp == usable and mesh.tp == r.parallel.tp
         # the stages the workers build are the ones the planner modeled, and they fit
         assert mesh.stage_blocks == r.choice.candidate.layout.stage_blocks
-        peak = estimate_memory(model, Layout.from_plan(mesh), cluster.runtime).peak_bytes
+        peak = estimate_memory(model, mesh, cluster.runtime).peak_bytes
         assert peak <= cluster.usable_bytes
         assert f"pp={mesh.pp} x dp={mesh.dp}" in r.explanation
         tps.append(mesh.tp)
@@ -202,7 +202,7 @@ def test_auto_ac_recomputes_where_nothing_fits_without_it():
     # what the workers will run fits, by the memory model with the rule they follow
     cluster = ClusterDescription.from_file(H100_8X8)
     described = describe_model(spec.model, 2048).for_run(memory_config=r.memory)
-    peak = estimate_memory(described, Layout.from_plan(mesh), cluster.runtime).peak_bytes
+    peak = estimate_memory(described, mesh, cluster.runtime).peak_bytes
     assert peak <= cluster.usable_bytes
     assert "Activation checkpointing (auto): " in r.explanation and "'none' does not fit this mesh" in r.explanation
 

@@ -12,8 +12,9 @@ import sys
 import pytest
 
 from rayflex.errors import PlacementError, RayflexError
+from rayflex.mesh.plan import NO_PIPELINE, MeshPlan
 from rayflex.mesh.stage_split import stage_split
-from rayflex.planning.capacity.memory import (CapacityError, Layout, ModelDescription, estimate_memory, in_flight_peak,
+from rayflex.planning.capacity.memory import (CapacityError, ModelDescription, estimate_memory, in_flight_peak,
                                        measure_activation_bytes, preset, transformer_activation_bytes_per_token)
 from rayflex.planning.capacity.search import (ClusterDescription, DeviceSpec, ac_name, ac_options, best_parallel_config,
                                              evaluate_layout, explain, search)
@@ -105,7 +106,7 @@ def test_activation_formula_matches_measured_saved_bytes():
     assert md.block_params == tuple(spec.param_counts())
     # a calibrated description (measured figures) predicts the same activations
     calibrated = ModelDescription.from_spec(spec, seq_len=32, activation_bytes_per_token=per_token)
-    lay = Layout(pp=1, dp=1, schedule="none", microbatches=1, micro_batch=2, stage_blocks=((0, 1, 2, 3),))
+    lay = MeshPlan(1, 1, schedule=NO_PIPELINE, micro_batch=2, stage_blocks=((0, 1, 2, 3),))
     a = estimate_memory(md, lay).ranks[0].activations
     b = estimate_memory(calibrated, lay).ranks[0].activations
     assert b == pytest.approx(a, rel=0.01)
@@ -206,11 +207,10 @@ def test_best_parallel_config_for_the_launcher():
     spec = gpt(GPTConfig(vocab_size=128, seq_len=32, d_model=32, n_layers=4, n_heads=2))
     cluster = ClusterDescription.local_cpu(4)
     choice = best_parallel_config(spec, cluster, world_size=4, global_batch=16, seq_len=32)
-    pp, schedule, microbatches, stages_per_rank, why = choice
-    assert pp in (1, 2, 4) and schedule in ("1f1b", "gpipe", "interleaved") and why.startswith("Chose")
-    from rayflex.config import ParallelConfig
-
-    ParallelConfig(pp=pp, schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank)
+    mesh = choice.mesh
+    assert mesh.world_size == 4 and mesh.pp in (1, 2, 4) and choice.explanation.startswith("Chose")
+    assert mesh.schedule in (("1f1b", "gpipe", "interleaved") if mesh.pp > 1 else (NO_PIPELINE,))
+    assert mesh.per_rank_batch * mesh.dp == 16 and len(mesh.stage_blocks) == mesh.num_stages
     # a shrink from 16 to 12 nodes still gets a mesh that fits
     big = ClusterDescription.uniform(nodes=16, devices_per_node=8, device=DeviceSpec.h100_80gb())
     for world in (128, 96):

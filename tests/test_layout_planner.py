@@ -15,7 +15,7 @@ import rayflex as rf
 from rayflex.errors import PlacementError
 from rayflex.mesh.plan import MeshPlan, plan_mesh
 from rayflex.planning.capacity.auto import resolve_parallel
-from rayflex.planning.capacity.memory import (Layout, estimate_memory, preset, schedule_peak, schedule_peak_linear)
+from rayflex.planning.capacity.memory import estimate_memory, preset, schedule_peak, schedule_peak_linear
 from rayflex.planning.capacity.search import ClusterDescription, DeviceSpec, group_tiers, search
 from rayflex.planning.comm_profile import comm_profile, plan_for
 from rayflex.planning.placement.planner import CommProfile, Planner, brute_force_plan, naive_plan
@@ -153,7 +153,7 @@ def test_the_search_picks_hsdp_for_the_modeled_reason():
                                          nodes_per_rack=4)
     result = search(preset("7b"), cluster, global_batch=128, tp=[8])
     best = result.best.layout
-    assert best.dp_replicate > 1 and best.shard == 4  # a rack's worth of tp groups per shard group
+    assert best.dp_replicate > 1 and best.dp_shard == 4  # a rack's worth of tp groups per shard group
     same = (best.pp, best.micro_batch, best.schedule)
     plain = next(c for c in result.candidates
                  if c.layout.dp_replicate == 1 and (c.layout.pp, c.layout.micro_batch, c.layout.schedule) == same)
@@ -177,12 +177,12 @@ def test_naive_placement_pays_for_a_split_tp_group():
 # ------------------------------------------------------------------------------ memory and search
 def test_memory_model_splits_blocks_over_tp_and_shards_over_dp_shard():
     model = preset("70b")
-    base = dict(pp=4, dp=4, schedule="1f1b", microbatches=16, micro_batch=1, stage_blocks=())
-    one, four = (estimate_memory(model, Layout(**base, tp=t)).ranks[1] for t in (1, 4))
+    base = dict(schedule="1f1b", microbatches=16, micro_batch=1)
+    one, four = (estimate_memory(model, MeshPlan(4, 4, t, **base)).ranks[1] for t in (1, 4))
     assert four.params_sharded == pytest.approx(one.params_sharded / 4, rel=0.01)
     # the residual stream and norms stay whole on every tp rank: activations shrink, but less than 4x
     assert one.activations / 4 < four.activations < one.activations / 2
-    hsdp = estimate_memory(model, Layout(**base, tp=4, dp_shard=2)).ranks[1]
+    hsdp = estimate_memory(model, MeshPlan(4, 4, 4, dp_replicate=2, **base)).ranks[1]
     assert hsdp.params_sharded == pytest.approx(2 * four.params_sharded) and hsdp.peak_bytes > four.peak_bytes
 
 
@@ -229,8 +229,8 @@ def test_resolve_parallel_returns_a_layout_plan_mesh_builds():
         assert not r.parallel.is_auto and isinstance(r.parallel.tp, int)
         mesh = plan_mesh(spec.model, r.parallel, r.data, world)
         lay = r.choice.candidate.layout
-        assert (mesh.pp, mesh.dp, mesh.tp, mesh.dp_shard) == (lay.pp, lay.dp, lay.tp, lay.shard)
-        assert r.parallel.dp_shard is None if lay.dp_replicate == 1 else r.parallel.dp_shard == lay.shard
+        assert (mesh.pp, mesh.dp, mesh.tp, mesh.dp_shard) == (lay.pp, lay.dp, lay.tp, lay.dp_shard)
+        assert r.parallel.dp_shard is None if lay.dp_replicate == 1 else r.parallel.dp_shard == lay.dp_shard
     if not has_tp:
         pytest.skip("the tiny GPT has no metadata['tp'] yet (no TP plan): tp > 1 cannot be planned for it")
     # a tp the launch chose is kept at every other size (the elastic rule), and plan_mesh builds it

@@ -13,7 +13,8 @@ import torch
 
 import rayflex as rf
 from rayflex.mesh.plan import plan_mesh
-from rayflex.planning.capacity.memory import Layout, Precision, Runtime, describe_model, estimate_memory
+from rayflex.mesh.plan import MeshPlan
+from rayflex.planning.capacity.memory import Precision, Runtime, describe_model, estimate_memory
 from rayflex.local_ray import free_ports
 from rayflex.worker.train_worker import TrainWorker
 
@@ -131,7 +132,7 @@ def test_full_checkpointing_cuts_the_measured_activation_peak_as_modeled(dataset
         measured = max(r.activation_peak_bytes for r in OneRank(spec).records)
         model = describe_model(spec.model, SEQ_LEN).for_run(precision, memory)
         plan = plan_mesh(spec.model, spec.parallel, spec.data, 1)
-        modeled = estimate_memory(model, Layout.from_plan(plan), Runtime.cpu()).ranks[0]
+        modeled = estimate_memory(model, plan, Runtime.cpu()).ranks[0]
         return measured, modeled
 
     for precision in (rf.PrecisionConfig(), BF16):
@@ -146,7 +147,7 @@ def test_full_checkpointing_cuts_the_measured_activation_peak_as_modeled(dataset
 
 def test_planner_keeps_todays_numbers_for_the_default_configs():
     model = describe_model(small_gpt(4), SEQ_LEN)
-    lay = Layout(pp=2, dp=1, schedule="1f1b", microbatches=4, micro_batch=2)
+    lay = MeshPlan(2, 1, schedule="1f1b", microbatches=4, micro_batch=2)
     assert Precision.from_config(rf.PrecisionConfig()) == Precision()
     assert Precision.from_config(BF16) == Precision.named("bf16-master")
     bf16_bf16 = Precision.from_config(rf.PrecisionConfig(param_dtype="bf16", reduce_dtype="bf16"))

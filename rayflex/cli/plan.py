@@ -176,7 +176,7 @@ def cmd_plan(args) -> int:
     print()
     best = result.best
     lay = best.layout
-    hsdp = f" (HSDP: dp_shard={lay.shard} x dp_replicate={lay.dp_replicate})" if lay.dp_replicate > 1 else ""
+    hsdp = f" (HSDP: dp_shard={lay.dp_shard} x dp_replicate={lay.dp_replicate})" if lay.dp_replicate > 1 else ""
     ac = ""
     if result.ac_searched:
         from rayflex.planning.capacity.search import ac_name
@@ -225,9 +225,9 @@ def _precision_name(model) -> str:
 
 def _placement(result):
     """The Planner's rank -> node plan for the chosen mesh (refines the search's layout)."""
-    from rayflex.planning.capacity.step_time import layout_mesh, layout_profile
+    from rayflex.planning.capacity.step_time import layout_profile
     from rayflex.planning.placement.planner import Planner
 
     lay = result.best.layout
     model = result.model_of(result.best)
-    return Planner(result.cluster.topology).plan(layout_mesh(lay), layout_profile(model, lay, result.global_batch))
+    return Planner(result.cluster.topology).plan(lay, layout_profile(model, lay, result.global_batch))

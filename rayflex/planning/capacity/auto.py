@@ -74,12 +74,14 @@ def resolve_parallel(spec: TrainSpec, world_size: int, topology: Optional["Topol
     cluster, key = _cluster(spec.parallel.cluster, topology, world_size)
     keep = launch_tp if launch_tp is not None else _launch_tp(spec, world_size, topology)
     choice = _best(spec, world_size, cluster, key, keep)
-    parallel = ParallelConfig(pp=choice.pp, schedule=choice.schedule, microbatches=choice.microbatches,
-                              stages_per_rank=choice.stages_per_rank, balance=spec.parallel.balance,
-                              cluster=spec.parallel.cluster, tp=choice.tp, dp_shard=choice.dp_shard)
-    data = spec.data
-    if choice.pp == 1 and choice.micro_batch is not None:
-        data = dataclasses.replace(spec.data, micro_batch=choice.micro_batch)
+    mesh = choice.mesh
+    pipelined = mesh.pp > 1
+    parallel = ParallelConfig(pp=mesh.pp, schedule=mesh.schedule if pipelined else "1f1b",
+                              microbatches=mesh.microbatches if pipelined else None,
+                              stages_per_rank=mesh.stages_per_rank, balance=spec.parallel.balance,
+                              cluster=spec.parallel.cluster, tp=mesh.tp,
+                              dp_shard=mesh.dp_shard if mesh.dp_replicate > 1 else None)
+    data = spec.data if pipelined else dataclasses.replace(spec.data, micro_batch=mesh.micro_batch)
     memory = spec.memory
     if memory.activation_checkpointing == "auto":
         memory = dataclasses.replace(memory, activation_checkpointing=choice.activation_checkpointing,
@@ -95,7 +97,7 @@ def _launch_tp(spec: TrainSpec, world_size: int, topology: Optional["Topology"])
         return None
     cluster, key = _cluster(spec.parallel.cluster, topology, launch)
     try:
-        return _best(spec, launch, cluster, key, None).tp
+        return _best(spec, launch, cluster, key, None).mesh.tp
     except PlacementError:  # CapacityError: the launch size does not fit what is left
         return None
 

@@ -9,15 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from rayflex.mesh.plan import MeshPlan
 from rayflex.planning.capacity.cluster import ClusterDescription
-from rayflex.planning.capacity.memory import GB, Layout, MemoryEstimate, ModelDescription
+from rayflex.planning.capacity.memory import GB, MemoryEstimate, ModelDescription
 from rayflex.planning.cost_model import CostBreakdown
 
 
 # ------------------------------------------------------------------------------ candidates
 @dataclass(frozen=True)
 class Candidate:
-    layout: Layout
+    layout: MeshPlan
     memory: MemoryEstimate
     fits: bool
     usable_bytes: float
@@ -48,10 +49,8 @@ class Candidate:
         return self.bubble_s / work if work else 0.0
 
     def mesh_label(self) -> str:
-        """``pp=2 x dp=4 x tp=8``, ``pp=1 x dp=64(2x32 hsdp) x tp=8``."""
-        lay = self.layout
-        dp = f"dp={lay.dp}" + (f"({lay.dp_replicate}x{lay.shard} hsdp)" if lay.dp_replicate > 1 else "")
-        return " x ".join([f"pp={lay.pp}", dp] + ([f"tp={lay.tp}"] if lay.tp > 1 else []))
+        """``pp=2 x dp=4 x tp=8``, ``pp=1 x dp=64 (2x32 hsdp) x tp=8``."""
+        return self.layout.describe()
 
     def label(self) -> str:
         lay = self.layout
@@ -71,7 +70,7 @@ class Candidate:
     def to_dict(self) -> dict:
         lay = self.layout
         peak = self.memory.peak_rank
-        out = {"pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "dp_shard": lay.shard, "dp_replicate": lay.dp_replicate,
+        out = {"pp": lay.pp, "dp": lay.dp, "tp": lay.tp, "dp_shard": lay.dp_shard, "dp_replicate": lay.dp_replicate,
                "schedule": lay.schedule, "stages_per_rank": lay.stages_per_rank,
                "microbatches": lay.microbatches, "micro_batch": lay.micro_batch, "accum_steps": lay.accum_steps,
                "fits": self.fits, "peak_bytes": self.peak_bytes, "usable_bytes": self.usable_bytes,
@@ -132,7 +131,7 @@ class SearchResult:
         seen, out = set(), []
         for c in self.candidates:
             lay = c.layout
-            key = (lay.pp, lay.tp, lay.shard, lay.schedule, lay.stages_per_rank)
+            key = (lay.pp, lay.tp, lay.dp_shard, lay.schedule, lay.stages_per_rank)
             if key not in seen:
                 seen.add(key)
                 out.append(c)

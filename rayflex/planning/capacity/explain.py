@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from rayflex.planning.capacity.memory import fmt_bytes
-from rayflex.planning.capacity.step_time import layout_mesh, layout_profile, rank_compute_params, rank_tp_allreduces
+from rayflex.planning.capacity.step_time import layout_profile, rank_compute_params, rank_tp_allreduces
 from rayflex.planning.topology import LinkTier
 
 from rayflex.planning.capacity.candidates import Candidate, SearchResult, ac_name
@@ -57,12 +57,12 @@ def summary(result: "SearchResult") -> str:
 def _choice(result: "SearchResult") -> str:
     best, model = result.best, result.model
     lay = best.layout
-    mesh = layout_mesh(lay).describe()
+    mesh = lay.describe()
     split = []
     if lay.tp > 1:
         split.append(f"every block split over {lay.tp} tensor-parallel ranks inside a node")
     if lay.dp_replicate > 1:
-        split.append(f"HSDP: FSDP shard groups of {lay.shard} ranks, {lay.dp_replicate} replicas all-reducing "
+        split.append(f"HSDP: FSDP shard groups of {lay.dp_shard} ranks, {lay.dp_replicate} replicas all-reducing "
                      f"their gradient shards")
     extra = "; ".join(split)
     if lay.pp == 1:
@@ -84,8 +84,8 @@ def _memory(result: "SearchResult") -> str:
     held = []
     if lay.tp > 1:
         held.append(f"1/{lay.tp} of every block (tensor parallelism)")
-    held.append(f"1/{lay.shard} of its stage's parameter, gradient and optimizer state"
-                + (f" (HSDP shards over {lay.shard}, not dp={lay.dp})" if lay.dp_replicate > 1 else ""))
+    held.append(f"1/{lay.dp_shard} of its stage's parameter, gradient and optimizer state"
+                + (f" (HSDP shards over {lay.dp_shard}, not dp={lay.dp})" if lay.dp_replicate > 1 else ""))
     return (f"Memory: a rank holds {' and '.join(held)}; the fullest is pp rank {r.pp_index} "
             f"({r.phase.replace('_', '/')}) at {fmt_bytes(r.peak_bytes)} of {fmt_bytes(best.usable_bytes)} usable "
             f"({fmt_bytes(dev.memory_bytes)} minus {result.cluster.memory_margin:.0%}): {r.breakdown()}"
@@ -179,8 +179,8 @@ def _tiers(c: "Candidate") -> str:
     parts = []
     if lay.tp > 1:
         parts.append(f"tp groups of {lay.tp} on one node ({LinkTier(max(ev.tp_levels)).name})")
-    if lay.shard > 1:
-        parts.append(f"FSDP {'shard ' if lay.dp_replicate > 1 else ''}groups of {lay.shard} ranks: worst "
+    if lay.dp_shard > 1:
+        parts.append(f"FSDP {'shard ' if lay.dp_replicate > 1 else ''}groups of {lay.dp_shard} ranks: worst "
                      f"{LinkTier(max(ev.row_levels)).name}")
     if lay.dp_replicate > 1:
         parts.append(f"HSDP replicate groups of {lay.dp_replicate}: worst {LinkTier(max(ev.replica_levels)).name}")
@@ -234,10 +234,10 @@ def _by_shard(result: "SearchResult") -> list[str]:
     if not alts:
         return []
     lines = [f"FSDP shard groups at this mesh ({'HSDP' if lay.dp_replicate > 1 else 'plain FSDP'} chosen):"]
-    for c in [best] + sorted(alts, key=lambda c: -c.layout.shard):
+    for c in [best] + sorted(alts, key=lambda c: -c.layout.dp_shard):
         o = c.layout
         name = (f"plain FSDP over dp={o.dp}" if o.dp_replicate == 1 else
-                f"HSDP {o.dp_replicate} x {o.shard}") + c.ac_label()
+                f"HSDP {o.dp_replicate} x {o.dp_shard}") + c.ac_label()
         tiers = ""
         if c.comm is not None:
             tiers = f" (shard groups {LinkTier(max(c.comm.row_levels)).name}" + (

@@ -21,7 +21,8 @@ from typing import Iterable, Optional, Sequence
 
 from rayflex.mesh import rules
 from rayflex.mesh.stage_split import stage_split
-from rayflex.planning.capacity.memory import Layout, ModelDescription
+from rayflex.mesh.plan import NO_PIPELINE, MeshPlan
+from rayflex.planning.capacity.memory import ModelDescription
 from rayflex.planning.cost_model import NodeTree
 from rayflex.planning.topology import Topology
 
@@ -84,7 +85,7 @@ def enumerate_layouts(model: ModelDescription, world: int, global_batch: int, *,
                       schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved"), max_stages_per_rank: int = 4,
                       max_microbatches: int = 0, tp_options: Sequence[int] = (1,),
                       tiers: Sequence[tuple[str, int]] | dict = ()):
-    """Every mesh rayflex can run for this world size and batch; yields Layouts and
+    """Every mesh rayflex can run for this world size and batch; yields MeshPlans and
     ``("skip", what, why)`` for meshes it cannot. ``tp_options``: the tp degrees (from
     :func:`tp_degrees`); ``tiers``: tp -> :func:`tier_units` (or one list for every tp; empty:
     plain FSDP only). Which meshes are runnable, and their batch arithmetic, is
@@ -111,8 +112,9 @@ def _layouts_at_tp(model, world, global_batch, n, tp, tiers, schedules, max_stag
             for micro in rules.divisors(per_rank):
                 split = rules.split_batch(world, rules.MeshLayout(pp=1, tp=tp), global_batch, micro_batch=micro)
                 for shard in shards:
-                    yield Layout(pp=1, dp=dp, schedule="none", microbatches=1, micro_batch=split.micro_batch,
-                                 accum_steps=split.accum_steps, stage_blocks=split_blocks, tp=tp, dp_shard=shard)
+                    yield MeshPlan(1, dp, tp, dp // shard, schedule=NO_PIPELINE, stage_blocks=split_blocks,
+                                   per_rank_batch=per_rank, micro_batch=split.micro_batch,
+                                   accum_steps=split.accum_steps)
             continue
         shapes = [(s, 1) for s in schedules if s in ("gpipe", "1f1b")]
         if rules.INTERLEAVED in schedules:
@@ -133,9 +135,9 @@ def _layouts_at_tp(model, world, global_batch, n, tp, tiers, schedules, max_stag
                 pipe = rules.MeshLayout(pp=pp, schedule=schedule, stages_per_rank=v, microbatches=m, tp=tp)
                 batch = rules.split_batch(world, pipe, global_batch, num_blocks=n)
                 for shard in shards:
-                    yield Layout(pp=pp, dp=dp, schedule=schedule, microbatches=batch.microbatches,
-                                 micro_batch=batch.micro_batch, stages_per_rank=v, stage_blocks=split_blocks,
-                                 tp=tp, dp_shard=shard)
+                    yield MeshPlan(pp, dp, tp, dp // shard, schedule=schedule, stages_per_rank=v,
+                                   stage_blocks=split_blocks, per_rank_batch=per_rank,
+                                   microbatches=batch.microbatches, micro_batch=batch.micro_batch)
         if not fed:
             yield ("skip", f"pp={pp} x dp={dp}{tp_word}", f"per-rank batch {per_rank} cannot feed {pp} stages "
                    f"(microbatches must be >= pp and divide it)")

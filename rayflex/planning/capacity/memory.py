@@ -72,6 +72,7 @@ from functools import cached_property
 from typing import Iterable, Optional, Sequence
 
 from rayflex.errors import ConfigError, PlacementError
+from rayflex.mesh.plan import MeshPlan
 from rayflex.mesh.stage_split import stage_split
 from rayflex.planning.capacity.schedules import (in_flight_peak, schedule_ops, schedule_peak,  # noqa: F401
                                                  schedule_peak_linear)
@@ -652,59 +653,6 @@ class Runtime:
         return cls(overhead_bytes=overhead_bytes, foreach_optimizer=False)
 
 
-# ------------------------------------------------------------------------------ the mesh
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    """A candidate mesh: what the memory model needs (the subset of ``MeshPlan`` it reads)."""
-
-    pp: int
-    dp: int
-    schedule: str  # "none" (pp == 1) | gpipe | 1f1b | interleaved
-    microbatches: int  # pipeline microbatches (1 when pp == 1)
-    micro_batch: int  # samples per microbatch / accumulation pass
-    accum_steps: int = 1  # pp == 1 only
-    stages_per_rank: int = 1
-    stage_blocks: tuple = ()
-    tp: int = 1
-    # FSDP shard-group size; 0 (or dp) shards over every dp rank, a divisor of dp < dp is HSDP
-    dp_shard: int = 0
-
-    def __post_init__(self) -> None:
-        if self.dp_shard == self.dp:
-            object.__setattr__(self, "dp_shard", 0)  # one spelling of plain FSDP
-        if self.dp_shard and self.dp % self.dp_shard:
-            raise ConfigError("Layout.dp_shard", f"{self.dp_shard} does not divide dp={self.dp}",
-                              "use a divisor of dp, or 0 for plain FSDP")
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
-
-    @property
-    def shard(self) -> int:
-        """Ranks a stage's state is sharded over (dp without HSDP)."""
-        return self.dp_shard or self.dp
-
-    @property
-    def dp_replicate(self) -> int:
-        return self.dp // self.shard
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.stages_per_rank
-
-    def local_stages(self, pp_index: int) -> list[int]:
-        return [pp_index + k * self.pp for k in range(self.stages_per_rank)]
-
-    @classmethod
-    def from_plan(cls, plan) -> "Layout":
-        """From a :class:`rayflex.mesh.plan.MeshPlan`."""
-        return cls(pp=plan.pp, dp=plan.dp, schedule=plan.schedule if plan.pp > 1 else "none",
-                   microbatches=plan.microbatches, micro_batch=plan.micro_batch, accum_steps=plan.accum_steps,
-                   stages_per_rank=plan.stages_per_rank, stage_blocks=tuple(tuple(s) for s in plan.stage_blocks),
-                   tp=getattr(plan, "tp", 1), dp_shard=getattr(plan, "dp_shard", plan.dp))
-
-
 @dataclass(frozen=True)
 class RankMemory:
     """Bytes one pp rank (any of its dp replicas) holds at its peak, by term."""
@@ -746,7 +694,7 @@ class RankMemory:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    layout: Layout
+    layout: MeshPlan
     ranks: tuple  # RankMemory per pp index
 
     @property
@@ -771,14 +719,14 @@ def fmt_bytes(b: float) -> str:
 
 
 # ------------------------------------------------------------------------------ estimate
-def estimate_memory(model: ModelDescription, layout: Layout, runtime: Runtime | None = None) -> MemoryEstimate:
+def estimate_memory(model: ModelDescription, layout: MeshPlan, runtime: Runtime | None = None) -> MemoryEstimate:
     """Peak bytes of every pp rank of ``layout`` (dp and tp ranks of a stage hold the same)."""
     runtime = runtime or Runtime()
     # stages are cut on the whole model's parameter counts, as the workers cut them
     stage_blocks = layout.stage_blocks or stage_split(model.block_params, layout.num_stages)
     model = model.split_over_tp(layout.tp)
     if len(stage_blocks) != layout.num_stages:
-        raise ConfigError("Layout.stage_blocks", f"{len(stage_blocks)} stages for pp={layout.pp} x "
+        raise ConfigError("MeshPlan.stage_blocks", f"{len(stage_blocks)} stages for pp={layout.pp} x "
                           f"stages_per_rank={layout.stages_per_rank}", "give one block list per stage")
     if layout.pp == 1:
         return MemoryEstimate(layout, (_rank_memory_fsdp(model, layout, runtime),))
@@ -786,7 +734,7 @@ def estimate_memory(model: ModelDescription, layout: Layout, runtime: Runtime | 
     return MemoryEstimate(layout, ranks)
 
 
-def rank_exceeds(model: ModelDescription, layout: Layout, pp_index: int, limit: float,
+def rank_exceeds(model: ModelDescription, layout: MeshPlan, pp_index: int, limit: float,
                  runtime: Runtime | None = None) -> bool:
     """Whether pp rank ``pp_index`` of ``layout`` peaks above ``limit``: one rank of
     :func:`estimate_memory` (the capacity search asks it of the rank most likely to break
@@ -810,9 +758,9 @@ def _optimizer_temp(model: ModelDescription, params: float, largest: float, dp: 
     return (params if runtime.foreach_optimizer else largest) / dp * b
 
 
-def _rank_memory_fsdp(model: ModelDescription, layout: Layout, runtime: Runtime) -> RankMemory:
+def _rank_memory_fsdp(model: ModelDescription, layout: MeshPlan, runtime: Runtime) -> RankMemory:
     """pp == 1: FSDP over the whole model, accumulation passes one after another."""
-    p, dp = model.precision, layout.shard
+    p, dp = model.precision, layout.dp_shard
     total = model.total_params
     largest = max(model.block_params)
     params_sh, opt, grads_sh = _state_bytes(model, total, dp)
@@ -867,7 +815,7 @@ _WALKS: dict = {}  # (id(model), ...) -> (model, _Walk); the model is kept so it
 _WALKS_SIZE = 8192
 
 
-def _pipeline_walk(model: ModelDescription, layout: Layout, stage_blocks, pp_index: int, runtime: Runtime) -> _Walk:
+def _pipeline_walk(model: ModelDescription, layout: MeshPlan, stage_blocks, pp_index: int, runtime: Runtime) -> _Walk:
     blocks = stage_blocks if isinstance(stage_blocks, tuple) else tuple(tuple(b) for b in stage_blocks)
     key = (id(model), layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank, layout.micro_batch,
            blocks, pp_index, runtime)
@@ -881,7 +829,7 @@ def _pipeline_walk(model: ModelDescription, layout: Layout, stage_blocks, pp_ind
     return walk
 
 
-def _walk(model: ModelDescription, layout: Layout, stage_blocks, pp_index: int, runtime: Runtime) -> _Walk:
+def _walk(model: ModelDescription, layout: MeshPlan, stage_blocks, pp_index: int, runtime: Runtime) -> _Walk:
     p, m, v = model.precision, layout.microbatches, layout.stages_per_rank
     e, h = p.param_bytes, model.hidden_size
     tokens = layout.micro_batch * model.seq_len
@@ -946,10 +894,10 @@ def _chunk_terms(model: ModelDescription, indices: tuple, tokens: int, micro_bat
     return terms
 
 
-def _rank_memory_pipeline(model: ModelDescription, layout: Layout, stage_blocks, pp_index: int,
+def _rank_memory_pipeline(model: ModelDescription, layout: MeshPlan, stage_blocks, pp_index: int,
                           runtime: Runtime) -> RankMemory:
     w = _pipeline_walk(model, layout, stage_blocks, pp_index, runtime)
-    dp, e = layout.shard, model.precision.param_bytes
+    dp, e = layout.dp_shard, model.precision.param_bytes
     stage_params = sum(w.chunk_params)
     params_sh, opt, grads_sh = _state_bytes(model, stage_params, dp)
     gathered = stage_params * e

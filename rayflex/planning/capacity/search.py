@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
 from rayflex.errors import ConfigError
+from rayflex.mesh.plan import MeshPlan
 from rayflex.planning.capacity.cluster import ClusterDescription, DeviceSpec
 from rayflex.planning.capacity.candidates import Candidate, SearchResult, ac_name, group_tiers
 from rayflex.planning.capacity.explain import explain
 from rayflex.planning.capacity.layouts import enumerate_layouts, tier_units, tp_degrees
-from rayflex.planning.capacity.memory import (CapacityError, Layout, ModelDescription, Runtime,
+from rayflex.planning.capacity.memory import (CapacityError, ModelDescription, Runtime,
                                               describe_model, estimate_memory, fmt_bytes, rank_exceeds)
 from rayflex.planning.capacity.step_time import CommModel, rank_params, step_time
 from rayflex.planning.cost_model import CostBreakdown
@@ -47,7 +48,7 @@ SCHEDULE_ORDER = ("none", "1f1b", "interleaved", "gpipe")
 _rank_params = rank_params  # the name `rayflex plan` used
 
 
-def evaluate_layout(model: ModelDescription, cluster: ClusterDescription, layout: Layout, global_batch: int,
+def evaluate_layout(model: ModelDescription, cluster: ClusterDescription, layout: MeshPlan, global_batch: int,
                     comm: CostBreakdown, ac=None) -> Candidate:
     """A layout's memory and modeled step time with its communication priced as ``comm``
     (the search's canonical placement, or a Plan's: ``step_time.placed_breakdown``).
@@ -126,7 +127,7 @@ def search(model: ModelDescription, cluster: ClusterDescription, *, global_batch
     return result
 
 
-def _evaluate_options(cluster: ClusterDescription, layout: Layout, global_batch: int, variants) -> Candidate:
+def _evaluate_options(cluster: ClusterDescription, layout: MeshPlan, global_batch: int, variants) -> Candidate:
     """The layout's candidate: with one variant, it; with AC options (least recomputation
     first), the first that fits (recomputation only adds time), else the last (it only saves
     memory: the smallest peak). A layout whose memory without recomputation is already over
@@ -189,27 +190,16 @@ def _nothing_fits(result: SearchResult) -> str:
 # ------------------------------------------------------------------------------ for the launcher
 @dataclass(frozen=True)
 class ParallelChoice:
-    """What ``ParallelConfig(layout="auto")`` needs; unpacks as
-    ``(pp, schedule, microbatches, stages_per_rank, explanation)``. ``micro_batch`` is the
-    accumulation micro-batch for pp == 1 (``DataConfig.micro_batch``); ``dp_shard`` is None
-    for plain FSDP (shard over every dp rank). ``activation_checkpointing`` / ``ac_every``: the
-    mode the run applies: the planner's pick when the run's MemoryConfig said "auto", else
-    the run's own ("none" without a MemoryConfig)."""
+    """What ``ParallelConfig(layout="auto")`` needs: the chosen ``mesh`` (its degrees, schedule,
+    microbatches or accumulation micro-batch), why, and the activation checkpointing the run
+    applies (``activation_checkpointing`` / ``ac_every``: the planner's pick when the run's
+    MemoryConfig said "auto", else the run's own; "none" without a MemoryConfig)."""
 
-    pp: int
-    schedule: str
-    microbatches: Optional[int]
-    stages_per_rank: int
+    mesh: MeshPlan
     explanation: str
-    micro_batch: Optional[int] = None
     candidate: Optional[Candidate] = None
-    tp: int = 1
-    dp_shard: Optional[int] = None
     activation_checkpointing: str = "none"
     ac_every: int = 2
-
-    def __iter__(self):
-        return iter((self.pp, self.schedule, self.microbatches, self.stages_per_rank, self.explanation))
 
 
 def as_cluster(cluster) -> ClusterDescription:
@@ -244,16 +234,10 @@ def best_parallel_config(model_spec_or_description, cluster, world_size: int, gl
         search_kwargs.setdefault("activation_checkpointing", ac_options(memory_config))
     result = search(model, cluster, global_batch=global_batch, world_size=world_size, **search_kwargs)
     best = result.best
-    lay = best.layout
-    shard = lay.shard if lay.dp_replicate > 1 else None
     if best.activation_checkpointing is not None:
         ac = dict(activation_checkpointing=best.activation_checkpointing, ac_every=best.ac_every)
     elif memory_config is not None:
         ac = dict(activation_checkpointing=memory_config.activation_checkpointing, ac_every=memory_config.ac_every)
     else:
         ac = {}
-    if lay.pp == 1:
-        return ParallelChoice(1, "1f1b", None, 1, result.explanation, micro_batch=lay.micro_batch, candidate=best,
-                              tp=lay.tp, dp_shard=shard, **ac)
-    return ParallelChoice(lay.pp, lay.schedule, lay.microbatches, lay.stages_per_rank, result.explanation,
-                          candidate=best, tp=lay.tp, dp_shard=shard, **ac)
+    return ParallelChoice(best.layout, result.explanation, candidate=best, **ac)

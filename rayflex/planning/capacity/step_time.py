@@ -36,21 +36,21 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from rayflex.mesh.plan import MeshPlan
-from rayflex.planning.capacity.memory import CapacityError, Layout, ModelDescription
+from rayflex.planning.capacity.memory import CapacityError, ModelDescription
 from rayflex.planning.comm_profile import block_tp_allreduces, layout_comm_profile
 from rayflex.planning.cost_model import (CommProfile, CostBreakdown, GroupLevels, NodeTree, TierCosts,
                                          canonical_unit_orders, modeled_comm, price, unit_levels)
 from rayflex.planning.topology import Topology
 
 
-def rank_params(model: ModelDescription, layout: Layout) -> list[float]:
+def rank_params(model: ModelDescription, layout: MeshPlan) -> list[float]:
     """Parameters one rank of each pp rank holds (all its virtual stages, its tp shard)."""
     params = model.split_over_tp(layout.tp).block_params
     per_stage = [sum(params[i] for i in blocks) for blocks in layout.stage_blocks]
     return [sum(per_stage[s] for s in layout.local_stages(i)) for i in range(layout.pp)]
 
 
-def rank_recomputed_params(model: ModelDescription, layout: Layout) -> list[float]:
+def rank_recomputed_params(model: ModelDescription, layout: MeshPlan) -> list[float]:
     """Parameters of the blocks each pp rank recomputes in backward (its tp shard), the
     embedding left out (a lookup: no matmul to replay); zeros without checkpointing."""
     if not any(model.recompute_mask):
@@ -62,14 +62,14 @@ def rank_recomputed_params(model: ModelDescription, layout: Layout) -> list[floa
     return [sum(per_stage[s] for s in layout.local_stages(i)) for i in range(layout.pp)]
 
 
-def rank_compute_params(model: ModelDescription, layout: Layout) -> tuple[float, float]:
+def rank_compute_params(model: ModelDescription, layout: MeshPlan) -> tuple[float, float]:
     """``(P, R)`` of the busiest pp rank: the parameters it runs and those it recomputes,
     the rank with the most ``6 * P + 2 * R`` (the FLOPs per token it pays)."""
     pairs = zip(rank_params(model, layout), rank_recomputed_params(model, layout))
     return max(pairs, key=lambda pr: 6 * pr[0] + 2 * pr[1])
 
 
-def rank_tp_allreduces(model: ModelDescription, layout: Layout) -> list[float]:
+def rank_tp_allreduces(model: ModelDescription, layout: MeshPlan) -> list[float]:
     """Hidden-state all-reduces (equivalents) per microbatch each pp rank's tp group runs
     (0 without tp)."""
     if layout.tp == 1:
@@ -80,16 +80,12 @@ def rank_tp_allreduces(model: ModelDescription, layout: Layout) -> list[float]:
     return [sum(per_stage[s] for s in layout.local_stages(i)) for i in range(layout.pp)]
 
 
-def layout_profile(model: ModelDescription, layout: Layout, global_batch: int) -> CommProfile:
+def layout_profile(model: ModelDescription, layout: MeshPlan, global_batch: int) -> CommProfile:
     """The CommProfile of a candidate (per step), as ``rayflex plan`` places it."""
     return layout_comm_profile(rank_params(model, layout), model.precision.param_bytes,
                                global_batch // layout.dp * model.seq_len, model.hidden_size,
                                layout.stages_per_rank, layout.accum_steps,
                                tp_allreduces=rank_tp_allreduces(model, layout) if layout.tp > 1 else ())
-
-
-def layout_mesh(layout: Layout) -> MeshPlan:
-    return MeshPlan(layout.pp, layout.dp, layout.tp, layout.dp_replicate)
 
 
 class CommModel:
@@ -123,8 +119,8 @@ class CommModel:
         other.shared = self.shared
         return other
 
-    def breakdown(self, layout: Layout) -> CostBreakdown:
-        key = (layout.pp, layout.stages_per_rank, layout.accum_steps, layout.tp, layout.shard)
+    def breakdown(self, layout: MeshPlan) -> CostBreakdown:
+        key = (layout.pp, layout.stages_per_rank, layout.accum_steps, layout.tp, layout.dp_shard)
         shared = self.shared
         if layout.tp == 1 and shared is not None:  # no TP all-reduces: recomputation moves no bytes
             if key not in shared:
@@ -134,10 +130,9 @@ class CommModel:
             self.cache[key] = self._price(layout)
         return self.cache[key]
 
-    def _price(self, layout: Layout) -> CostBreakdown:
-        mesh = layout_mesh(layout)
-        costs = TierCosts(mesh, layout_profile(self.model, layout, self.global_batch), self.bandwidths)
-        return min((price(costs, lv) for lv in self._levels(mesh)), key=lambda ev: ev.total)
+    def _price(self, layout: MeshPlan) -> CostBreakdown:
+        costs = TierCosts(layout, layout_profile(self.model, layout, self.global_batch), self.bandwidths)
+        return min((price(costs, lv) for lv in self._levels(layout)), key=lambda ev: ev.total)
 
     def _levels(self, mesh: MeshPlan) -> list[GroupLevels]:
         key = (mesh.pp, mesh.tp, mesh.dp_shard)
@@ -149,10 +144,10 @@ class CommModel:
         return self.levels[key]
 
 
-def placed_breakdown(model: ModelDescription, layout: Layout, global_batch: int, topology: Topology,
+def placed_breakdown(model: ModelDescription, layout: MeshPlan, global_batch: int, topology: Topology,
                      rank_to_node: Sequence[str]) -> CostBreakdown:
     """The modeled communication of a candidate at an explicit placement (a Plan's)."""
-    return modeled_comm(topology, layout_mesh(layout), layout_profile(model, layout, global_batch), rank_to_node)
+    return modeled_comm(topology, layout, layout_profile(model, layout, global_batch), rank_to_node)
 
 
 @dataclass(frozen=True)
@@ -167,7 +162,7 @@ class StepTime:
         return self.compute_s + self.tp_s + self.bubble_s + self.comm_s
 
 
-def step_time(model: ModelDescription, layout: Layout, flops: float, mfu: float, global_batch: int,
+def step_time(model: ModelDescription, layout: MeshPlan, flops: float, mfu: float, global_batch: int,
               comm: Optional[CostBreakdown]) -> StepTime:
     """The step's modeled seconds, term by term (module docstring)."""
     tokens_rank = global_batch // layout.dp * model.seq_len
