@@ -219,13 +219,13 @@ class ParallelConfig:
             return None
         return self.pp * self.stages_per_rank
 
-    @property
-    def mesh_layout(self) -> Optional[rules.MeshLayout]:
-        """The layout as ``rayflex.mesh.rules`` takes it; None with layout='auto'."""
+    def mesh_request(self) -> Optional[dict]:
+        """The layout asked for, as the keywords ``rayflex.mesh.rules.split_batch`` takes;
+        None with layout='auto'."""
         if self.is_auto:
             return None
-        return rules.MeshLayout(pp=self.pp, schedule=self.schedule, stages_per_rank=self.stages_per_rank,
-                                microbatches=self.microbatches, tp=self.tp, dp_shard=self.dp_shard)
+        return dict(pp=self.pp, schedule=self.schedule, stages_per_rank=self.stages_per_rank,
+                    microbatches=self.microbatches, tp=self.tp, dp_shard=self.dp_shard)
 
 
 def _mixture_sources(sources: Any, uri: str) -> tuple:
@@ -709,8 +709,8 @@ def validate_together(*, scaling: ScalingConfig, parallel: ParallelConfig, data:
     # The launch size must run as a whole; the minimum must at least be whole pipelines.
     for size, what in ((scaling.num_workers, "num_workers"), (scaling.min_size, "min_workers")):
         rules.check_world_size(size, parallel.pp, what=what, tp=parallel.tp, dp_shard=parallel.dp_shard)
-    rules.split_batch(scaling.num_workers, parallel.mesh_layout, data.global_batch, micro_batch=data.micro_batch,
-                      num_blocks=num_blocks, what="num_workers")
+    rules.split_batch(scaling.num_workers, data.global_batch, micro_batch=data.micro_batch, num_blocks=num_blocks,
+                      what="num_workers", **parallel.mesh_request())
 
 
 def check_float8(precision: PrecisionConfig, scaling: ScalingConfig, parallel: ParallelConfig) -> None:

@@ -193,3 +193,27 @@ def test_no_state_handler_imports_another():
     handlers = {fn.__module__ for fn in HANDLERS.values()}
     crossing = sorted(f"{m} -> {t}" for m in handlers for t in imports_of(m) & handlers)
     assert len(handlers) == len(HANDLERS) and not crossing, crossing
+
+
+# A class describes a mesh's degrees when it declares any of these as fields.
+DEGREES = {"pp", "dp", "tp", "dp_shard", "dp_replicate"}
+# The one mesh type, and the classes that may hold degrees without being a mesh: the user's
+# request (ParallelConfig), a rank's coordinates in a mesh, and the event that records the
+# chosen mesh flat for the readers of events.jsonl.
+MAY_DECLARE_DEGREES = {"rayflex.mesh.plan.MeshPlan", "rayflex.config.ParallelConfig", "rayflex.mesh.plan.MeshCoords",
+                       "rayflex.telemetry.events.PlanChosen"}
+
+
+def test_one_mesh_type():
+    """Config, planners, capacity model, controller and workers share ``MeshPlan``: no other
+    class spells a mesh's pp/dp/tp degrees (the planners' shapes, capacity's candidate
+    layouts, the rules' request and batch split once did)."""
+    declaring = set()
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                fields = {st.target.id for st in node.body
+                          if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)}
+                if fields & DEGREES:
+                    declaring.add(f"{module}.{node.name}")
+    assert declaring == MAY_DECLARE_DEGREES, sorted(declaring ^ MAY_DECLARE_DEGREES)

@@ -83,7 +83,7 @@ def _matches(layout, spec):
         per_rank = d.global_batch // layout.dp
         return layout.micro_batch == (d.micro_batch or per_rank)
     return ((layout.schedule, layout.stages_per_rank, layout.microbatches)
-            == (p.schedule, p.stages_per_rank, p.mesh_layout.num_microbatches))
+            == (p.schedule, p.stages_per_rank, p.microbatches or p.num_stages))
 
 
 def _sizes_by_search(spec):
@@ -223,11 +223,11 @@ def test_a_pipeline_ignores_the_accumulation_micro_batch():
 
 # ------------------------------------------------------------------------------ arithmetic
 def test_split_batch_keeps_the_global_batch():
-    split = rules.split_batch(4, rules.MeshLayout(), 24, micro_batch=3)
-    assert (split.dp, split.per_rank_batch, split.microbatches, split.micro_batch, split.accum_steps) == (4, 6, 1, 3, 2)
-    split = rules.split_batch(4, rules.MeshLayout(pp=2, microbatches=4), 24)
-    assert (split.dp, split.per_rank_batch, split.microbatches, split.micro_batch, split.accum_steps) == (2, 12, 4, 3, 1)
-    split = rules.split_batch(4, rules.MeshLayout(pp=2, schedule="interleaved", stages_per_rank=2), 24)
+    split = rules.split_batch(4, 24, micro_batch=3)
+    assert (split.per_rank_batch, split.microbatches, split.micro_batch, split.accum_steps) == (6, 1, 3, 2)
+    split = rules.split_batch(4, 24, pp=2, microbatches=4)
+    assert (split.per_rank_batch, split.microbatches, split.micro_batch, split.accum_steps) == (12, 4, 3, 1)
+    split = rules.split_batch(4, 24, pp=2, schedule="interleaved", stages_per_rank=2)
     assert (split.microbatches, split.micro_batch) == (4, 3)  # one microbatch per virtual stage
 
 

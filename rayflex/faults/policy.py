@@ -48,7 +48,7 @@ def valid_world_sizes(spec: TrainSpec) -> list[int]:
     splits into (``rules.pp_options``, ``rules.tp_options_of``);
     whether that mesh fits in memory is decided when the restart re-plans (CapacityError).
     """
-    return rules.valid_world_sizes(spec.parallel.mesh_layout, spec.data.global_batch,
+    return rules.valid_world_sizes(spec.parallel.mesh_request(), spec.data.global_batch,
                                    min_size=spec.scaling.min_size, max_size=spec.scaling.max_size,
                                    micro_batch=spec.data.micro_batch, num_blocks=spec.model.num_blocks,
                                    tp_options=rules.tp_options_of(getattr(spec.model, "metadata", None)))

@@ -187,8 +187,9 @@ def plan_mesh(spec: ModelSpec, parallel: ParallelConfig, data: DataConfig, world
                           "pass rayflex.planning.capacity.auto.resolve_parallel(spec, world_size).parallel "
                           "(and its .data)")
     check_tp(spec.metadata, parallel.tp, model=spec.name)
-    split = split_batch(world_size, parallel.mesh_layout, data.global_batch, micro_batch=data.micro_batch,
-                        num_blocks=spec.num_blocks)
+    split = split_batch(world_size, data.global_batch, micro_batch=data.micro_batch, num_blocks=spec.num_blocks,
+                        **parallel.mesh_request())
+    dp = world_size // (parallel.pp * parallel.tp)
     if parallel.balance == "uniform":
         costs = [1.0] * spec.num_blocks
     elif block_costs is not None:
@@ -197,7 +198,7 @@ def plan_mesh(spec: ModelSpec, parallel: ParallelConfig, data: DataConfig, world
         costs = [float(c) for c in spec.param_counts()]
     stages = balanced_split(costs, parallel.num_stages)
     stage_costs = tuple(sum(costs[i] for i in blocks) for blocks in stages)
-    return MeshPlan(split.pp, split.dp, split.tp, split.dp_replicate, schedule=parallel.schedule,
+    return MeshPlan(parallel.pp, dp, parallel.tp, dp // (parallel.dp_shard or dp), schedule=parallel.schedule,
                     stages_per_rank=parallel.stages_per_rank,
                     stage_blocks=tuple(tuple(b) for b in stages), per_rank_batch=split.per_rank_batch,
                     microbatches=split.microbatches, micro_batch=split.micro_batch, accum_steps=split.accum_steps,

@@ -29,59 +29,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 from rayflex.errors import ConfigError
 
 INTERLEAVED = "interleaved"
 
 
-@dataclass(frozen=True, kw_only=True)
-class MeshLayout:
-    """The layout a mesh runs, as plain values (``ParallelConfig.mesh_layout`` makes one):
-    the pipeline, the tensor-parallel degree and the FSDP shard-group size.
-
-    ``microbatches=None`` means one per stage, the fewest the schedule allows.
-    ``dp_shard=None`` shards over every dp rank (plain FSDP); a value smaller than dp
-    replicates over ``dp // dp_shard`` shard groups (HSDP).
-    """
-
-    pp: int = 1
-    schedule: str = "1f1b"
-    stages_per_rank: int = 1
-    microbatches: Optional[int] = None
-    tp: int = 1
-    dp_shard: Optional[int] = None
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.stages_per_rank
-
-    @property
-    def num_microbatches(self) -> int:
-        """Pipeline microbatches per step (1 without a pipeline)."""
-        if self.pp == 1:
-            return 1
-        return self.microbatches or self.num_stages
-
-
 @dataclass(frozen=True)
-class BatchSplit:
-    """How one step's global batch is cut on a mesh."""
+class BatchCut:
+    """How one step's global batch is cut on a mesh (its degrees are the request's)."""
 
-    world_size: int
-    pp: int
-    dp: int
     per_rank_batch: int  # global_batch // dp
     microbatches: int  # pipeline microbatches (1 when pp == 1)
     micro_batch: int  # samples per forward pass
     accum_steps: int  # accumulation passes (pp == 1; a pipeline accumulates itself)
-    tp: int = 1
-    dp_shard: int = 0  # FSDP shard-group size (dp when the layout's dp_shard is None)
-
-    @property
-    def dp_replicate(self) -> int:
-        return self.dp // self.dp_shard
 
 
 def divisors(n: int) -> list[int]:
@@ -187,49 +149,52 @@ def check_microbatches(pp: int, microbatches: int, schedule: str) -> None:
         raise problem
 
 
-def mesh_problem(world_size: int, layout: MeshLayout, global_batch: int, *, micro_batch: Optional[int] = None,
-                 num_blocks: Optional[int] = None, what: str = "world_size") -> Optional[ConfigError]:
-    """The first rule ``world_size`` ranks running ``layout`` break, or None.
+def mesh_problem(world_size: int, global_batch: int, *, micro_batch: Optional[int] = None,
+                 num_blocks: Optional[int] = None, what: str = "world_size", **layout) -> Optional[ConfigError]:
+    """The first rule ``world_size`` ranks running ``layout`` (:func:`split_batch`'s keywords)
+    break, or None.
 
     ``what`` names the size in the message (``num_workers``, ``min_workers``); the stage
     count is only checked when ``num_blocks`` is given.
     """
     try:
-        split_batch(world_size, layout, global_batch, micro_batch=micro_batch, num_blocks=num_blocks, what=what)
+        split_batch(world_size, global_batch, micro_batch=micro_batch, num_blocks=num_blocks, what=what, **layout)
     except ConfigError as e:
         return e
     return None
 
 
-def split_batch(world_size: int, layout: MeshLayout, global_batch: int, *, micro_batch: Optional[int] = None,
-                num_blocks: Optional[int] = None, what: str = "world_size") -> BatchSplit:
+def split_batch(world_size: int, global_batch: int, *, pp: int = 1, tp: int = 1, dp_shard: Optional[int] = None,
+                schedule: str = "1f1b", stages_per_rank: int = 1, microbatches: Optional[int] = None,
+                micro_batch: Optional[int] = None, num_blocks: Optional[int] = None,
+                what: str = "world_size") -> BatchCut:
     """The mesh's batch arithmetic; raises the first broken rule as a ConfigError.
 
-    ``micro_batch`` (pp == 1 only) is the accumulation micro-batch; None runs the whole
-    per-rank batch in one pass.
+    The layout is ``ParallelConfig``'s request as plain values (``ParallelConfig.mesh_request``):
+    ``microbatches=None`` is one per stage, the fewest the schedule allows; ``dp_shard=None``
+    shards over every dp rank. ``micro_batch`` (pp == 1 only) is the accumulation
+    micro-batch; None runs the whole per-rank batch in one pass.
     """
-    pp, tp = layout.pp, layout.tp
-    problem = _world_problem(world_size, pp, what, tp, layout.dp_shard)
+    problem = _world_problem(world_size, pp, what, tp, dp_shard)
     if problem is None and num_blocks is not None:
-        problem = stages_problem(layout.num_stages, num_blocks)
+        problem = stages_problem(pp * stages_per_rank, num_blocks)
     if problem is None:
         problem = _batch_problem(global_batch, world_size, pp, what, tp)
     if problem is not None:
         raise problem
     dp = world_size // (pp * tp)
-    shard = layout.dp_shard or dp
     per_rank = global_batch // dp
     if pp == 1:
         micro = micro_batch or per_rank
         problem = _micro_batch_problem(micro, per_rank, dp)
         if problem is not None:
             raise problem
-        return BatchSplit(world_size, pp, dp, per_rank, 1, micro, per_rank // micro, tp, shard)
-    m = layout.num_microbatches
-    problem = _count_problem(pp, m, layout.schedule) or _feed_problem(pp, m, per_rank, dp)
+        return BatchCut(per_rank, 1, micro, per_rank // micro)
+    m = microbatches or pp * stages_per_rank
+    problem = _count_problem(pp, m, schedule) or _feed_problem(pp, m, per_rank, dp)
     if problem is not None:
         raise problem
-    return BatchSplit(world_size, pp, dp, per_rank, m, per_rank // m, 1, tp, shard)
+    return BatchCut(per_rank, m, per_rank // m, 1)
 
 
 # ------------------------------------------------------------------------------ what is possible
@@ -265,13 +230,14 @@ def pp_options(world_size: int, global_batch: int, num_blocks: int, tp: int = 1)
     return out
 
 
-def valid_world_sizes(layout: Optional[MeshLayout], global_batch: int, *, min_size: int, max_size: int,
+def valid_world_sizes(layout: Optional[Mapping[str, Any]], global_batch: int, *, min_size: int, max_size: int,
                       micro_batch: Optional[int] = None, num_blocks: Optional[int] = None,
                       tp_options: tuple[int, ...] = (1,)) -> list[int]:
     """World sizes in ``[min_size, max_size]`` a run can use, largest first.
 
-    ``layout=None`` is ``layout="auto"``: a size is valid where :func:`pp_options` offers a
-    pp at one of ``tp_options`` (the tp degrees the model splits into, :func:`tp_options_of`;
+    ``layout``: :func:`split_batch`'s layout keywords (``ParallelConfig.mesh_request()``);
+    None is ``layout="auto"``: a size is valid where :func:`pp_options` offers a pp at one
+    of ``tp_options`` (the tp degrees the model splits into, :func:`tp_options_of`;
     ``num_blocks`` is then required).
     """
     sizes = range(max_size, min_size - 1, -1)
@@ -279,8 +245,8 @@ def valid_world_sizes(layout: Optional[MeshLayout], global_batch: int, *, min_si
         if num_blocks is None:
             raise ValueError("valid_world_sizes(layout=None) (layout='auto') needs num_blocks")
         return [n for n in sizes if any(pp_options(n, global_batch, num_blocks, tp) for tp in tp_options)]
-    return [n for n in sizes if mesh_problem(n, layout, global_batch, micro_batch=micro_batch,
-                                             num_blocks=num_blocks) is None]
+    return [n for n in sizes if mesh_problem(n, global_batch, micro_batch=micro_batch, num_blocks=num_blocks,
+                                             **layout) is None]
 
 
 # ------------------------------------------------------------------------------ tensor parallelism

@@ -110,7 +110,7 @@ def _layouts_at_tp(model, world, global_batch, n, tp, tiers, schedules, max_stag
         if pp == 1:
             split_blocks = stage_split(model.block_params, 1)
             for micro in rules.divisors(per_rank):
-                split = rules.split_batch(world, rules.MeshLayout(pp=1, tp=tp), global_batch, micro_batch=micro)
+                split = rules.split_batch(world, global_batch, tp=tp, micro_batch=micro)
                 for shard in shards:
                     yield MeshPlan(1, dp, tp, dp // shard, schedule=NO_PIPELINE, stage_blocks=split_blocks,
                                    per_rank_batch=per_rank, micro_batch=split.micro_batch,
@@ -132,8 +132,8 @@ def _layouts_at_tp(model, world, global_batch, n, tp, tiers, schedules, max_stag
                 continue
             split_blocks = stage_split(model.block_params, pp * v)
             for m in ms:
-                pipe = rules.MeshLayout(pp=pp, schedule=schedule, stages_per_rank=v, microbatches=m, tp=tp)
-                batch = rules.split_batch(world, pipe, global_batch, num_blocks=n)
+                batch = rules.split_batch(world, global_batch, pp=pp, tp=tp, schedule=schedule, stages_per_rank=v,
+                                          microbatches=m, num_blocks=n)
                 for shard in shards:
                     yield MeshPlan(pp, dp, tp, dp // shard, schedule=schedule, stages_per_rank=v,
                                    stage_blocks=split_blocks, per_rank_batch=per_rank,
