@@ -4,6 +4,7 @@ later; whichever state is then running names it once."""
 
 from __future__ import annotations
 
+from rayflex.planning.placement.planner import ranks_by_node
 from rayflex.telemetry import events as ev
 
 
@@ -26,9 +27,9 @@ def name_vanished_nodes(ctx) -> None:
         return
     rank_to_node = recent[0].rank_to_node
     reported = {e.node_id for e in recent if isinstance(e, ev.NodeLost)}
+    ranks_on = ranks_by_node(rank_to_node)
     for node in sorted(set(filter(None, rank_to_node)) - ctx.alive_nodes() - reported):
-        ctx.record(ev.NodeLost(step=ctx.ledger.step + 1, node_id=node,
-                               ranks=[r for r, n in enumerate(rank_to_node) if n == node]))
+        ctx.record(ev.NodeLost(step=ctx.ledger.step + 1, node_id=node, ranks=ranks_on[node]))
 
 
 def implicated_nodes(ctx) -> set[str]:

@@ -18,6 +18,7 @@ from rayflex.control.states import Attempt, Restarting
 from rayflex.control.survivors import collect_survivors
 from rayflex.control.warming import warm_replacements
 from rayflex.errors import RayflexError, WorkerError
+from rayflex.planning.placement.planner import ranks_by_node
 from rayflex.telemetry import events as ev
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,7 @@ def _leave_out_unreachable_nodes(ctx, fault, node_of: dict[int, str]) -> set[str
     if fault.hang != "frozen":
         return set()
     alive = ctx.alive_nodes()
-    ranks_on = {}
-    for rank, node in node_of.items():
-        ranks_on.setdefault(node, []).append(rank)
+    ranks_on = ranks_by_node(node_of)
     silent = {n for n, ranks in ranks_on.items() if n in alive and set(ranks) <= set(fault.bad_ranks)}
     timeout_s = knob("NODE_PROBE_TIMEOUT_S")
     unreachable = ctx.unreachable.check(silent, timeout_s)

@@ -61,6 +61,7 @@ __all__ = [
     "modeled_comm",
     "modeled_comm_seconds",
     "naive_plan",
+    "ranks_by_node",
 ]
 
 
@@ -123,6 +124,16 @@ def _check_tp_fits(nodes: Sequence[NodeInfo], mesh: MeshPlan, shape: str, where:
             f"Fix: use a tp dividing the node size, fewer ranks, or more nodes")
 
 
+def ranks_by_node(rank_to_node: Sequence[str] | Mapping[int, str]) -> Dict[str, List[int]]:
+    """Node id -> its ranks, ascending, nodes in order of their first rank: the one inversion
+    of a rank -> node map (a plan's list, or the ranks a group knows)."""
+    pairs = rank_to_node.items() if isinstance(rank_to_node, Mapping) else enumerate(rank_to_node)
+    out: Dict[str, List[int]] = {}
+    for rank, node in sorted(pairs):
+        out.setdefault(node, []).append(rank)
+    return out
+
+
 @dataclass(frozen=True)
 class Plan:
     """Where every rank runs, what that costs in modeled communication, and why."""
@@ -144,10 +155,7 @@ class Plan:
 
     def node_ranks(self) -> Dict[str, List[int]]:
         """Node id -> its ranks in slot order, nodes in order of their first rank."""
-        out: Dict[str, List[int]] = {}
-        for rank, node in enumerate(self.rank_to_node):
-            out.setdefault(node, []).append(rank)
-        return out
+        return ranks_by_node(self.rank_to_node)
 
     def to_dict(self) -> dict:
         return {"pp": self.mesh.pp, "dp": self.mesh.dp, "tp": self.mesh.tp,
