@@ -44,6 +44,10 @@ def _spec(tmp_path):
                         scaling=rf.ScalingConfig(num_workers=4))
 
 
+def _ledger(spec, recorder):
+    return StepLedger(spec.data, spec.checkpoint, recorder)
+
+
 def _status(rank, step, ckpt=None):
     rec = StepRecord(step=step, loss=2.0, step_time_s=0.1, lr=1e-3, grad_norm=1.0, time=1.0 + step, samples=8,
                      dp_index=rank, sample_indices=[2 * rank + 8 * (step - 1), 2 * rank + 1 + 8 * (step - 1)])
@@ -53,7 +57,7 @@ def _status(rank, step, ckpt=None):
 
 def test_a_committed_step_some_ranks_had_not_reported_is_written_when_the_next_attempt_starts(tmp_path):
     recorder = _Recorder()
-    ledger = StepLedger(_spec(tmp_path), recorder)
+    ledger = _ledger(_spec(tmp_path), recorder)
     spec = _spec(tmp_path)
     plan = plan_mesh(spec.model, spec.parallel, spec.data, 4)
     for rank in range(4):
@@ -77,7 +81,7 @@ def test_steps_no_live_rank_reported_are_written_from_the_metrics_the_checkpoint
     from rayflex.worker.status import recent_step
 
     recorder, spec = _Recorder(), _spec(tmp_path)
-    ledger = StepLedger(spec, recorder)
+    ledger = _ledger(spec, recorder)
     plan = plan_mesh(spec.model, spec.parallel, spec.data, 4)
     for rank in range(4):
         ledger.absorb(rank, _status(rank, 1), plan, _Detector())
@@ -90,7 +94,7 @@ def test_steps_no_live_rank_reported_are_written_from_the_metrics_the_checkpoint
     # A run resumed by name (a new controller: its first attempt restores) already has the
     # earlier job's lines: the carried steps are not written again.
     recorder2 = _Recorder()
-    ledger2 = StepLedger(spec, recorder2)
+    ledger2 = _ledger(spec, recorder2)
     assert ledger2.restored(3, recovered=carried) == 0 and ledger2.step == 3
     assert recorder2.metrics == []
 
@@ -101,7 +105,7 @@ def test_a_saves_cost_is_what_it_blocked_plus_the_slowdown_of_the_steps_beside_i
     import pytest
 
     recorder, spec = _Recorder(), _spec(tmp_path)
-    ledger = StepLedger(spec, recorder)
+    ledger = _ledger(spec, recorder)
     plan = plan_mesh(spec.model, spec.parallel, spec.data, 1)
     # 0.1 s steps; a save after step 10 blocks 0.05 s and uploads for 1 s, during which three
     # steps take 0.3 s each; the step after the upload is back to 0.1 s.
@@ -139,7 +143,7 @@ def test_with_memory_replicas_a_spot_notice_needs_time_to_replicate_not_to_uploa
     ledgers = {}
     for replicas in (0, 1):
         s = dataclasses.replace(spec, checkpoint=rf.CheckpointConfig(every_steps=2, memory_replicas=replicas))
-        ledger = ledgers[replicas] = StepLedger(s, recorder)
+        ledger = ledgers[replicas] = _ledger(s, recorder)
         ledger.absorb(0, _status(0, 1), plan, _Detector())
         ledger.absorb(0, _status(0, 2, save), plan, _Detector())
     # a step (0.1 s) + the save + a 1 s margin: the whole upload without replicas, the copy to memory with

@@ -5,7 +5,6 @@ slow host, where the bound it promised was 10."""
 
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -24,8 +23,7 @@ STALL_S, FLUSH_S = 0.6, 0.1
 def recorder(tmp_path, monkeypatch):
     monkeypatch.setenv("RAYFLEX_STORAGE_STALL_S", str(STALL_S))
     monkeypatch.setenv("RAYFLEX_RUNDIR_FLUSH_S", str(FLUSH_S))
-    spec = SimpleNamespace(run=rf.RunConfig(name="unit", storage=f"file://{tmp_path}/runs"))
-    rec = Recorder(spec, Clock())
+    rec = Recorder(rf.RunConfig(name="unit", storage=f"file://{tmp_path}/runs"), Clock())
     rec.rundir.ensure()
     yield rec
     rec._stop_ticker and rec._stop_ticker()

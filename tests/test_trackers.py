@@ -91,8 +91,8 @@ class Stand(Tracker):
 
 
 def _recorder(tmp_path, stands, **run):
-    spec = SimpleNamespace(run=rf.RunConfig(name="unit", storage=f"file://{tmp_path}/runs", **run))
-    rec = Recorder(spec, clock=SimpleNamespace(time=time.time))
+    rec = Recorder(rf.RunConfig(name="unit", storage=f"file://{tmp_path}/runs", **run),
+                   clock=SimpleNamespace(time=time.time))
     rec.trackers = tracker_set.TrackerSet(stands, rec.rundir, on_failure=rec.record)
     return rec
 
@@ -179,7 +179,7 @@ def test_mlflow_server_down_is_an_event_not_a_failed_run(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     rec = _recorder(tmp_path, [], loggers=("mlflow", "tensorboard"), mlflow_tracking_uri="http://127.0.0.1:9")
-    rec.trackers = tracker_set.TrackerSet.for_run(rec.spec.run, rec.rundir, rec.record)  # nothing listens on :9
+    rec.trackers = tracker_set.TrackerSet.for_run(rec.run, rec.rundir, rec.record)  # nothing listens on :9
     rec.resume()
     _train(rec, (1, 2), float)
     rec.record(ev.RunFinished(step=2))
@@ -201,7 +201,7 @@ def test_tensorboard_files_of_a_remote_run_directory_are_uploaded(tmp_path, s3_b
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the local copy is written
     (tmp_path / "tmp").mkdir()
-    rec = Recorder(SimpleNamespace(run=rf.RunConfig(name="unit", storage=f"{s3_bucket}/runs", loggers=("tensorboard",))),
+    rec = Recorder(rf.RunConfig(name="unit", storage=f"{s3_bucket}/runs", loggers=("tensorboard",)),
                    clock=SimpleNamespace(time=time.time))
     rec.resume()
     _train(rec, (1, 2, 3), float)
@@ -240,7 +240,7 @@ def test_real_backends_continue_one_run_across_a_resume_by_name(tmp_path, monkey
                wandb_mode="offline", wandb_dir=str(tmp_path / "wandb"))
     os.makedirs(tmp_path / "wandb")
     first = _recorder(tmp_path, [], **run)
-    first.trackers = tracker_set.TrackerSet.for_run(first.spec.run, first.rundir, first.record)
+    first.trackers = tracker_set.TrackerSet.for_run(first.run, first.rundir, first.record)
     first.resume()
     first.record(ev.WorkersStarted(step=0, world_size=2))
     _train(first, range(1, 6), lambda s: 10.0 - s)
@@ -248,7 +248,7 @@ def test_real_backends_continue_one_run_across_a_resume_by_name(tmp_path, monkey
     first.finish()  # the session ends without a terminal event: a kill
 
     second = _recorder(tmp_path, [], **run)
-    second.trackers = tracker_set.TrackerSet.for_run(second.spec.run, second.rundir, second.record)
+    second.trackers = tracker_set.TrackerSet.for_run(second.run, second.rundir, second.record)
     second.resume()
     _rollback(second, 3)
     _train(second, range(4, 7), lambda s: 100.0 - s)

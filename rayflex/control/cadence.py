@@ -10,17 +10,18 @@ from __future__ import annotations
 
 from typing import Optional
 
+from rayflex.config import CheckpointConfig
 from rayflex.constants import knob
 from rayflex.faults.checkpoint_interval import CheckpointIntervalPolicy, IntervalChoice
 from rayflex.telemetry import events as ev
 
 
 class CheckpointCadence:
-    def __init__(self, spec, clock):
+    def __init__(self, checkpoint: CheckpointConfig, steps: int, clock):
         self.clock = clock
         self.started = clock.time()
-        self.policy = CheckpointIntervalPolicy(spec.checkpoint.mtbf_prior_s, knob("CHECKPOINT_COST_PRIOR_S"),
-                                               max_steps=spec.run.steps)
+        self.policy = CheckpointIntervalPolicy(checkpoint.mtbf_prior_s, knob("CHECKPOINT_COST_PRIOR_S"),
+                                               max_steps=steps)
         self.choice: Optional[IntervalChoice] = None
         self.requested_step = 0  # the step the last request was made at
 

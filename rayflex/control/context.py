@@ -30,10 +30,10 @@ log = logging.getLogger(__name__)
 class RunContext:
     def __init__(self, spec: TrainSpec, cluster: Cluster, clock, policies: Optional[Policies] = None):
         self.spec, self.cluster, self.clock = spec, cluster, clock
-        self.recorder = Recorder(spec, clock)
-        self.ledger = StepLedger(spec, self.recorder)
+        self.recorder = Recorder(spec.run, clock)
+        self.ledger = StepLedger(spec.data, spec.checkpoint, self.recorder)
         self.policies = policies or Policies.for_spec(spec)
-        self.cadence = CheckpointCadence(spec, clock) if spec.checkpoint.auto_interval else None
+        self.cadence = CheckpointCadence(spec.checkpoint, spec.run.steps, clock) if spec.checkpoint.auto_interval else None
         self.excluded: set[str] = set()  # nodes with a preemption notice: about to vanish
         self.pending_notices: list = []  # seen while an attempt started; its first poll acts on them
         self.unreachable = UnreachableNodes(cluster)  # frozen nodes Ray still lists

@@ -13,13 +13,14 @@ import statistics
 import threading
 from typing import Any, Optional
 
+from rayflex.config import CheckpointConfig, DataConfig
 from rayflex.constants import knob
 from rayflex.telemetry import events as ev
 
 
 class StepLedger:
-    def __init__(self, spec, recorder):
-        self.spec, self.recorder = spec, recorder
+    def __init__(self, data: DataConfig, checkpoint: CheckpointConfig, recorder):
+        self.data, self.checkpoint, self.recorder = data, checkpoint, recorder
         self.step = 0  # the last step every rank finished
         self.start_step = 0
         self.committed_step = 0
@@ -104,7 +105,7 @@ class StepLedger:
         """How long an emergency save keeps a leaving node: with memory replicas (once a
         save measured it), until its shards are in memory on nodes that stay (their
         keepers upload them afterwards); else the whole checkpoint."""
-        if self.spec.checkpoint.memory_replicas and self.replication_seconds:
+        if self.checkpoint.memory_replicas and self.replication_seconds:
             return statistics.median(self.replication_seconds[-5:])
         return self.checkpoint_estimate_s()
 
@@ -194,7 +195,7 @@ class StepLedger:
     def _recovered_step(self, rec: dict) -> None:
         step_time = rec["step_time_s"]
         line = {"step": rec["step"], "loss": rec["loss"], "step_time_s": step_time,
-                "tokens_per_s": rec["samples"] * self.spec.data.seq_len / step_time if step_time > 0 else None,
+                "tokens_per_s": rec["samples"] * self.data.seq_len / step_time if step_time > 0 else None,
                 "lr": rec["lr"], "grad_norm": rec["grad_norm"], "world_size": rec["world_size"],
                 "ranks_reported": 0, "from_checkpoint": True, "time": rec["time"],
                 "data_wait_s": rec["data_wait_s"]}
@@ -208,7 +209,7 @@ class StepLedger:
     def _finish_step(self, recs: dict, plan, detector) -> None:
         r0 = recs[min(recs)]
         step_time = max(r.step_time_s for r in recs.values())
-        tokens = r0.samples * self.spec.data.seq_len
+        tokens = r0.samples * self.data.seq_len
         line = {"step": r0.step, "loss": r0.loss, "step_time_s": step_time,
                 "tokens_per_s": tokens / step_time if step_time > 0 else None, "lr": r0.lr,
                 "grad_norm": r0.grad_norm, "world_size": plan.world_size, "ranks_reported": len(recs),
@@ -221,7 +222,7 @@ class StepLedger:
             line["pipeline_wait_fraction"] = [
                 statistics.fmean(r.pipeline_wait_s / r.forward_backward_s if r.forward_backward_s else 0.0
                                  for r in recs.values() if r.pp_index == s) for s in stages]
-        if self.spec.data.log_samples:
+        if self.data.log_samples:
             # One record per dp index: the tp ranks of a dp rank read the same samples.
             first_stage = sorted((r.dp_index, r.sample_indices) for r in recs.values()
                                  if r.pp_index == 0 and r.tp_index == 0)

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from rayflex.constants import knob
+from rayflex.config import RunConfig
 from rayflex.storage.rundir import RunDirectory
 from rayflex.telemetry import events as ev
 
@@ -24,16 +25,16 @@ log = logging.getLogger(__name__)
 
 
 class Recorder:
-    def __init__(self, spec, clock):
+    def __init__(self, run: RunConfig, clock):
         from rayflex.telemetry.metrics_export import MetricsExporter
         from rayflex.telemetry.trackers.tracker_set import TrackerSet
 
-        self.spec, self.clock = spec, clock
+        self.run, self.clock = run, clock
         self.timeline = ev.Timeline()
-        self.rundir = RunDirectory(spec.run.run_dir)
-        self.exporter = MetricsExporter(spec.run.name)
+        self.rundir = RunDirectory(run.run_dir)
+        self.exporter = MetricsExporter(run.name)
         # Trackers deliver on a thread of their own; a failure comes back as an event here.
-        self.trackers = TrackerSet.for_run(spec.run, self.rundir, on_failure=self.record)
+        self.trackers = TrackerSet.for_run(run, self.rundir, on_failure=self.record)
         self.step = 0  # stamped on storage events; the ledger keeps it current
         self._flusher = ThreadPoolExecutor(1, thread_name_prefix="rundir")
         self._flush_future = None
@@ -90,7 +91,7 @@ class Recorder:
                 self._trouble(error)
             elif self._down_since is not None:
                 down, self._down_since = now - self._down_since, None
-                self.record(ev.StorageRecovered(step=self.step, uri=self.spec.run.run_dir, down_s=down))
+                self.record(ev.StorageRecovered(step=self.step, uri=self.run.run_dir, down_s=down))
         self._flush_started = now
         self._flush_future = self._flusher.submit(self.rundir.flush)
 
@@ -119,5 +120,5 @@ class Recorder:
     def _trouble(self, error: str) -> None:
         if self._down_since is None:
             self._down_since = self.clock.time()
-            self.record(ev.StorageUnavailable(step=self.step, uri=self.spec.run.run_dir, error=error))
+            self.record(ev.StorageUnavailable(step=self.step, uri=self.run.run_dir, error=error))
             log.warning("run directory unavailable, keeping its lines in memory: %s", error)
