@@ -4,11 +4,11 @@ For each cluster shape and mesh it measures, in one run, the modeled communicati
 per step of
 
 * rayflex: ``Planner.plan``;
-* naive: what Ray Train does, one PACK placement group with ranks filling nodes in the order
-  Ray lists them. Ray lists nodes in join order, which on a real cluster interleaves racks
-  (nodes of every rack boot and join concurrently), so the generator lists nodes by a seeded
-  shuffle and naive is measured over several seeds; the rack-sorted order, naive's best case,
-  is reported too;
+* naive: what Ray Train does, one PACK placement group with ranks filling nodes in node
+  order (``naive_plan``: by address, which on a real cluster follows the join order and
+  interleaves racks, as nodes of every rack boot and join concurrently), so the generator
+  lists nodes by a seeded shuffle and naive is measured over several seeds; the rack-sorted
+  order, naive's best case, is reported too;
 * the optimum by brute force where that is computable (<= 12 slots), else the planner's
   lower bound (a dynamic program over a relaxation that every real plan satisfies).
 

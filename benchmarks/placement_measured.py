@@ -6,10 +6,12 @@
 For each topology, on one link bed (``rayflex.testing.linkbed``; every pair of nodes shaped to
 its tier x the scale), each of six 4-rank layouts (FSDP, HSDP 2x2, DDP, pp2 x FSDP2,
 pp2 x DDP2, pp4) trains ``--steps`` steps with the ranks placed three ways
-(``ScalingConfig.placement``): the planner's layout, Ray Train's node order (the order Ray
-lists the nodes: the racks and zones interleave) and a seeded shuffle. Layouts and orders
+(``ScalingConfig.placement``): the planner's layout, Ray Train's node order (``naive_plan``:
+the nodes by address, the order they joined the bed, so the racks and zones interleave) and
+a seeded shuffle. Layouts and orders
 alternate within each of ``--rounds`` rounds. Per run: the median step time after the first
-4 steps and the bytes per step over each link tier (tc's counters).
+4 steps (``--steps`` steps at least, and enough to measure ``MEASURE_WINDOW_S`` seconds of
+the layout's unshaped step) and the bytes per step over each link tier (tc's counters).
 
 Modelled beside each: the step's compute and everything but the links, measured per round
 and layout with every link at the topology's own speed (which loopback cannot reach:
@@ -29,6 +31,7 @@ recomputes all of it from a JSON's measured step times and baselines (:func:`rem
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -46,6 +49,10 @@ LAYOUTS = {"fsdp4": {}, "hsdp2x2": {"dp_shard": 2}, "ddp4": {"dp_shard": 1},
            "pp4": {"pp": 4, "microbatches": 4}}
 ORDERS = ("planned", "node_order", "shuffled")
 WARM_STEPS = 4
+# A run measures at least this many seconds of steps after its warm-up (``--steps`` is the
+# floor): a 60 ms pipeline step moves +-20% from one step to the next on a shared 2-core
+# host, so short steps need more of them for a median that holds still.
+MEASURE_WINDOW_S = 2.0
 SEQ_LEN = 32
 
 
@@ -93,17 +100,26 @@ def measure_on_bed(bed) -> dict:
                             num_shards=2, seed=7)
     shaped = bed.plan.scale
     baseline, rows, layouts = [], [], list(LAYOUTS)
+    step_s: dict = {}  # layout -> its latest unshaped step time
+
+    def steps_for(layout: str) -> int:
+        if layout not in step_s:
+            return steps
+        return max(steps, WARM_STEPS + 1 + math.ceil(MEASURE_WINDOW_S / step_s[layout]))
+
     for rnd in range(rounds):
         bed.rescale(1.0)  # the baseline: links at the topology's own speed
-        baseline += [{"round": rnd, **_run(bed, root, layout, "planned", steps, f"free{rnd}")} for layout in layouts]
+        for layout in layouts:
+            baseline.append({"round": rnd, **_run(bed, root, layout, "planned", steps_for(layout), f"free{rnd}")})
+            step_s[layout] = baseline[-1]["step_s"]
         bed.rescale(shaped)
         for i in range(len(layouts)):
             layout = layouts[(i + rnd) % len(layouts)]
             for j in range(len(ORDERS)):
                 order = ORDERS[(j + rnd) % len(ORDERS)]
                 placement = "shuffled:7" if order == "shuffled" else order
-                rows.append({"round": rnd, **_run(bed, root, layout, placement, steps, f"r{rnd}")})
-    return {"baseline": baseline, "rows": rows, "scale": shaped}
+                rows.append({"round": rnd, **_run(bed, root, layout, placement, steps_for(layout), f"r{rnd}")})
+    return {"baseline": baseline, "rows": rows, "scale": shaped, "measure_window_s": MEASURE_WINDOW_S}
 
 
 # ------------------------------------------------------------------------------ the model

@@ -68,7 +68,7 @@ class ScalingConfig:
     # Node labels every worker's node must carry, e.g. {"ray.io/market-type": "spot"}.
     node_labels: dict = field(default_factory=dict)
     # Where ranks go: "planned" (the topology-aware planner), or, to measure what it buys,
-    # "node_order" (Ray Train's: ranks fill nodes in the order Ray lists them) or
+    # "node_order" (Ray Train's: ranks fill nodes in node order, by address) or
     # "shuffled:SEED" (tp groups whole, otherwise a seeded random order).
     placement: str = "planned"
 

@@ -138,6 +138,23 @@ def test_each_fsdp_group_stays_in_one_rack():
     assert "rack r0" in plan.explanation and "rack r1" in plan.explanation
 
 
+def test_node_order_is_the_nodes_addresses_whatever_order_ray_lists_them_in():
+    # Ray listed the link bed's two racks grouped one day (n2 n0 | n1 n3: node order was the
+    # planner's own layout, nothing to measure against) and interleaved another; the naive
+    # baseline fills nodes by address, the order they joined: n0 r0, n1 r1, n2 r0, n3 r1.
+    listed = [(2, "r0"), (0, "r0"), (1, "r1"), (3, "r1")]
+    topology = Topology(tuple(NodeInfo(f"n{i}", ip=f"127.0.{i + 1}.1", slots=1, labels={"rack": rack})
+                              for i, rack in listed))
+    mesh, profile = MeshPlan(pp=1, dp=4, dp_replicate=2), CommProfile.uniform(1, 8e9, 0)
+    naive = naive_plan(topology, mesh, profile)
+    assert naive.rank_to_node == ("n0", "n1", "n2", "n3")
+    planned = Planner(topology).plan(mesh, profile)
+    assert planned.modeled_comm_s < naive.modeled_comm_s  # each shard pair inside a rack; naive's cross
+    # a described topology without addresses keeps its listed order
+    plain = Topology(tuple(NodeInfo(f"n{i}", slots=1, labels={"rack": rack}) for i, rack in listed))
+    assert naive_plan(plain, mesh, profile).rank_to_node == ("n2", "n0", "n1", "n3")
+
+
 def test_cost_model_formula_on_a_hand_example():
     # two stages x two ranks: stage 0 on node a, stage 1 on node b, a and b in one rack
     bw = Bandwidths()

@@ -232,8 +232,8 @@ class Topology:
 
         Slots come from each node's total resources (``floor(GPU / gpus_per_worker)`` with
         ``use_gpu``, else ``floor(CPU / cpus_per_worker)``): the plan is about where workers
-        may go, and placement groups are what reserve them. Nodes keep Ray's order (join
-        order), which is what a naive rank-in-node-order placement would follow.
+        may go, and placement groups are what reserve them. Nodes keep Ray's order, which is
+        no fixed one (``naive_plan`` orders them by address).
         """
         import ray
 

@@ -29,6 +29,7 @@ only when it meets the bound, and the explanation says which.
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -214,17 +215,28 @@ def _naive(tree: NodeTree, costs: TierCosts, mesh: MeshPlan) -> Tuple[List[int],
 def naive_plan(topology: Topology, mesh: MeshPlan, profile: CommProfile, *,
                bandwidths: Optional[Bandwidths] = None, require_labels: Optional[Mapping[str, str]] = None,
                market_type: Optional[str] = None) -> Plan:
-    """What Ray Train does: one PACK placement group, ranks filling nodes in listed order.
+    """What Ray Train does: one PACK placement group, ranks filling nodes in node order.
 
-    Ray lists nodes in join order, which on a real cluster interleaves racks and zones; the
-    ranks follow it slot by slot, so FSDP groups and stage boundaries land wherever that
-    order happens to put them.
+    Ray itself lists nodes in no fixed order (the same cluster listed its two racks'
+    nodes interleaved one day and grouped the next), so the order here is the nodes'
+    addresses (a described topology's nodes keep their listed order): reproducible, and on
+    a cluster whose nodes take addresses as they join, the join order, which interleaves
+    racks and zones. The ranks follow it slot by slot, so FSDP groups and stage boundaries
+    land wherever that order puts them.
     """
-    nodes = _eligible_nodes(topology, mesh, require_labels, market_type, check_tp=False)
+    nodes = sorted(_eligible_nodes(topology, mesh, require_labels, market_type, check_tp=False), key=_address)
     tree, costs, _, lb = _setup(nodes, mesh, profile, bandwidths or topology.bandwidths)
     nor, total, _ = _naive(tree, costs, mesh)
     return _make_plan(tree, costs, mesh, profile, nor, total, lb, meets(total, lb),
                       "naive: one PACK group, ranks in node order")
+
+
+def _address(node: NodeInfo) -> bytes:
+    """A node's address as a sort key (empty, so listed order is kept, when it has none)."""
+    try:
+        return ipaddress.ip_address(node.ip).packed
+    except ValueError:
+        return b""
 
 
 def shuffled_plan(topology: Topology, mesh: MeshPlan, profile: CommProfile, seed: int, *,
