@@ -11,146 +11,164 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-_DEFAULTS: dict[str, float] = {
+@dataclass(frozen=True)
+class Knob:
+    """One knob's default and what a value must be: each constraint is declared here, once,
+    and :func:`knob`, :func:`count_knob` and :func:`check_knobs` read it. ``minimum`` is
+    exclusive at 0 for durations (``None``: > 0), inclusive otherwise; ``kind=int`` knobs count
+    something (attempts, steps) and take whole numbers."""
+
+    default: float
+    minimum: Optional[float] = None
+    maximum: Optional[float] = None
+    kind: type = float
+
+    def parse(self, var: str, raw: str) -> float:
+        """``raw`` (the variable's text) as this knob's value; ValueError naming ``var`` and
+        what it must be otherwise."""
+        try:
+            value = self.kind(raw)
+        except ValueError:
+            what = "a whole number" if self.kind is int else "a number"
+            raise ValueError(f"{var}={raw!r} is not {what}") from None
+        if not self.accepts(value):
+            raise ValueError(f"{var}={raw!r} must be {self.bounds()}")
+        return value
+
+    def accepts(self, value: float) -> bool:
+        low = value > 0 if self.minimum is None else value >= self.minimum
+        return low and (self.maximum is None or value <= self.maximum)
+
+    def bounds(self) -> str:
+        low = "> 0" if self.minimum is None else f">= {self.minimum:g}"
+        return low if self.maximum is None else f"{low} and <= {self.maximum:g}"
+
+    def describe(self) -> str:
+        """What to set, as a fix: ``a whole number >= 1``."""
+        return f"{'a whole number' if self.kind is int else 'a number'} {self.bounds()}"
+
+
+_KNOBS: dict[str, Knob] = {
     # How often the controller polls every worker: how soon a dead rank is named, and what
     # the controller and each rank spend on polls beside training (at 0.2 s: 20 calls a
     # second for 4 ranks, the controller's largest cost, ~2% of a saturated core).
-    "POLL_INTERVAL_S": 0.5,
+    "POLL_INTERVAL_S": Knob(0.5),
     # Heartbeat age after which a live actor counts as stuck.
-    "HEARTBEAT_TIMEOUT_S": 30.0,
+    "HEARTBEAT_TIMEOUT_S": Knob(30.0),
     # Floor of the hang timeout; the effective one is max(floor, k x median step time).
-    "HANG_TIMEOUT_FLOOR_S": 60.0,
-    "HANG_TIMEOUT_STEP_MULTIPLE": 10.0,
+    "HANG_TIMEOUT_FLOOR_S": Knob(60.0),
+    "HANG_TIMEOUT_STEP_MULTIPLE": Knob(10.0),
     # Until an attempt has finished a step the hang timeout is this many floors: the first
     # step does the attempt's one-off work (FSDP's lazy init, first allocations, compile),
     # which nothing has measured yet and which takes 3-4x longer on a slow host.
-    "HANG_TIMEOUT_WARMUP_FLOORS": 3.0,
+    "HANG_TIMEOUT_WARMUP_FLOORS": Knob(3.0),
     # How long a hang investigation waits for the ranks' flight records (a frozen rank
     # never answers; the others answer in milliseconds).
-    "DIAGNOSIS_TIMEOUT_S": 3.0,
+    "DIAGNOSIS_TIMEOUT_S": Knob(3.0),
     # Timeout of every torch.distributed collective (gloo/nccl process group).
-    "COLLECTIVE_TIMEOUT_S": 300.0,
+    "COLLECTIVE_TIMEOUT_S": Knob(300.0),
     # Waiting for placement groups to be scheduled.
-    "PLACEMENT_TIMEOUT_S": 60.0,
+    "PLACEMENT_TIMEOUT_S": Knob(60.0),
     # How long survivors of a fault get to leave the failed attempt before being killed.
-    "RELEASE_TIMEOUT_S": 6.0,
+    "RELEASE_TIMEOUT_S": Knob(6.0),
     # Once the ranks that could leave have left, how much longer the others get: a rank
     # blocked on a peer that left is unblocked when that peer's sockets close (well under a
     # second); one still blocked after this waits on a frozen or dead process.
-    "RELEASE_SETTLE_S": 1.5,
+    "RELEASE_SETTLE_S": Knob(1.5),
     # A run-directory write still unfinished after this long counts as the store being
     # unavailable (a storage_unavailable event; the lines stay in memory).
-    "STORAGE_STALL_S": 5.0,
+    "STORAGE_STALL_S": Knob(5.0),
     # At the end of a run, how long to keep retrying to store the run directory (metrics,
     # events, result) while the object store is unreachable, and the pause between tries.
-    "STORAGE_FINAL_WAIT_S": 120.0,
-    "STORAGE_FINAL_RETRY_INTERVAL_S": 2.0,
+    "STORAGE_FINAL_WAIT_S": Knob(120.0),
+    "STORAGE_FINAL_RETRY_INTERVAL_S": Knob(2.0),
     # The S3 client's timeouts: long enough for a busy store, short enough that a dead
     # endpoint surfaces as an error instead of a silent hang of a checkpoint upload; and
     # botocore's attempts per request.
-    "STORAGE_CONNECT_TIMEOUT_S": 10.0,
-    "STORAGE_READ_TIMEOUT_S": 60.0,
-    "STORAGE_REQUEST_ATTEMPTS": 3,
+    "STORAGE_CONNECT_TIMEOUT_S": Knob(10.0),
+    "STORAGE_READ_TIMEOUT_S": Knob(60.0),
+    "STORAGE_REQUEST_ATTEMPTS": Knob(3, minimum=1, kind=int),
     # The start-up storage probe's S3 client (one attempt: it fails fast).
-    "STORAGE_PROBE_CONNECT_TIMEOUT_S": 2.0,
-    "STORAGE_PROBE_READ_TIMEOUT_S": 5.0,
+    "STORAGE_PROBE_CONNECT_TIMEOUT_S": Knob(2.0),
+    "STORAGE_PROBE_READ_TIMEOUT_S": Knob(5.0),
     # One logical storage operation (write a file, list a directory): attempts, and the
     # exponential backoff between them (first delay, cap).
-    "STORAGE_RETRY_ATTEMPTS": 5,
-    "STORAGE_RETRY_BASE_DELAY_S": 0.2,
-    "STORAGE_RETRY_MAX_DELAY_S": 5.0,
+    "STORAGE_RETRY_ATTEMPTS": Knob(5, minimum=1, kind=int),
+    "STORAGE_RETRY_BASE_DELAY_S": Knob(0.2),
+    "STORAGE_RETRY_MAX_DELAY_S": Knob(5.0),
     # How long a step waits for a row group another thread (the prefetcher, possibly of an
     # earlier attempt in a reused process) is reading before it reads the group itself: a
     # read stuck on a dead endpoint must not hold every later step.
-    "DATA_PENDING_READ_WAIT_S": 30.0,
+    "DATA_PENDING_READ_WAIT_S": Knob(30.0),
     # Emergency-checkpoint duration assumed before the run has measured one.
-    "EMERGENCY_CHECKPOINT_DEFAULT_S": 10.0,
+    "EMERGENCY_CHECKPOINT_DEFAULT_S": Knob(10.0),
     # every_steps="auto": the training time a save is assumed to block before one is measured.
-    "CHECKPOINT_COST_PRIOR_S": 5.0,
+    "CHECKPOINT_COST_PRIOR_S": Knob(5.0),
     # every_steps="auto": the first save (which measures what a save costs) after this many steps.
-    "CHECKPOINT_AUTO_FIRST_STEPS": 5,
+    "CHECKPOINT_AUTO_FIRST_STEPS": Knob(5, minimum=1, kind=int),
     # Memory replicas (CheckpointConfig.memory_replicas): how long a rank waits for a
     # keeper's answer (an inventory, an emergency save's confirmed replica), and for the
     # byte ranges one restore reads from a keeper, before using storage instead.
-    "REPLICA_TIMEOUT_S": 10.0,
-    "REPLICA_READ_TIMEOUT_S": 60.0,
+    "REPLICA_TIMEOUT_S": Knob(10.0),
+    "REPLICA_READ_TIMEOUT_S": Knob(60.0),
     # An emergency save handed to memory replicas: how long the controller waits for the
     # keepers' uploads before giving the step up (the restart then resumes from the last
     # committed one).
-    "HANDOFF_UPLOAD_TIMEOUT_S": 900.0,
+    "HANDOFF_UPLOAD_TIMEOUT_S": Knob(900.0),
     # CPU niceness of the checkpoint upload thread (0 = as training): uploads take the
     # cycles training leaves idle.
-    "UPLOAD_NICE": 10.0,
+    "UPLOAD_NICE": Knob(10, minimum=0, maximum=19, kind=int),
     # Worker setup (rendezvous, model build, checkpoint load).
-    "SETUP_TIMEOUT_S": 300.0,
+    "SETUP_TIMEOUT_S": Knob(300.0),
     # How long a worker started ahead of a growth restart may take to come up before the
     # growth is put off (and retried at the next capacity check).
-    "WORKER_START_TIMEOUT_S": 180.0,
+    "WORKER_START_TIMEOUT_S": Knob(180.0),
     # Reserving one more bundle for a standby (short: a standby is an optimization, and
     # the controller's loop waits on this).
-    "STANDBY_RESERVE_TIMEOUT_S": 5.0,
+    "STANDBY_RESERVE_TIMEOUT_S": Knob(5.0),
     # The controller's cadences while a run trains: refreshing which nodes are alive,
     # reading spot notices, checking whether capacity returned, storing the run directory;
     # and while it waits for resources, how often it looks again.
-    "NODES_REFRESH_S": 0.5,
-    "NOTICE_POLL_S": 0.5,
+    "NODES_REFRESH_S": Knob(0.5),
+    "NOTICE_POLL_S": Knob(0.5),
     # Activation memory (bytes saved for backward) is measured on the first steps of each
     # attempt and every this many steps after: the autograd hooks cost ~9% of a small
     # model's forward-backward on CPU (benchmarks/compare.py), and the peak repeats
     # (0: the first steps only).
-    "ACTIVATION_PROBE_EVERY": 100.0,
-    "CAPACITY_CHECK_S": 2.0,
-    "RUNDIR_FLUSH_S": 1.0,
-    "RESOURCE_POLL_S": 1.0,
+    "ACTIVATION_PROBE_EVERY": Knob(100, minimum=0, kind=int),
+    "CAPACITY_CHECK_S": Knob(2.0),
+    "RUNDIR_FLUSH_S": Knob(1.0),
+    "RESOURCE_POLL_S": Knob(1.0),
     # How long survivors of a fault that killed no peer may take to commit a checkpoint
     # they are uploading before they leave the attempt.
-    "RELEASE_CHECKPOINT_GRACE_S": 3.0,
+    "RELEASE_CHECKPOINT_GRACE_S": Knob(3.0),
     # A single call to an actor (start the loop, arm a fault) that must answer quickly.
-    "ACTOR_CALL_TIMEOUT_S": 60.0,
+    "ACTOR_CALL_TIMEOUT_S": Knob(60.0),
     # A node all of whose ranks stopped answering is asked to run a no-op task; one that
     # does not within this long is left out of placement until it answers or Ray drops it
     # (Ray's own health check takes up to a minute to declare a frozen node dead).
-    "NODE_PROBE_TIMEOUT_S": 5.0,
+    "NODE_PROBE_TIMEOUT_S": Knob(5.0),
 }
 
 
 def _raw(name: str) -> Optional[str]:
-    if name not in _DEFAULTS:
-        raise KeyError(f"unknown rayflex knob {name!r}; known: {sorted(_DEFAULTS)}")
+    if name not in _KNOBS:
+        raise KeyError(f"unknown rayflex knob {name!r}; known: {sorted(_KNOBS)}")
     return os.environ.get(f"RAYFLEX_{name}")
-
-
-# Knobs for which 0 is a setting: the upload at training's priority; activations measured on
-# an attempt's first steps only.
-_ZERO_MEANS_OFF = frozenset({"UPLOAD_NICE", "ACTIVATION_PROBE_EVERY"})
 
 
 def knob(name: str) -> float:
     """Return the value of knob ``name`` (``RAYFLEX_<name>`` overrides the default)."""
     raw = _raw(name)
-    if raw is None:
-        return _DEFAULTS[name]
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"RAYFLEX_{name}={raw!r} is not a number of seconds") from None
-    if value < 0 or (value == 0 and name not in _ZERO_MEANS_OFF):
-        raise ValueError(f"RAYFLEX_{name}={raw!r} must be {'>= 0' if name in _ZERO_MEANS_OFF else '> 0'}")
-    return value
+    spec = _KNOBS[name]
+    return spec.default if raw is None else spec.parse(f"RAYFLEX_{name}", raw)
 
 
 def count_knob(name: str) -> int:
-    """Return knob ``name`` that counts something (attempts): a whole number >= 1."""
-    raw = _raw(name)
-    if raw is None:
-        return int(_DEFAULTS[name])
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"RAYFLEX_{name}={raw!r} is not a whole number") from None
-    if value < 1:
-        raise ValueError(f"RAYFLEX_{name}={raw!r} must be >= 1")
-    return value
+    """Return knob ``name`` that counts something (attempts, steps): a whole number."""
+    if _KNOBS[name].kind is not int:
+        raise KeyError(f"rayflex knob {name!r} is not a count; read it with knob()")
+    return int(knob(name))
 
 
 # RAYFLEX_* variables that are not knobs: the run report, the demo's and examples' inputs,
@@ -158,7 +176,6 @@ def count_knob(name: str) -> int:
 # settings below (read where they are used; see each reader).
 OTHER_VARIABLES = frozenset({"RUN_REPORT", "DEMO_STORAGE", "DEMO_DATA", "HF_MODEL_DIR", "NODE_IP", "SUITE_CPU",
                              "FAIL_AT", "COLLECTIVE_FAULT", "FAULT_LOG", "SLOW_UPLOAD"})
-_COUNT_KNOBS = frozenset({"STORAGE_REQUEST_ATTEMPTS", "STORAGE_RETRY_ATTEMPTS"})
 
 
 def check_knobs() -> tuple[list[tuple[str, str, str]], list[str]]:
@@ -172,16 +189,15 @@ def check_knobs() -> tuple[list[tuple[str, str, str]], list[str]]:
     bad, unknown = [], []
     for var in sorted(v for v in os.environ if v.startswith("RAYFLEX_")):
         name = var[len("RAYFLEX_"):]
-        if name in _DEFAULTS:
+        if name in _KNOBS:
+            spec = _KNOBS[name]
             try:
-                count_knob(name) if name in _COUNT_KNOBS else knob(name)
+                spec.parse(var, os.environ[var])
             except ValueError as e:
-                least = "a whole number >= 1" if name in _COUNT_KNOBS else \
-                    f"a number {'>= 0' if name in _ZERO_MEANS_OFF else '> 0'}"
-                bad.append((var, str(e)[len(var) + 1:],  # knob() says "RAYFLEX_X='v' must be ..."
-                            f"set {least} (the default is {_DEFAULTS[name]:g}), or unset it"))
+                bad.append((var, str(e)[len(var) + 1:],  # parse() says "RAYFLEX_X='v' must be ..."
+                            f"set {spec.describe()} (the default is {spec.default:g}), or unset it"))
         elif name not in OTHER_VARIABLES:
-            near = difflib.get_close_matches(name, [*_DEFAULTS, *OTHER_VARIABLES], n=1, cutoff=0.6)
+            near = difflib.get_close_matches(name, [*_KNOBS, *OTHER_VARIABLES], n=1, cutoff=0.6)
             hint = f"did you mean RAYFLEX_{near[0]}?" if near else "the knobs are listed in rayflex/constants.py"
             unknown.append(f"{var} is not a rayflex setting and is ignored; {hint}")
     return bad, unknown

@@ -21,3 +21,28 @@ def test_a_bad_value_names_the_variable_and_what_it_must_be(monkeypatch, name, r
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         knob(name)
 
+
+
+@pytest.mark.parametrize("name,raw,message", [
+    ("UPLOAD_NICE", "20", "RAYFLEX_UPLOAD_NICE='20' must be >= 0 and <= 19"),
+    ("STORAGE_RETRY_ATTEMPTS", "2.5", "RAYFLEX_STORAGE_RETRY_ATTEMPTS='2.5' is not a whole number"),
+    ("STORAGE_RETRY_ATTEMPTS", "0", "RAYFLEX_STORAGE_RETRY_ATTEMPTS='0' must be >= 1"),
+])
+def test_each_knob_declares_its_own_bounds_once(monkeypatch, name, raw, message):
+    from rayflex.constants import check_knobs
+
+    monkeypatch.setenv(f"RAYFLEX_{name}", raw)
+    with pytest.raises(ValueError, match=message):
+        knob(name)
+    # the start-up check reads the same declaration, and says what to set instead
+    (var, problem, fix), = check_knobs()[0]
+    assert f"{var}={problem}" == message
+    assert fix.startswith("set a whole number") and fix.endswith("or unset it")
+
+
+def test_every_default_is_a_value_its_knob_accepts():
+    from rayflex.constants import _KNOBS
+
+    refused = {name: k.default for name, k in _KNOBS.items()
+               if not k.accepts(k.default) or not isinstance(k.default, k.kind)}
+    assert not refused, refused
