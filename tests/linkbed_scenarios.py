@@ -13,7 +13,9 @@ import rayflex as rf
 from rayflex.testing.linkbed.links import subtract
 
 SEQ_LEN = 32
-STEPS = 40
+# Enough for the traffic to be measured over 16 steady steps (after step 8), and for the
+# node-lost run to finish a good stretch at the smaller size after its restart from step 4.
+STEPS = 24
 
 
 def _trainer(name: str, *, steps: int, workers: int = 4, min_workers: int = 4, **parallel) -> rf.Trainer:
@@ -85,6 +87,6 @@ def _node_lost(bed) -> dict:
     removed_at = time.time()
     lost_ray_id = bed.remove_node(lost)
     result = handle.wait(timeout_s=300)
-    return {"status": result.status, "steps_completed": result.steps_completed, "removed_at": removed_at,
+    return {"status": result.status, "steps_completed": result.steps_completed, "steps": STEPS, "removed_at": removed_at,
             "lost": {"node_id": lost_ray_id, "ip": bed.plan.addresses[lost]},
             "events": _events("node-lost")}

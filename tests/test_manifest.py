@@ -141,6 +141,16 @@ def test_a_store_resolves_its_root_once_for_a_whole_commit(backend, monkeypatch)
     assert mf.list_committed(root) == [20, 30] and not exists(mf.step_dir(root, 5))
 
 
+def test_a_store_is_reused_as_resolved_and_other_options_need_its_uri(root):
+    from rayflex.storage import fs as sfs
+
+    store = sfs.Store(root)
+    assert sfs.Store.of(store) is store and sfs.Store.of(root).path == store.path
+    # options belong to the resolution: applying others to a resolved store would be ignored silently
+    with pytest.raises(ValueError, match="pass the URI to apply other options"):
+        sfs.Store.of(store, sfs.StorageOptions())
+
+
 def test_uncommitted_dirs_are_ignored_and_collected(root):
     write_step(root, 5)                       # crashed before commit, older than newest
     commit_step(root, 10)
