@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 class RunDirectory:
     def __init__(self, uri: str):
         self.uri = uri.rstrip("/")
-        self.fs, self.path = rfs.resolve(self.uri)
+        self.store = rfs.Store(self.uri)  # resolved once: every file below goes through it
+        self.fs, self.path = self.store.fs, self.store.path
         self._can_append = rfs.can_append(self.fs)
         self._lines: dict[str, list[str]] = {}
         self._flushed: dict[str, int] = {}
@@ -41,11 +42,11 @@ class RunDirectory:
         return f"{self.path}/{name}"
 
     def exists(self, name: str) -> bool:
-        return rfs.exists(rfs.join(self.uri, name))
+        return self.store.exists(name)
 
     def read_text(self, name: str) -> Optional[str]:
         try:
-            return rfs.read_text(rfs.join(self.uri, name))
+            return self.store.read_text(name)
         except FileNotFoundError:
             return None
 
@@ -59,7 +60,7 @@ class RunDirectory:
 
     def write_json(self, name: str, obj: Any) -> None:
         """Written atomically: readers never see half a file."""
-        rfs.write_text_atomic(rfs.join(self.uri, name), json.dumps(obj, indent=2, default=str))
+        self.store.write_text_atomic(json.dumps(obj, indent=2, default=str), name)
 
     def load_lines(self, name: str) -> None:
         """Adopt the existing lines of a file (a resumed run continues its files)."""

@@ -27,9 +27,11 @@ class TensorBoardTracker(Tracker):
     name = "tensorboard"
     rewinds = True
 
-    def __init__(self, uri: str):
-        self.uri = uri
-        fs, path = rfs.resolve(uri)
+    def __init__(self, root: "rfs.Store | str", *parts: str):
+        """Event files under ``root`` (a resolved run directory, or a URI) at ``parts``."""
+        store = rfs.Store.of(root)
+        self.uri = store.uri_of(*parts)
+        fs, path = store.fs, store.path_of(*parts)
         if rfs.is_local(fs):
             self._local, self._remote = path, None
         else:

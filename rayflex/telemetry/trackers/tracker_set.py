@@ -44,14 +44,12 @@ def tracker_failed_event(tracker: str, step: int, error: str) -> ev.Event:
 
 def build_trackers(run, rundir) -> list[Tracker]:
     """The trackers ``run.loggers`` names (a RunConfig validated on the driver)."""
-    from rayflex.storage import fs as rfs
-
     out: list[Tracker] = []
     for name in run.loggers:
         if name == "tensorboard":
             from rayflex.telemetry.trackers.tensorboard import TensorBoardTracker
 
-            out.append(TensorBoardTracker(rfs.join(rundir.uri, "tensorboard")))
+            out.append(TensorBoardTracker(rundir.store, "tensorboard"))
         elif name == "mlflow":
             from rayflex.telemetry.trackers.mlflow import MlflowTracker
 
