@@ -212,7 +212,7 @@ def test_a_checkpoint_saved_at_pp2_tp2_resumes_at_dp3_with_the_never_stopped_los
         assert saved["losses"] == pytest.approx(reference[4]["losses"][:2], abs=1e-5), (rank, saved)
         if rank < 3:
             resumed = runs["resume_dp3"]
-            assert resumed["mesh"] == "pp1 x dp3" and resumed["restored"] == 2, resumed
+            assert resumed["mesh"] == "pp=1 x dp=3" and resumed["restored"] == 2, resumed
             assert resumed["steps"] == [3, 4]
             assert resumed["losses"] == pytest.approx(reference[4]["losses"][2:], abs=1e-5), (rank, resumed, reference)
         else:
@@ -228,7 +228,7 @@ def test_pp2_tp2_dp2_on_eight_ranks_trains_what_one_process_trains(dataset_uri, 
     reference = _reference(dataset_uri, storage, STEPS)
     for rank, runs in got.items():
         run = runs["pp2_tp2_dp2"]
-        assert run["mesh"] == "pp2 x dp2 x tp2"
+        assert run["mesh"] == "pp=2 x dp=2 x tp=2"
         assert run["losses"] == pytest.approx(reference["losses"], abs=1e-5), (rank, run, reference)
         assert run["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5), (rank, run, reference)
 
