@@ -284,7 +284,8 @@ def main(argv=None):
         from common import emit, machine
 
         topologies = [Path(p).resolve() for p in args.topologies.split(",")] if args.topologies else pm.TOPOLOGIES
-        emit({"benchmark": "placement_measured", "machine": machine(), "rounds": args.rounds, "steps": args.steps,
+        emit({"benchmark": "placement_measured", "machine": machine(), "command": " ".join(["python", *sys.argv]),
+              "rounds": args.rounds, "steps": args.steps, "measure_window_s": pm.MEASURE_WINDOW_S,
               "results": pm.run(topologies, args.rounds, args.steps, args.scale)}, args.out)
         return
     results, ratios, goals = {}, {}, {}
