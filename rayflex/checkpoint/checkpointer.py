@@ -371,6 +371,7 @@ class AsyncCheckpointer:
                     self._write_extra(report["step"], extra)
                     report["handed_off"] = {"world_size": getattr(self.mesh, "world_size", 1),
                                             "mesh": self._mesh_dims(), "keep": self.keep}
+                    report["started_at"] = started  # the commit's total_s runs from here (wall clock)
                 report["committed"] = False
             else:
                 if self.rank == 0:

@@ -5,6 +5,7 @@ the restart picks the step to resume from, and record what happened
 from __future__ import annotations
 
 import logging
+import time
 
 from rayflex.checkpoint.handoff import commit_handed_off as commit
 from rayflex.constants import knob
@@ -33,5 +34,8 @@ def commit_handed_off(ctx) -> None:
     if ctx.keepers:
         ctx.keepers.committed(step)
     log.info("emergency checkpoint of step %d committed after its keepers' uploads (%.1fs more)", step, waited)
-    ctx.ledger.checkpoint_done({**ck, "committed": True, "total_s": ck.get("total_s", 0.0) + waited,
-                                "upload": "replica_keepers"})
+    # From the save's start to its commit: the keepers' uploads began at the hand-off, and the
+    # restart's own seconds before this wait ran beside them (the rank's part + the wait alone
+    # would leave those out).
+    total = max(ck.get("total_s", 0.0) + waited, time.time() - ck.get("started_at", time.time()))
+    ctx.ledger.checkpoint_done({**ck, "committed": True, "total_s": total, "upload": "replica_keepers"})
