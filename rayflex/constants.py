@@ -148,6 +148,9 @@ _KNOBS: dict[str, Knob] = {
     # does not within this long is left out of placement until it answers or Ray drops it
     # (Ray's own health check takes up to a minute to declare a frozen node dead).
     "NODE_PROBE_TIMEOUT_S": Knob(5.0),
+    # After an attempt fails, how long its nodes are watched for Ray declaring one dead (its
+    # health check takes up to a minute by default): one that goes in that time is named lost.
+    "VANISHED_NODE_WINDOW_S": Knob(120.0),
 }
 
 

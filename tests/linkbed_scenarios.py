@@ -13,9 +13,11 @@ import rayflex as rf
 from rayflex.testing.linkbed.links import subtract
 
 SEQ_LEN = 32
-# Enough for the traffic to be measured over 16 steady steps (after step 8), and for the
-# node-lost run to finish a good stretch at the smaller size after its restart from step 4.
+# The pipeline run's traffic is measured over 16 steady steps (after step 8). The node-lost
+# run trains on after its restart from step 4 for longer than Ray takes to declare the killed
+# node dead (the bed's health check: 5 misses of 1 s + a 2 s timeout), which it names then.
 STEPS = 24
+NODE_LOST_STEPS = 40
 
 
 def _trainer(name: str, *, steps: int, workers: int = 4, min_workers: int = 4, **parallel) -> rf.Trainer:
@@ -79,7 +81,7 @@ def _pipeline_across_racks(bed) -> dict:
 
 def _node_lost(bed) -> dict:
     lost = bed.topology.nodes[-1].node_id
-    handle = _trainer("node-lost", steps=STEPS, min_workers=2).submit()
+    handle = _trainer("node-lost", steps=NODE_LOST_STEPS, min_workers=2).submit()
     deadline = time.time() + 300
     while (handle.status().get("last_checkpoint") or {}).get("step", 0) < 4:
         assert time.time() < deadline and not handle.done(), handle.status()
@@ -87,6 +89,7 @@ def _node_lost(bed) -> dict:
     removed_at = time.time()
     lost_ray_id = bed.remove_node(lost)
     result = handle.wait(timeout_s=300)
-    return {"status": result.status, "steps_completed": result.steps_completed, "steps": STEPS, "removed_at": removed_at,
+    return {"status": result.status, "steps_completed": result.steps_completed, "steps": NODE_LOST_STEPS,
+            "removed_at": removed_at,
             "lost": {"node_id": lost_ray_id, "ip": bed.plan.addresses[lost]},
             "events": _events("node-lost")}

@@ -695,6 +695,46 @@ def test_a_vanished_node_is_named_when_a_survivor_raised_first_and_its_ranks_wer
         assert "4 workers no longer fit in the 2 usable slots" in timeline.of(ev.Restarted)[-1].reason
 
 
+def test_a_vanished_node_is_named_when_ray_declares_it_dead_only_after_the_next_attempt_started(tmp_path):
+    # Seen on the link bed (CI, 1059bd6): the killed node's slots were gone from Ray's
+    # resources when the restart planned (it ran on the other node alone), but Ray still
+    # listed the node alive through the restart; it declared it dead while the next attempt
+    # trained. Nothing looked then, and the node was never named.
+    spec = _spec(tmp_path, min_workers=2, every=2, restart_while_warming=False)
+
+    def b_vanishes(group):
+        raise_in_rank(0, "RuntimeError: gloo: Connection reset by peer")(group)
+        freeze_rank(2)(group)
+        freeze_rank(3)(group)
+        group.cluster.nodes.pop("b")  # no slots there any more; Ray still lists it alive
+        group.cluster.at(6, lose_node("b"))  # ... until the next attempt has trained a while
+
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, b_vanishes)])
+    timeline = _timeline(c)
+    lost = timeline.of(ev.NodeLost)
+    assert [(e.node_id, e.ranks) for e in lost] == [("b", [2, 3])]
+    restarted_at = timeline.of(ev.Restarted)[-1].time
+    assert lost[0].time > restarted_at, "named while the next attempt ran"
+    assert set(timeline.of(ev.PlanChosen)[-1].rank_to_node) == {"a"}
+    assert result["status"] == "finished" and result["steps_completed"] == 8 and result["world_size"] == 2
+
+
+def test_a_node_the_next_attempt_runs_on_or_one_with_a_notice_is_not_watched(tmp_path):
+    # A survivor node of the failed attempt that goes later is the new attempt's fault (its
+    # detector names it), not a late sighting of the old one's: it is named once, by that.
+    spec = _spec(tmp_path, min_workers=2, every=2, restart_while_warming=False)
+
+    def a_rank_raises_then_b_goes_in_the_next_attempt(group):
+        raise_in_rank(0, "RuntimeError: injected")(group)
+        group.cluster.at(6, lose_node("b"))
+
+    c, cluster, result = _run(spec, {"a": 2, "b": 2, "c": 2},
+                              script=[(4, a_rank_raises_then_b_goes_in_the_next_attempt)])
+    timeline = _timeline(c)
+    assert len([e for e in timeline.of(ev.NodeLost) if e.node_id == "b"]) == 1
+    assert result["status"] == "finished"
+
+
 def test_a_vanished_node_charges_the_failure_budget_once(tmp_path):
     # The node's loss is seen first as a survivor's broken collective (charged: a failure);
     # the restart plans on the node while Ray still lists it, and its start fails when Ray

@@ -33,10 +33,13 @@ class RunContext:
         self.recorder = Recorder(spec.run, clock)
         self.ledger = StepLedger(spec.data, spec.checkpoint, self.recorder)
         self.policies = policies or Policies.for_spec(spec)
-        self.cadence = CheckpointCadence(spec.checkpoint, spec.run.steps, clock) if spec.checkpoint.auto_interval else None
+        self.cadence = (CheckpointCadence(spec.checkpoint, spec.run.steps, clock)
+                        if spec.checkpoint.auto_interval else None)
         self.excluded: set[str] = set()  # nodes with a preemption notice: about to vanish
         self.pending_notices: list = []  # seen while an attempt started; its first poll acts on them
         self.unreachable = UnreachableNodes(cluster)  # frozen nodes Ray still lists
+        # a failed attempt's nodes Ray may declare dead later: node -> (its ranks, watched until)
+        self.vanishing: dict[str, tuple[list[int], float]] = {}
         self.stop_requested = threading.Event()
         self.stop_reason = ""
         # Held until teardown.

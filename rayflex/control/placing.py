@@ -12,7 +12,7 @@ import logging
 from rayflex.constants import knob
 from rayflex.control.notices import exclude_noticed_nodes, keep_notices_for_the_attempt
 from rayflex.control.decisions import follow_decision
-from rayflex.control.lost_nodes import implicated_nodes, name_vanished_nodes
+from rayflex.control.lost_nodes import implicated_nodes, name_vanished_nodes, stop_watching
 from rayflex.control.states import Attempt, Finished, Placing, Running
 from rayflex.errors import RayflexError, SetupFailed
 from rayflex.planning.capacity.memory import CapacityError
@@ -32,6 +32,7 @@ def place(ctx, state: Placing):
         return redecided
     survivors = dict(state.survivors)
     world, plan, resolved, placement = _plan(ctx, state, survivors)
+    stop_watching(ctx, placement.rank_to_node)
     ctx.plan = plan
     group = _start_group(ctx, plan, placement, survivors, world, shrinking=state.workers_up is not None)
     try:

@@ -13,7 +13,7 @@ from typing import Optional
 from rayflex.constants import knob
 from rayflex.control.decisions import follow_decision
 from rayflex.control.handoff import commit_handed_off
-from rayflex.control.lost_nodes import name_vanished_nodes
+from rayflex.control.lost_nodes import name_vanished_nodes, watch_failed_attempt
 from rayflex.control.states import Attempt, Restarting
 from rayflex.control.survivors import collect_survivors
 from rayflex.control.warming import warm_replacements
@@ -35,6 +35,7 @@ def restart(ctx, state: Restarting):
     _leave_out_unreachable_nodes(ctx, fault, node_of)  # before warming replacements there
     survivors = collect_survivors(ctx, attempt, set(fault.bad_ranks), raised,
                                   warm=(lambda: warm_replacements(ctx, node_of, gone)) if gone else None)
+    watch_failed_attempt(ctx)
     name_vanished_nodes(ctx)
     commit_handed_off(ctx)  # an emergency save's keepers upload it: committed before a step is chosen
     decision = ctx.policies.failure.decide(kind=fault.kind, step=ctx.ledger.step + 1, committed_step=ctx.ledger.committed_step,

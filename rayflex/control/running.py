@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from rayflex.constants import knob
 from rayflex.control.diagnosing import investigate
+from rayflex.control.lost_nodes import name_vanished_nodes
 from rayflex.control.notices import handle_notices, preemption_fault
 from rayflex.control.states import Attempt, Finished, Placing, Restarting, Running, Stopped
 from rayflex.control.survivors import collect_survivors
@@ -64,6 +65,7 @@ def _cycle(ctx, loop: AttemptLoop):
     now = ctx.clock.time()
     if now - loop.last_nodes > knob("NODES_REFRESH_S"):
         loop.alive_nodes, loop.last_nodes = frozenset(ctx.alive_nodes()), now
+        name_vanished_nodes(ctx, loop.alive_nodes)  # a node of the failed attempt Ray declared dead only now
     fault = attempt.detector.check(result, set(loop.alive_nodes), now=now)
     if not fault and ctx.watcher is not None and now - loop.last_notice > knob("NOTICE_POLL_S"):
         loop.last_notice = now
