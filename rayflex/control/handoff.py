@@ -36,6 +36,8 @@ def commit_handed_off(ctx) -> None:
     log.info("emergency checkpoint of step %d committed after its keepers' uploads (%.1fs more)", step, waited)
     # From the save's start to its commit: the keepers' uploads began at the hand-off, and the
     # restart's own seconds before this wait ran beside them (the rank's part + the wait alone
-    # would leave those out).
-    total = max(ck.get("total_s", 0.0) + waited, time.time() - ck.get("started_at", time.time()))
+    # would leave those out). Two machines' clocks: never below what both sides measured.
+    total = ck.get("total_s", 0.0) + waited
+    if ck.get("started_at") is not None:
+        total = max(total, time.time() - ck["started_at"])
     ctx.ledger.checkpoint_done({**ck, "committed": True, "total_s": total, "upload": "replica_keepers"})
