@@ -18,6 +18,7 @@ from rayflex.errors import RayflexError, SetupFailed
 from rayflex.planning.capacity.memory import CapacityError
 from rayflex.faults.detector import FaultDetector
 from rayflex.faults.policy import best_world_size
+from rayflex.planning.placement.planner import ranks_by_node
 from rayflex.telemetry import events as ev
 
 log = logging.getLogger(__name__)
@@ -128,9 +129,9 @@ def _setup_failed(ctx, group, placement, failure: SetupFailed):
     log.warning("attempt failed to start: %s", failure)
     for rank, error in sorted(failure.dead.items()):
         ctx.record(ev.WorkerDied(step=step, rank=rank, node_id=node_of.get(rank, ""), error=error))
-    alive = ctx.alive_nodes()
+    alive, ranks_on = ctx.alive_nodes(), ranks_by_node(node_of)
     for node in sorted({node_of[r] for r in [*failure.dead, *failure.slow] if node_of.get(r)} - alive):
-        ctx.record(ev.NodeLost(step=step, node_id=node, ranks=sorted(r for r, n in node_of.items() if n == node)))
+        ctx.record(ev.NodeLost(step=step, node_id=node, ranks=ranks_on[node]))
     hung = sorted(r for r in failure.slow if node_of.get(r) in alive)
     if hung:  # up in Ray's view, silent to the controller: frozen (or stuck) while the attempt started
         ctx.record(ev.HangDetected(step=step, ranks=hung, phases={str(r): f"setup: {failure.phase}" for r in hung},
