@@ -191,6 +191,9 @@ class TrainWorker:
         self._checkpoint_request: Optional[str] = None
         self._request_reason: Optional[str] = None  # of the request a save taken now or pending serves
         self._pending_save: Optional[int] = None  # the step a deferred save fell due at
+        self._updating: Optional[int] = None  # the step whose optimizer update is being applied
+        self._live: Optional[tuple[dict, dict]] = None  # the snapshot taken when leaving (live recovery)
+        self._save_at_start: Optional[str] = None  # a save of the restored step, first thing
         # An armed injected failure belongs to this attempt: a reused process forgets it.
         self.fail_at: Optional[InjectedFailure] = _fail_at_from_env(rank)
         self.collective_fault = collective_fault_for(rank)
@@ -237,12 +240,15 @@ class TrainWorker:
         return os.getpid()
 
     # ----------------------------------------------------------------- setup
-    def setup(self, master_addr: str, master_port: int, restore: bool = True) -> dict[str, Any]:
+    def setup(self, master_addr: str, master_port: int, restore: bool = True,
+              live: Optional[dict] = None) -> dict[str, Any]:
         """Join the process group, build and shard this rank's stage(s), restore state.
 
         ``restored`` in the answer is None or the checkpoint loaded: its ``step``, ``uri``,
         saved ``world_size`` and ``mesh``, ``skipped`` steps, and ``total_steps`` (the
         run.steps it was trained toward; None for a checkpoint older than that record).
+        ``live``: restore the survivors' snapshots instead (``checkpoint.live``; the
+        controller's live recovery), then save that step first thing when saves are on.
         """
         self._set_phase("setup")
         t0 = self._attempt_start = time.time()
@@ -330,9 +336,18 @@ class TrainWorker:
                                                   upload=self.spec.checkpoint.upload,
                                                   upload_threads=self.spec.checkpoint.upload_threads,
                                                   replicas=replicas)
-            if restore and self.spec.checkpoint.resume:
+            if restore and self.spec.checkpoint.resume and live is None:
                 restored = self.checkpointer.load_latest(self._stateful())
-        if restored is not None:
+        if live is not None:
+            from rayflex.checkpoint.live import load_live
+
+            restored = load_live(self._stateful(), live, group=self.ckpt_group, node_id=self.node_id)
+            self._step = restored["step"]
+            if self.checkpointer is not None and self.spec.checkpoint.every_steps:
+                # Committed in the background as soon as possible: a second failure then
+                # loses no more than a failure did before this one.
+                self._save_at_start = "live_recovery"
+        elif restored is not None:
             self._step = self._last_saved_step = restored["step"]
         self._set_phase("idle")
         t_end = time.time()
@@ -389,6 +404,9 @@ class TrainWorker:
         try:
             stop_agreed = False
             self._probe_until = self._step + 2  # activation memory: the attempt's first steps, then sampled
+            if self._save_at_start is not None:
+                reason, self._save_at_start = self._save_at_start, None
+                self._save(self._step, reason)
             while self._step < end_step and not stop_agreed:
                 step = self._step + 1
                 if self.fail_at is not None and self.fail_at.due(step):
@@ -403,10 +421,15 @@ class TrainWorker:
                                on_fire=lambda message: _log_injected_failure(self.rank, step, message)):
                     loss_sum, grad_norm, probe = self._train_step(step)
                     self._set_phase("collective")
+                    # The step's last collective comes before its update: a rank that fails
+                    # in a collective of step s has not applied s, and a survivor's state is
+                    # always that of a finished step (live recovery reads it).
                     agreed = self._agree(loss_sum)
                 probe["sync_wait_s"] = agreed.wait_s
                 loss = agreed.loss
                 stop_agreed = agreed.stop
+                self._updating = step
+                self._apply_update(step)
                 dt = time.perf_counter() - t0
                 record = StepRecord(step=step, loss=loss, step_time_s=dt, lr=self._lr_of_step(step),
                                     grad_norm=grad_norm, time=time.time(), samples=self.spec.data.global_batch,
@@ -414,6 +437,7 @@ class TrainWorker:
                 with self._lock:
                     self._step = step
                     self._records.append(record)
+                self._updating = None
                 self._recent.append(recent_step(record, self.plan.world_size))
                 if self.checkpointer is not None:
                     self._note_checkpoint(self.checkpointer.completed())
@@ -475,15 +499,19 @@ class TrainWorker:
                  "sample_indices": indices.tolist() if self.spec.data.log_samples else None}
         self._set_phase("optimizer")
         grad_norm = self._clip_grads()
-        # The learning rate is set, not stepped: a LambdaLR restored from a checkpoint left
-        # the optimizer at the saved run's last LR for one step (its lambda, and so the
-        # current run.steps, took effect only at the next scheduler step).
+        return loss_contrib, grad_norm, probe
+
+    def _apply_update(self, step: int) -> None:
+        """The optimizer step: local work only (no collective), once the step's agreement
+        is done. The learning rate is set, not stepped: a LambdaLR restored from a
+        checkpoint left the optimizer at the saved run's last LR for one step (its lambda,
+        and so the current run.steps, took effect only at the next scheduler step)."""
+        self._set_phase("optimizer")
         lr = self._lr_of_step(step)
         for o in self.optimizers:
             for group in o.param_groups:
                 group["lr"] = lr
             o.step()
-        return loss_contrib, grad_norm, probe
 
     def _clip_grads(self) -> float:
         """The global grad norm (clipping to ``grad_clip`` if set). The norm is a host
@@ -628,7 +656,8 @@ class TrainWorker:
             return not self._thread.is_alive()
         return True
 
-    def release(self, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0, abort: bool = False) -> Leaving:
+    def release(self, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0, abort: bool = False,
+                snapshot: bool = False) -> Leaving:
         """Leave the current attempt so this process can be reused by the next one.
 
         The loop is asked to stop. ``abort`` (a peer died or raised: the attempt is broken):
@@ -639,7 +668,8 @@ class TrainWorker:
         them are freed. Returns ``Leaving.STUCK`` if the loop is still blocked after
         ``timeout_s``, ``Leaving.UPLOADING`` if a checkpoint upload still runs after the grace
         (a reused process must never write into a later attempt's checkpoints): the
-        controller then kills this process. Else ``Leaving.LEFT``."""
+        controller then kills this process. Else ``Leaving.LEFT``; with ``snapshot``, having
+        first taken the state of its last finished step in memory (``take_live``)."""
         self._stop.set()
         grace = min(checkpoint_grace_s, timeout_s / 2)
         if abort:
@@ -664,9 +694,35 @@ class TrainWorker:
             log.warning("rank %d: a checkpoint upload is still running after %.1fs; this process is not "
                         "reused (it is killed, so the upload can never land later)", self.rank, grace)
             return Leaving.UPLOADING
+        self._live = self._snapshot() if snapshot else None
         self.shutdown(checkpoint_grace_s=0)
         self._state = WorkerState.RELEASED
         return Leaving.LEFT
+
+    def _snapshot(self) -> tuple[dict, dict]:
+        """(info, files) of this rank's state at its last finished step, or (info with
+        ``error``, {}) saying why there is none."""
+        base = {"rank": self.rank, "node_id": self.node_id, "step": self._step}
+        if self._updating is not None:
+            return {**base, "error": f"its update of step {self._updating} was being applied"}, {}
+        if getattr(self, "stages", None) is None:
+            return {**base, "error": "it holds no training state"}, {}
+        from rayflex.checkpoint.live import take_snapshot
+
+        try:
+            return take_snapshot(self._stateful(), rank=self.rank, step=self._step, node_id=self.node_id)
+        except Exception as e:  # noqa: BLE001 - no live copy from this rank: said, not raised
+            log.warning("rank %d: no live snapshot: %s", self.rank, e, exc_info=True)
+            return {**base, "error": f"snapshot failed: {type(e).__name__}: {e}"}, {}
+
+    def take_live(self) -> tuple[dict, dict]:
+        """The snapshot ``release(snapshot=True)`` took, handed over once (the caller owns
+        it from here: Ray keeps a returned value for whoever called)."""
+        live, self._live = self._live, None
+        if live is None:
+            return {"rank": self.rank, "node_id": self.node_id, "step": self._step,
+                    "error": "it took no snapshot when it left"}, {}
+        return live
 
     def _wait_for_save(self, timeout_s: float) -> None:
         if self.checkpointer is not None and timeout_s > 0:

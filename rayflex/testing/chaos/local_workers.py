@@ -40,6 +40,9 @@ def _serve(commands, answers) -> None:
                 out = rank
             elif cmd == "setup":
                 out = worker.setup("127.0.0.1", args[0], restore=True)["step"]
+            elif cmd == "call":  # any method of the worker: (name, args, kwargs)
+                name, call_args, call_kwargs = args
+                out = getattr(worker, name)(*call_args, **call_kwargs)
             elif cmd == "run":
                 worker.start(args[0])
                 worker.join(args[1])

@@ -1,0 +1,112 @@
+"""Live recovery, the bytes: survivors of a broken HSDP attempt hand over the state of their
+last finished step, and the next attempt loads it at another size, with no storage read,
+bitwise as a checkpoint of that step would have been loaded. Plain processes, no Ray."""
+
+import time
+
+import pytest
+import torch
+
+from conftest import SEQ_LEN, small_gpt
+
+from rayflex.testing.chaos.local_workers import LocalWorkerPool
+from rayflex.local_ray import free_ports
+
+STEPS, FAIL_AT = 8, 5  # rank 0 raises when it starts step 5: the survivors hold step 4
+
+
+def _spec(dataset_uri, root, every_steps):
+    import rayflex as rf
+
+    return rf.Trainer(model=small_gpt(n_layers=2),
+                      data=rf.DataConfig(uri=dataset_uri, seq_len=SEQ_LEN, global_batch=8),
+                      run=rf.RunConfig(name="live", storage=f"file://{root}", steps=STEPS,
+                                       optimizer=rf.OptimizerConfig(lr=1e-2, warmup_steps=2)),
+                      parallel=rf.ParallelConfig(dp_shard=2),
+                      scaling=rf.ScalingConfig(num_workers=4, min_workers=2),
+                      checkpoint=rf.CheckpointConfig(every_steps=every_steps, keep=5)).spec
+
+
+def _call(pool, order, method, *args, **kwargs):
+    return pool.each(order, "call", lambda k: (method, args, kwargs))
+
+
+def _wait(pool, order, states, timeout_s=180):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        got = _call(pool, order, "poll")
+        if all(str(s.state) in states for s in got):
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"ranks {order} did not reach {states}: {[(s.state, s.step) for s in got]}")
+
+
+def _final_model(root):
+    from rayflex.checkpoint import manifest as mf
+    from rayflex.checkpoint.reader import CheckpointWeights
+
+    uri = f"file://{root}/live/checkpoints"
+    weights = CheckpointWeights(step_uri=mf.step_dir(uri, STEPS), step=STEPS, model={}, description="final")
+    return weights.load(sorted(weights.tensors()))
+
+
+@pytest.mark.multiproc
+def test_survivors_state_resumes_at_another_size_bitwise_like_a_checkpoint(dataset_uri, tmp_path):
+    world4, world2 = [0, 1, 2, 3], [0, 1]
+    with LocalWorkerPool(4, timeout_s=240) as pool:
+        # The reference: a fault-free run that saves step 4 at 4 ranks (HSDP 2 x 2) and
+        # resumes it from storage at 2 (FSDP 2).
+        ref = _spec(dataset_uri, tmp_path / "ref", every_steps=4)
+        pool.each(world4, "assign", lambda k: (ref, k, 4))
+        port = free_ports(1)[0]
+        _call(pool, world4, "setup", "127.0.0.1", port, True)
+        _call(pool, world4, "start", FAIL_AT - 1)
+        _wait(pool, world4, {"done"})
+        _call(pool, world4, "release", 30, 0)
+        pool.each(world2, "assign", lambda k: (ref, k, 2))
+        port = free_ports(1)[0]
+        restored = _call(pool, world2, "setup", "127.0.0.1", port, True)
+        assert restored[0]["restored"]["step"] == FAIL_AT - 1
+        _call(pool, world2, "start", STEPS)
+        _wait(pool, world2, {"done"})
+        _call(pool, world2, "release", 30, 0)
+
+    # A pool of its own: a process keeps the spec it was started with.
+    with LocalWorkerPool(4, timeout_s=240) as pool:
+        # Live: rank 0 raises at step 5 and the others are aborted out of its collectives;
+        # ranks 1, 2, 3 hand over step 4, which no checkpoint holds (saves only at the end).
+        run = _spec(dataset_uri, tmp_path / "run", every_steps=STEPS)
+        pool.each(world4, "assign", lambda k: (run, k, 4))
+        port = free_ports(1)[0]
+        _call(pool, world4, "setup", "127.0.0.1", port, True)
+        _call(pool, [0], "set_fail_at", FAIL_AT, "injected")
+        _call(pool, world4, "start", STEPS)
+        _wait(pool, [0], {"failed"}, timeout_s=60)
+        survivors = [1, 2, 3]
+        left = _call(pool, survivors, "release", 30, 0, True, True)
+        assert [str(x) for x in left] == ["left"] * 3
+        taken = dict(zip(survivors, _call(pool, survivors, "take_live")))
+        _call(pool, [0], "release", 30, 0, True)
+        infos = {r: info for r, (info, _) in taken.items()}
+        assert all("error" not in i and i["step"] == FAIL_AT - 1 for i in infos.values()), infos
+        live = {"step": FAIL_AT - 1, "infos": infos, "files": {r: files for r, (_, files) in taken.items()},
+                "world_size": 4}
+        # The new attempt: processes 1 and 2 (old ranks 1 and 2) become ranks 0 and 1.
+        new = [1, 2]
+        pool.each(new, "assign", lambda k: (run, k, 2))
+        port = free_ports(1)[0]
+        got = _call(pool, new, "setup", "127.0.0.1", port, True, live)
+        for g in got:
+            assert g["restored"]["uri"] == "live peers" and g["restored"]["step"] == FAIL_AT - 1, g["restored"]
+        _call(pool, new, "start", STEPS)
+        _wait(pool, new, {"done"})
+        _call(pool, new, "release", 30, 0)
+
+    from rayflex.checkpoint import manifest as mf
+
+    saved = mf.list_committed(f"file://{tmp_path}/run/live/checkpoints")
+    assert saved == [FAIL_AT - 1, STEPS], "the live-recovered step is committed first thing, then the final one"
+    want, have = _final_model(tmp_path / "ref"), _final_model(tmp_path / "run")
+    assert want.keys() == have.keys()
+    for key in want:
+        assert torch.equal(want[key], have[key]), key
