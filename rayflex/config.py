@@ -412,6 +412,11 @@ class ElasticConfig:
     # then grows at a step boundary once they are warm — training never waits for process
     # start, at the cost of one more (checkpointed) restart. False waits for them.
     restart_while_warming: bool = True
+    # After a failure without notice, resume from the survivors' live state of their last
+    # finished step when every shard of it survived (a mesh with dp_replicate >= 2: HSDP):
+    # no step is lost and nothing is read from storage. Otherwise, or False: the newest
+    # checkpoint (memory replicas, then storage). A recovery_chosen event says which and why.
+    live_recovery: bool = True
     # Entries of torch's collective flight recorder per worker process (0 = off): on a
     # hang the controller reads every rank's and names the deadlock (a hang_diagnosed
     # event; docs/guides/hangs.md).
@@ -420,6 +425,10 @@ class ElasticConfig:
     def __post_init__(self) -> None:
         c = "ElasticConfig"
         _non_negative_int(c, "flight_recorder", self.flight_recorder)
+        if not isinstance(self.live_recovery, bool):
+            raise ConfigError(f"{c}.live_recovery", f"must be True or False, got {self.live_recovery!r}",
+                              "use True (resume from the survivors' memory when every shard survived) or False "
+                              "(always the newest checkpoint)")
         if not isinstance(self.restart_while_warming, bool):
             raise ConfigError(f"{c}.restart_while_warming", f"must be True or False, got {self.restart_while_warming!r}",
                               "use True (restart now, grow when warm) or False (wait for the new workers)")

@@ -4,6 +4,8 @@ spot notice at the step a test names. No Ray, no processes, no sleeping."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -191,7 +193,7 @@ class FakeGroup:
         self.stopping = False
         self.failed: dict[int, str] = {}
 
-    def setup(self, restore: bool = True, while_waiting=None) -> list[dict]:
+    def setup(self, restore: bool = True, while_waiting=None, live=None) -> list[dict]:
         # A test queues what goes wrong while the next attempts start (may raise SetupFailed).
         failures = getattr(self.cluster, "setup_failures", [])
         if failures:
@@ -210,6 +212,12 @@ class FakeGroup:
         if stuck:  # a process placed on a frozen node, or one Ray has since declared dead, never answers
             self.cluster.clock.sleep(60.0)
             raise SetupFailed("start", dead={}, slow=stuck, timeout_s=60.0)
+        self.cluster.live_restores.append(live)
+        if live is not None:  # the survivors' snapshots: the step they finished, nothing committed
+            self.step = live["step"]
+            restored = {"uri": "live peers", "world_size": live.get("world_size", 0), "total_steps": None,
+                        "sample_order": SAMPLE_ORDER}
+            return [{"step": self.step, "restored": restored} for _ in self.actors]
         self.step = self.cluster.committed if restore else 0
         # A test sets cluster.saved_total_steps to the run.steps the checkpoint was trained
         # toward (unset: a checkpoint without that record).
@@ -300,7 +308,7 @@ class FakeGroup:
         for r in ranks:
             self.cluster.kill(self.actors[r])
 
-    def release(self, ranks, timeout_s=10.0, checkpoint_grace_s=3.0, abort=False) -> Release:
+    def release(self, ranks, timeout_s=10.0, checkpoint_grace_s=3.0, abort=False, snapshot=False) -> Release:
         self.cluster.releases.append((tuple(ranks), abort))
         for act in self.cluster.on_release:  # what a test makes happen while the survivors leave
             act(self)
@@ -312,6 +320,11 @@ class FakeGroup:
                            died={r: "ActorDiedError: the actor died" for r in ranks
                                  if not self._live(r) or r in leaving},
                            uploading=uploading & frozenset(ranks))
+        if snapshot:  # each rank that left hands over the step it finished (a test may say one failed)
+            broken = getattr(self.cluster, "snapshot_errors", {})
+            released = dataclasses.replace(released, live={
+                r: ({"rank": r, "step": self.step, **({"error": broken[r]} if r in broken else {})}, f"files-{r}")
+                for r in released.left})
         for act in self.cluster.after_release:  # what happens once they were let go (a node declared dead)
             act(self)
         self.cluster.after_release = []
@@ -339,6 +352,7 @@ class FakeCluster:
         self.committed = 0
         self.killed: list[FakeActor] = []
         self.releases: list[tuple] = []
+        self.live_restores: list = []  # what each attempt's setup was given to restore live (None: a checkpoint)
         self.capacity_requests = 0
         self.checkpoint_requests: list[tuple[int, str]] = []  # (step, reason) of each request
         self.standbys_started = 0

@@ -36,10 +36,11 @@ def _production_timing(monkeypatch):
     monkeypatch.setattr("rayflex.telemetry.report.write_report", lambda *a, **k: None)
 
 
-def _spec(tmp_path, *, workers=4, min_workers=None, max_workers=None, steps=8, every=0, **elastic):
+def _spec(tmp_path, *, workers=4, min_workers=None, max_workers=None, steps=8, every=0, parallel=None, **elastic):
     model = ModelSummary(name="m", num_blocks=4, hidden_size=8, init_seed=1, block_params=(10, 10, 10, 10))
     return rf.TrainSpec(model=model, data=rf.DataConfig(uri="file:///nowhere", seq_len=8, global_batch=8),
                         run=rf.RunConfig(name="r", storage=f"file://{tmp_path}", steps=steps),
+                        parallel=parallel or rf.ParallelConfig(),
                         scaling=rf.ScalingConfig(num_workers=workers, min_workers=min_workers,
                                                  max_workers=max_workers),
                         checkpoint=rf.CheckpointConfig(every_steps=every, resume=True),
@@ -482,7 +483,9 @@ def test_the_run_grows_back_when_capacity_returns(tmp_path):
 
 
 def test_the_same_failure_twice_with_no_progress_fails_the_run(tmp_path):
-    spec = _spec(tmp_path, every=2)
+    # From a checkpoint (the live path re-runs the step the same way; the fake replays a
+    # failure only from the step it fired after).
+    spec = _spec(tmp_path, every=2, live_recovery=False)
     boom = "ValueError: a poison batch"
     c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, raise_in_rank(1, boom, every_attempt=True))])
     # the restart from the step-2 checkpoint hits the same failure at the same step
@@ -829,3 +832,80 @@ def test_a_healthy_node_of_the_failed_attempt_lost_while_the_restart_starts_is_c
     c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, a_rank_dies_then_b_goes_during_the_restore)])
     assert c.ctx.policies.failure.failures == 2
     assert result["status"] == "failed" and "failure budget exhausted" in result["reason"]
+
+
+# ----------------------------------------------------------------- live recovery
+HSDP = rf.ParallelConfig(dp_shard=2)  # 4 ranks: 2 replicas x 2 shards (ranks 0, 2 hold shard 0; 1, 3 shard 1)
+
+
+def _recovery(c):
+    return _timeline(c).of(ev.RecoveryChosen)
+
+
+def test_a_killed_rank_whose_shard_has_a_live_replica_loses_no_step(tmp_path):
+    spec = _spec(tmp_path, every=4, parallel=HSDP, restart_while_warming=False)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, kill_rank(1))])
+    chosen, = _recovery(c)
+    assert chosen.source == "live_peers" and chosen.step == 3, chosen
+    assert chosen.holders == [0, 3], "one survivor per shard: shard 1's only copy left is rank 3's"
+    live = cluster.live_restores[1]
+    assert live["step"] == 3 and sorted(live["infos"]) == [0, 3] and live["files"] == {0: "files-0", 3: "files-3"}
+    restart, = _timeline(c).of(ev.Restarted)
+    assert restart.lost_steps == 0 and restart.from_step == 3
+    loaded = _timeline(c).of(ev.CheckpointLoaded)
+    assert loaded[-1].uri == "live peers" and loaded[-1].step == 3
+    assert [m["step"] for m in c.metrics()] == list(range(1, 9)), "every step once"
+    assert result["status"] == "finished"
+    # Not committed: the restored step is not claimed as a checkpoint the run could fall back to.
+    assert c.ctx.ledger.committed_step != 3
+
+
+def test_a_shard_that_lost_every_copy_falls_back_to_the_checkpoint_and_says_why(tmp_path):
+    spec = _spec(tmp_path, every=2, parallel=HSDP, restart_while_warming=False)
+
+    def both_replicas(group):
+        kill_rank(1)(group)
+        kill_rank(3)(group)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, both_replicas)])
+    chosen, = _recovery(c)
+    assert chosen.source == "checkpoint" and "every copy of FSDP shard 1 was lost with ranks 1, 3" in chosen.reason
+    assert cluster.live_restores[1] is None and cluster.releases[-1][0] == (0, 2)
+    assert _timeline(c).of(ev.Restarted)[0].from_step == 2, "from the checkpoint of step 2"
+    assert result["status"] == "finished"
+
+
+def test_a_plain_fsdp_mesh_says_its_only_copy_went_with_the_rank(tmp_path):
+    c, cluster, result = _run(_spec(tmp_path, every=2, restart_while_warming=False), {"a": 2, "b": 2},
+                              script=[(3, kill_rank(2))])
+    chosen, = _recovery(c)
+    assert chosen.source == "checkpoint" and "rank 2 held the only copy" in chosen.reason
+    assert "dp_replicate=1" in chosen.reason, "the reason names what would have kept a copy"
+
+
+def test_a_rank_that_raised_still_hands_over_its_state(tmp_path):
+    # No rank died: every shard is alive, even without replicas.
+    c, cluster, result = _run(_spec(tmp_path, every=4, restart_while_warming=False), {"a": 2, "b": 2},
+                              script=[(3, raise_in_rank(1, "ValueError: transient"))])
+    chosen, = _recovery(c)
+    assert chosen.source == "live_peers" and chosen.holders == [0, 1, 2, 3]
+    assert _timeline(c).of(ev.Restarted)[0].lost_steps == 0
+    assert result["status"] == "finished" and [m["step"] for m in c.metrics()] == list(range(1, 9))
+
+
+def test_a_failed_snapshot_falls_back_naming_the_rank(tmp_path):
+    spec = _spec(tmp_path, every=2, parallel=HSDP, restart_while_warming=False)
+
+    def kill_and_break(group):
+        group.cluster.snapshot_errors = {3: "snapshot failed: MemoryError"}
+        kill_rank(1)(group)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, kill_and_break)])
+    chosen, = _recovery(c)
+    assert chosen.source == "checkpoint"
+    assert "every copy of FSDP shard 1 was lost" in chosen.reason and "rank 3: snapshot failed: MemoryError" in chosen.reason
+
+
+def test_live_recovery_off_asks_no_survivor_for_its_state(tmp_path):
+    spec = _spec(tmp_path, every=2, parallel=HSDP, restart_while_warming=False, live_recovery=False)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, kill_rank(1))])
+    assert not _recovery(c) and cluster.live_restores[1] is None
+    assert _timeline(c).of(ev.Restarted)[0].from_step == 2

@@ -16,9 +16,11 @@ from rayflex.faults.policy import Fail, Restart, WaitForResources, best_world_si
 log = logging.getLogger(__name__)
 
 
-def follow_decision(ctx, decision, survivors: dict, fault_time: float, error: Callable[[], Any]):
+def follow_decision(ctx, decision, survivors: dict, fault_time: float, error: Callable[[], Any],
+                    live: Optional[dict] = None):
     """Act on the failure policy's decision: wait for resources (asking the autoscaler),
-    fail the run (with ``error()`` as its cause), or restart at the size it chose."""
+    fail the run (with ``error()`` as its cause), or restart at the size it chose (from the
+    survivors' state, ``live``, when the recovery policy chose it)."""
     deadline = None
     while isinstance(decision, WaitForResources):
         if deadline is None:
@@ -35,7 +37,7 @@ def follow_decision(ctx, decision, survivors: dict, fault_time: float, error: Ca
         return Failed(decision.reason, error())
     assert isinstance(decision, Restart)
     placing = Placing(world_size=decision.world_size, restart_reason=decision.reason, fault_time=fault_time,
-                      survivors=survivors)
+                      survivors=survivors, live=live)
     return with_what_is_up(ctx, placing) or placing
 
 
@@ -68,4 +70,4 @@ def with_what_is_up(ctx, placing: Placing) -> Optional[Placing]:
     reason = (f"{placing.restart_reason}; restarting at once with the {now} workers that are up, growing to "
               f"{size} when {size - up} more are warm")
     return Placing(world_size=now, restart_reason=reason, fault_time=placing.fault_time,
-                   survivors=placing.survivors, workers_up=up_slots, full_size=size)
+                   survivors=placing.survivors, workers_up=up_slots, full_size=size, live=placing.live)

@@ -120,7 +120,7 @@ class StepLedger:
         self._metrics = [json.loads(line) for line in lines]
         return self._metrics[-1]["step"] if self._metrics else 0
 
-    def restored(self, step: int, recovered: Optional[list[dict]] = None) -> int:
+    def restored(self, step: int, recovered: Optional[list[dict]] = None, committed: bool = True) -> int:
         """An attempt starts at ``step``; lines past it belong to a rolled-back timeline
         and are rewritten. Returns how many steps were lost.
 
@@ -130,7 +130,8 @@ class StepLedger:
         did report (the loss, grad norm and LR are agreed over every rank; ``ranks_reported``
         says how many did), and where no rank had (every rank died before the poll), from
         ``recovered``: the metrics the checkpoint carries of its last steps (rank 0's,
-        ``ranks_reported`` 0, ``from_checkpoint``)."""
+        ``ranks_reported`` 0, ``from_checkpoint``). ``committed``: ``step`` came from a
+        checkpoint (a live recovery's step is not committed until its own save is)."""
         # Only after an attempt of this controller's own: a run resumed by name starts with
         # the earlier job's lines already written (its checkpoint carries steps of those).
         by_step = {r["step"]: r for r in recovered or []} if self._plan is not None else {}
@@ -143,7 +144,8 @@ class StepLedger:
                 break
         self._measure_saves()  # the ending attempt's steps are about to leave the window
         self.step = self.start_step = step
-        self.committed_step = max(self.committed_step, step)
+        if committed:
+            self.committed_step = max(self.committed_step, step)
         with self._lock:
             rolled_back = [m for m in self._metrics if m["step"] > step]
             self._metrics = [m for m in self._metrics if m["step"] <= step]

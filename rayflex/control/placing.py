@@ -38,7 +38,7 @@ def place(ctx, state: Placing):
     group = _start_group(ctx, plan, placement, survivors, world, shrinking=state.workers_up is not None)
     try:
         infos = group.setup(restore=ctx.spec.checkpoint.resume,
-                            while_waiting=lambda: _while_starting(ctx, placement.rank_to_node))
+                            while_waiting=lambda: _while_starting(ctx, placement.rank_to_node), live=state.live)
     except SetupFailed as failure:
         return _setup_failed(ctx, group, placement, failure)
     ctx.record(_plan_event(world, plan, resolved, placement, group,
@@ -64,7 +64,7 @@ def place(ctx, state: Placing):
             ctx.record(ev.ScheduleChanged(step=step, from_total_steps=saved_total, to_total_steps=total,
                                           lr_before=opt.lr_of_step(step + 1, saved_total),
                                           lr_after=opt.lr_of_step(step + 1, total)))
-    lost = ctx.ledger.restored(step, recovered=(restored or {}).get("recent_steps"))
+    lost = ctx.ledger.restored(step, recovered=(restored or {}).get("recent_steps"), committed=state.live is None)
     if state.restart_reason is not None:
         ctx.record(ev.Restarted(step=step, world_size=world, from_step=step, reason=state.restart_reason,
                                 lost_steps=lost, reused_workers=len(getattr(group, "reused", [])),
@@ -98,7 +98,7 @@ def _decide_again_if_slots_went(ctx, state: Placing):
     log.warning("%d workers no longer fit in the %d usable slots: deciding the size again", state.world_size, usable)
     decision = ctx.policies.failure.resize(usable_slots=usable, reason=f"{state.restart_reason}; {state.world_size} workers "
                                                              f"no longer fit in the {usable} usable slots")
-    return follow_decision(ctx, decision, dict(state.survivors), state.fault_time, lambda: None)
+    return follow_decision(ctx, decision, dict(state.survivors), state.fault_time, lambda: None, live=state.live)
 
 
 def _while_starting(ctx, rank_to_node) -> None:

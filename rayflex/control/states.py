@@ -45,7 +45,8 @@ class Placing:
     """Start an attempt. ``world_size`` None: the first start picks it. ``restart_reason``
     None: not a restart. ``survivors``: warm workers of the last attempt (actor id ->
     handle). ``workers_up``: restart now on only these slots (node -> workers), standing in
-    for ``full_size`` until the newcomers are warm."""
+    for ``full_size`` until the newcomers are warm. ``live``: restore the survivors'
+    snapshots (``control.live_state``), not a checkpoint."""
 
     kind = RunState.PLACING
     world_size: Optional[int] = None
@@ -54,6 +55,7 @@ class Placing:
     survivors: Mapping[str, Any] = field(default_factory=dict)
     workers_up: Optional[Mapping[str, int]] = None
     full_size: Optional[int] = None
+    live: Optional[Mapping[str, Any]] = None
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,13 @@ log = logging.getLogger(__name__)
 
 
 def collect_survivors(ctx, attempt: Attempt, bad_ranks: set[int], raised: frozenset = frozenset(),
-                      warm: Optional[Callable[[], None]] = None) -> dict[str, Any]:
+                      warm: Optional[Callable[[], None]] = None,
+                      snapshots: Optional[dict] = None) -> dict[str, Any]:
     """Kill the dead or frozen ranks; ask the others to leave the attempt and keep the ones
     that could (actor id -> handle). Ranks whose loop *raised* are alive: they leave like
-    the others (so a checkpoint they are still uploading can commit), then are replaced."""
+    the others (so a checkpoint they are still uploading can commit), then are replaced.
+    ``snapshots`` (filled in when given): every rank that left hands over the state of its
+    last finished step, rank -> (info, files reference), for a live recovery."""
     group, reservation, cluster = attempt.group, ctx.reservation, ctx.cluster
     kill_now = set(bad_ranks) - set(raised)
     group.kill(sorted(kill_now))
@@ -34,7 +37,10 @@ def collect_survivors(ctx, attempt: Attempt, bad_ranks: set[int], raised: frozen
     # in flight can still commit). A growth stop is at a step boundary and leaves gracefully.
     grace = 0.0 if kill_now else knob("RELEASE_CHECKPOINT_GRACE_S")
     released = (group.release(others, timeout_s=knob("RELEASE_TIMEOUT_S"), checkpoint_grace_s=grace,
-                              abort=bool(kill_now or raised)) if others else Release())
+                              abort=bool(kill_now or raised), snapshot=snapshots is not None)
+                if others else Release())
+    if snapshots is not None:
+        snapshots.update(released.live)
     survivors = {}
     for r in others:
         actor = group.actors[r]

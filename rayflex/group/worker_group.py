@@ -71,11 +71,12 @@ class RayWorkerGroup:
         self._last_answer: dict[int, float] = {}
 
     def setup(self, restore: bool = True, timeout_s: Optional[float] = None,
-              while_waiting: Optional[Callable[[], None]] = None) -> list[dict]:
+              while_waiting: Optional[Callable[[], None]] = None, live: Optional[dict] = None) -> list[dict]:
         """Rendezvous at rank 0's address and build every stage. Returns per-rank setup info.
         ``while_waiting`` is called about once a second until every rank answered (the
         controller keeps storing its run directory, so an outage during a restore is named
-        while the restore rides it out, not after)."""
+        while the restore rides it out, not after). ``live``: restore the survivors'
+        snapshots (live recovery) instead of a checkpoint."""
         timeout_s = timeout_s or knob("SETUP_TIMEOUT_S")
         t0 = time.time()
         # Ranks whose process is up answer liveness pings from another actor thread while
@@ -90,7 +91,7 @@ class RayWorkerGroup:
         self.node_of = {i["rank"]: i["node_id"] for i in infos}
         self.pids = {i["rank"]: i["pid"] for i in infos}
         master = infos[0]
-        refs = [a.setup.remote(master["ip"], master["port"], restore) for a in self.actors]
+        refs = [a.setup.remote(master["ip"], master["port"], restore, live) for a in self.actors]
         out = _gather(refs, timeout_s, "rendezvous, build and restore", while_waiting=while_waiting,
                       liveness=dict(enumerate(self.actors)))
         now = time.time()
@@ -162,13 +163,14 @@ class RayWorkerGroup:
             kill_quietly(self.actors[r])
 
     def release(self, ranks, timeout_s: float = 10.0, checkpoint_grace_s: float = 3.0,
-                abort: bool = False) -> "Release":
+                abort: bool = False, snapshot: bool = False) -> "Release":
         """Ask surviving ranks to leave the attempt (``abort``: the attempt is broken, fail
-        its pending collectives); says which left cleanly and which died meanwhile."""
+        its pending collectives); says which left cleanly and which died meanwhile.
+        ``snapshot``: each rank that left hands over its state in memory (``live``)."""
         import ray
         from ray.exceptions import RayActorError
 
-        refs = {r: self.actors[r].release.remote(timeout_s, checkpoint_grace_s, abort) for r in ranks}
+        refs = {r: self.actors[r].release.remote(timeout_s, checkpoint_grace_s, abort, snapshot) for r in ranks}
         pending, ready = list(refs.values()), []
         deadline = time.time() + timeout_s + 5
         last_progress = time.time()
@@ -194,7 +196,23 @@ class RayWorkerGroup:
                 left.add(r)
             elif answer == Leaving.UPLOADING:
                 uploading.add(r)
-        return Release(frozenset(left), died, frozenset(uploading))
+        live = self._take_live(sorted(left)) if snapshot else {}
+        return Release(frozenset(left), died, frozenset(uploading), live)
+
+    def _take_live(self, ranks: list[int]) -> dict:
+        """rank -> (what its snapshot says, a reference to its files). The files stay in
+        the object store of the rank's node, owned by this process: they outlive the rank
+        (one let go, or replaced) until the next attempt has read them."""
+        import ray
+
+        pending = {r: self.actors[r].take_live.options(num_returns=2).remote() for r in ranks}
+        out = {}
+        for r, (info_ref, files_ref) in pending.items():
+            try:
+                out[r] = (ray.get(info_ref, timeout=knob("ACTOR_CALL_TIMEOUT_S")), files_ref)
+            except Exception as e:  # noqa: BLE001 - no live copy from this rank: the policy says so
+                out[r] = ({"rank": r, "error": f"its snapshot did not arrive: {_short_error(e)}"}, None)
+        return out
 
     def shutdown(self, graceful_s: float = 5.0) -> None:
         """Let ranks release their process groups, then kill every actor."""
@@ -216,6 +234,7 @@ class Release:
     left: frozenset = frozenset()
     died: dict = field(default_factory=dict)
     uploading: frozenset = frozenset()
+    live: dict = field(default_factory=dict)  # rank -> (snapshot info, files reference), with snapshot=True
 
 
 def _gather(refs: list, timeout_s: float, phase: str, ranks: Optional[list] = None,

@@ -40,6 +40,7 @@ class EventKind(enum.StrEnum):
     STRAGGLER_DETECTED = "straggler_detected"
     PREEMPTION_NOTICE = "preemption_notice"
     RESTARTED = "restarted"
+    RECOVERY_CHOSEN = "recovery_chosen"
     STORAGE_UNAVAILABLE = "storage_unavailable"
     STORAGE_RECOVERED = "storage_recovered"
     RUN_STOPPED = "run_stopped"
@@ -314,6 +315,21 @@ class Restarted(Event):
     lost_steps: int = 0
     reused_workers: int = 0
     fault_time: Optional[float] = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryChosen(Event):
+    """Where a restart after a failure takes its state from (``faults.live_recovery``):
+    ``"live_peers"`` (the survivors' memory: ``step`` is their last finished step, read
+    from the old ranks ``holders``; no step is lost) or ``"checkpoint"`` (memory replicas,
+    then storage), with the reason — e.g. which shard lost every copy."""
+
+    kind: ClassVar[EventKind] = EventKind.RECOVERY_CHOSEN
+    source: str = ""
+    reason: str = ""
+    holders: list = field(default_factory=list)
+    snapshot_s: float = 0.0  # the slowest survivor's snapshot of its state
+    snapshot_bytes: int = 0  # what the holders' snapshots hold, summed
 
 
 @dataclass(frozen=True, kw_only=True)

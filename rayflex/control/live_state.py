@@ -1,0 +1,49 @@
+"""Live recovery, the controller's side: whether to ask a failure's survivors for their
+state, the policy's choice over what they handed over (``faults.live_recovery``), its
+``recovery_chosen`` event, and what the next attempt's ranks then read."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from rayflex.faults import live_recovery
+from rayflex.mesh.plan import MeshPlan
+from rayflex.telemetry import events as ev
+
+log = logging.getLogger(__name__)
+
+
+def worth_asking(ctx, plan: MeshPlan, lost: set[int]) -> bool:
+    """True when the ranks not ``lost`` may still hold every shard: they are then asked for
+    snapshots as they leave. Otherwise the checkpoint path is chosen now, and said."""
+    if not ctx.spec.elastic.live_recovery:
+        return False
+    missing = live_recovery.lost_shard(plan, set(range(plan.world_size)) - lost)
+    if missing is None:
+        return True
+    _record(ctx, live_recovery.FromCheckpoint(reason=missing))
+    return False
+
+
+def choose(ctx, plan: MeshPlan, snapshots: dict[int, tuple[dict, Any]]) -> Optional[dict]:
+    """The policy's choice over the survivors' snapshots, recorded; for a live recovery,
+    what each rank of the next attempt is given to read (``TrainWorker.setup(live=...)``)."""
+    choice = live_recovery.decide(plan, {r: info for r, (info, _) in snapshots.items()})
+    _record(ctx, choice, snapshots)
+    if not isinstance(choice, live_recovery.LiveRecovery):
+        return None
+    return {"step": choice.step, "world_size": plan.world_size, "mesh": plan.to_dict(),
+            "infos": {r: snapshots[r][0] for r in choice.holders},
+            "files": {r: snapshots[r][1] for r in choice.holders}}
+
+
+def _record(ctx, choice, snapshots: Optional[dict] = None) -> None:
+    infos = [info for info, _ in (snapshots or {}).values() if not info.get("error")]
+    holders = list(getattr(choice, "holders", ()))
+    step = getattr(choice, "step", ctx.ledger.step)
+    log.info("recovery from %s: %s", choice.source, choice.reason)
+    ctx.record(ev.RecoveryChosen(step=step, source=choice.source, reason=choice.reason, holders=holders,
+                                 snapshot_s=max((i.get("snapshot_s", 0.0) for i in infos), default=0.0),
+                                 snapshot_bytes=sum(i.get("bytes", 0) for i in infos
+                                                    if i.get("rank") in holders)))

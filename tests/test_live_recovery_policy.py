@@ -1,0 +1,43 @@
+"""The live-recovery policy: which failures the survivors' memory can recover from, and why not."""
+
+from rayflex.faults.live_recovery import FromCheckpoint, LiveRecovery, decide, lost_shard
+from rayflex.mesh.plan import MeshPlan
+
+HSDP = MeshPlan(pp=1, dp=4, dp_replicate=2)  # ranks 0, 2 hold shard 0; 1, 3 shard 1
+
+
+def _at(step, *ranks):
+    return {r: {"step": step} for r in ranks}
+
+
+def test_one_copy_of_every_shard_is_enough_and_the_lowest_holder_is_read():
+    choice = decide(HSDP, _at(7, 0, 2, 3))
+    assert choice == LiveRecovery(step=7, holders=(0, 3), reason=choice.reason)
+    assert "ranks 0, 3" in choice.reason and "pp=1 x dp=4 (2x2 hsdp)" in choice.reason
+
+
+def test_survivors_at_different_steps_recover_the_newest_step_the_holders_cover():
+    # A rank that finished step 8's agreement before the fault and one that did not: step 8
+    # has no copy of shard 1, step 7 has every shard.
+    snapshots = {**_at(8, 0), **_at(7, 1, 2, 3)}
+    assert decide(HSDP, snapshots) == LiveRecovery(step=7, holders=(1, 2), reason=decide(HSDP, snapshots).reason)
+    mixed = {**_at(8, 0), **_at(7, 3)}
+    choice = decide(HSDP, mixed)
+    assert isinstance(choice, FromCheckpoint) and "different steps (7, 8)" in choice.reason
+
+
+def test_what_stands_in_the_way_is_named():
+    assert "every copy of FSDP shard 1 was lost with ranks 1, 3" in decide(HSDP, _at(5, 0, 2)).reason
+    failed = decide(HSDP, {**_at(5, 0, 1), 3: {"step": 5, "error": "its update of step 6 was being applied"}})
+    assert failed.holders == (0, 1)  # rank 3's failure does not matter: rank 1 holds shard 1
+    broken = decide(HSDP, {**_at(5, 0), 3: {"step": 5, "error": "snapshot failed: OSError"}})
+    assert isinstance(broken, FromCheckpoint) and "rank 3: snapshot failed: OSError" in broken.reason
+    assert decide(HSDP, {}).reason.startswith("every copy of FSDP shard 0")
+
+
+def test_pipeline_and_tp_shards_are_told_apart():
+    plan = MeshPlan(pp=2, dp=2, tp=2, dp_replicate=2)  # 8 ranks; replicas differ only in dp
+    assert lost_shard(plan, set(range(8)) - {0}) is None
+    assert lost_shard(plan, set(range(8)) - {0, 2}) == "every copy of stage 0, FSDP shard 0, tp rank 0 was lost with ranks 0, 2"
+    plain = MeshPlan(pp=1, dp=2)
+    assert "rank 1 held the only copy" in lost_shard(plain, {0}) and "dp_replicate=1" in lost_shard(plain, {0})
