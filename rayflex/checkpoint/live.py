@@ -26,6 +26,7 @@ import os
 import pickle
 import time
 import uuid
+import warnings
 from typing import Any, Callable
 
 from rayflex.checkpoint.dcp_io import CheckpointReader, CheckpointWriter
@@ -50,7 +51,9 @@ def take_snapshot(state, *, rank: int, step: int, node_id: str = "") -> tuple[di
     fs = fsspec.filesystem("memory")
     t0 = time.perf_counter()
     try:
-        dcp.save(state.tensor_state(), storage_writer=CheckpointWriter(path), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=r".*assuming the intent is to save in a single process")
+            dcp.save(state.tensor_state(), storage_writer=CheckpointWriter(path), no_dist=True)
         files, metadata = {}, None
         for full in fs.find(path):
             name = full.rsplit("/", 1)[-1]
