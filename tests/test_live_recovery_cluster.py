@@ -1,9 +1,12 @@
-"""Live recovery on a loopback cluster: an HSDP run (2 replicas x 2 shards) whose worker is
-SIGKILLed resumes from the survivors' memory — no step lost, nothing read from storage —
-and ends with the parameters of a run that never failed, bit for bit."""
+"""Live recovery on a loopback cluster: an HSDP run (2 replicas x 2 shards, a replica per
+node) that loses a worker (SIGKILL), a whole node, or a frozen worker (SIGSTOP) resumes
+from the survivors' memory — no step lost, nothing read from storage — and ends with the
+parameters of a run that never failed, bit for bit (it restarts at the same size: the
+replacement is waited for)."""
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -33,7 +36,8 @@ def _trainer(dataset_uri, tmp_path, name):
                       run=rf.RunConfig(name=name, storage=f"file://{tmp_path}/runs", steps=STEPS,
                                        optimizer=rf.OptimizerConfig(lr=1e-2, warmup_steps=2)),
                       parallel=rf.ParallelConfig(dp_shard=2),
-                      scaling=rf.ScalingConfig(num_workers=4, min_workers=2, cpus_per_worker=1),
+                      # min_workers=4: a restart waits for a lost node's replacement.
+                      scaling=rf.ScalingConfig(num_workers=4, min_workers=4, cpus_per_worker=1),
                       checkpoint=rf.CheckpointConfig(every_steps=EVERY, keep=3),
                       # The replacement is waited for: the run stays at 4 ranks, so the fault-free
                       # run is the reference "at the same size".
@@ -46,22 +50,21 @@ def _final_model(tmp_path, name):
     return weights.load(sorted(weights.tensors()))
 
 
-def test_a_killed_hsdp_worker_loses_no_step_and_ends_bitwise_like_a_fault_free_run(two_node_cluster, dataset_uri,
-                                                                                    tmp_path):
-    trainer = _trainer(dataset_uri, tmp_path, "live-kill")
-    handle = trainer.submit()
-    st = wait_until_running(handle, 4)
-    victim = next(w for w in st["workers"] if w["rank"] == 1)
-    os.kill(victim["pid"], signal.SIGKILL)
-    result = handle.wait(timeout_s=240)
-    assert result.status == "finished" and result.steps_completed == STEPS
+@pytest.fixture(scope="module")
+def fault_free_model(two_node_cluster, dataset_uri, tmp_path_factory):
+    root = tmp_path_factory.mktemp("live-ref")
+    assert _trainer(dataset_uri, root, "live-ref").fit(progress=False).status == "finished"
+    return _final_model(root, "live-ref")
 
-    events = run_events(tmp_path, "live-kill")
+
+def _assert_live_recovered(trainer, tmp_path, name, result, fault_free, lost_ranks):
+    assert result.status == "finished" and result.steps_completed == STEPS
+    events = run_events(tmp_path, name)
     chosen = [e for e in events if e["kind"] == "recovery_chosen"]
     assert len(chosen) == 1 and chosen[0]["source"] == "live_peers", chosen
     live_step = chosen[0]["step"]
     assert 4 <= live_step < EVERY, "recovered past every checkpoint (there was none yet)"
-    assert 1 not in chosen[0]["holders"], "the dead rank's shard was read from its live replica"
+    assert not set(lost_ranks) & set(chosen[0]["holders"]), "the lost shards were read from their live replicas"
     restarted, = [e for e in events if e["kind"] == "restarted"]
     assert restarted["lost_steps"] == 0 and restarted["from_step"] == live_step
     loaded, = [e for e in events if e["kind"] == "checkpoint_loaded"]
@@ -70,17 +73,62 @@ def test_a_killed_hsdp_worker_loses_no_step_and_ends_bitwise_like_a_fault_free_r
     committed = [e for e in events if e["kind"] == "checkpoint_committed"]
     assert committed[0]["step"] == live_step and committed[0]["reason"] == "live_recovery", committed[0]
 
-    metrics = run_events(tmp_path, "live-kill", "metrics.jsonl")
+    metrics = run_events(tmp_path, name, "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1)), "every step trained and recorded once"
-    sampler = TokenDataset(dataset_uri).sampler(trainer.spec.data)
-    samples = {s["step"]: s["indices"] for s in run_events(tmp_path, "live-kill", "samples.jsonl")}
+    sampler = TokenDataset(trainer.spec.data.uri).sampler(trainer.spec.data)
+    samples = {s["step"]: s["indices"] for s in run_events(tmp_path, name, "samples.jsonl")}
     assert sorted(samples) == list(range(1, STEPS + 1))
     for step, indices in samples.items():
         np.testing.assert_array_equal(indices, sampler.indices(step - 1, 0, 1))
 
-    reference = _trainer(dataset_uri, tmp_path, "live-ref").fit(progress=False)
-    assert reference.status == "finished"
-    want, have = _final_model(tmp_path, "live-ref"), _final_model(tmp_path, "live-kill")
-    assert want.keys() == have.keys()
-    for key in want:
-        assert torch.equal(want[key], have[key]), f"{key} differs from the fault-free run's"
+    have = _final_model(tmp_path, name)
+    assert fault_free.keys() == have.keys()
+    for key in fault_free:
+        assert torch.equal(fault_free[key], have[key]), f"{key} differs from the fault-free run's"
+
+
+def test_a_killed_worker_loses_no_step(two_node_cluster, dataset_uri, tmp_path, fault_free_model):
+    trainer = _trainer(dataset_uri, tmp_path, "live-kill")
+    handle = trainer.submit()
+    st = wait_until_running(handle, 4)
+    victim = next(w for w in st["workers"] if w["rank"] == 1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    _assert_live_recovered(trainer, tmp_path, "live-kill", handle.wait(timeout_s=240), fault_free_model, [1])
+
+
+def test_a_frozen_worker_loses_no_step(two_node_cluster, dataset_uri, tmp_path, fault_free_model):
+    trainer = _trainer(dataset_uri, tmp_path, "live-freeze")
+    handle = trainer.submit()
+    st = wait_until_running(handle, 4)
+    victim = next(w for w in st["workers"] if w["rank"] == 2)
+    os.kill(victim["pid"], signal.SIGSTOP)
+    try:
+        result = handle.wait(timeout_s=240)
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):  # never leave a stopped process behind
+            try:
+                os.kill(victim["pid"], sig)
+            except ProcessLookupError:
+                pass
+    assert any(e["kind"] == "hang_detected" for e in run_events(tmp_path, "live-freeze"))
+    _assert_live_recovered(trainer, tmp_path, "live-freeze", result, fault_free_model, [2])
+
+
+def test_a_lost_node_loses_no_step(two_node_cluster, dataset_uri, tmp_path, fault_free_model):
+    cluster = two_node_cluster
+    worker_node = next(iter(cluster.worker_nodes))
+    trainer = _trainer(dataset_uri, tmp_path, "live-node")
+    handle = trainer.submit()
+    st = wait_until_running(handle, 4)
+    lost_ranks = sorted(w["rank"] for w in st["workers"] if w["node_id"] == worker_node.node_id)
+    assert len(lost_ranks) == 2, st["workers"]
+    cluster.remove_node(worker_node)
+    try:
+        # The restart waits for 4 slots (min_workers=4): a node like the lost one joins.
+        deadline = time.time() + 60
+        while not any(e["kind"] == "recovery_chosen" for e in run_events(tmp_path, "live-node")):
+            assert time.time() < deadline, "the loss was never handled"
+            time.sleep(0.2)
+    finally:
+        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={"rack": "r1"})
+    _assert_live_recovered(trainer, tmp_path, "live-node", handle.wait(timeout_s=240), fault_free_model, lost_ranks)

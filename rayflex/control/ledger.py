@@ -120,7 +120,8 @@ class StepLedger:
         self._metrics = [json.loads(line) for line in lines]
         return self._metrics[-1]["step"] if self._metrics else 0
 
-    def restored(self, step: int, recovered: Optional[list[dict]] = None, committed: bool = True) -> int:
+    def restored(self, step: int, recovered: Optional[list[dict]] = None, committed: bool = True,
+                 sample_rows: Optional[dict] = None) -> int:
         """An attempt starts at ``step``; lines past it belong to a rolled-back timeline
         and are rewritten. Returns how many steps were lost.
 
@@ -131,13 +132,16 @@ class StepLedger:
         says how many did), and where no rank had (every rank died before the poll), from
         ``recovered``: the metrics the checkpoint carries of its last steps (rank 0's,
         ``ranks_reported`` 0, ``from_checkpoint``). ``committed``: ``step`` came from a
-        checkpoint (a live recovery's step is not committed until its own save is)."""
+        checkpoint (a live recovery's step is not committed until its own save is).
+        ``sample_rows``: step -> its rows over every dp rank (the survivors' snapshots), for
+        a step some rank finished but never reported."""
         # Only after an attempt of this controller's own: a run resumed by name starts with
         # the earlier job's lines already written (its checkpoint carries steps of those).
         by_step = {r["step"]: r for r in recovered or []} if self._plan is not None else {}
         while self.step < step:
             if (self.step + 1) in self._pending and self._plan is not None:
-                self._finish_step(self._pending.pop(self.step + 1), self._plan, None)
+                self._finish_step(self._pending.pop(self.step + 1), self._plan, None,
+                                  rows=(sample_rows or {}).get(self.step + 1))
             elif (self.step + 1) in by_step:
                 self._recovered_step(by_step[self.step + 1])
             else:
@@ -208,7 +212,7 @@ class StepLedger:
         self.recorder.add_metrics(line)
         self.step = self.recorder.step = rec["step"]
 
-    def _finish_step(self, recs: dict, plan, detector) -> None:
+    def _finish_step(self, recs: dict, plan, detector, rows: Optional[list] = None) -> None:
         r0 = recs[min(recs)]
         step_time = max(r.step_time_s for r in recs.values())
         tokens = r0.samples * self.data.seq_len
@@ -228,9 +232,11 @@ class StepLedger:
             # One record per dp index: the tp ranks of a dp rank read the same samples.
             first_stage = sorted((r.dp_index, r.sample_indices) for r in recs.values()
                                  if r.pp_index == 0 and r.tp_index == 0)
-            self.recorder.rundir.add_line("samples.jsonl", {
-                "step": r0.step, "world_size": plan.world_size,
-                "indices": [i for _, idx in first_stage for i in idx or []]})
+            indices = [i for _, idx in first_stage for i in idx or []]
+            if rows is not None and len(first_stage) < plan.dp:  # a rank that never reported: its share too
+                indices = list(rows)
+            self.recorder.rundir.add_line("samples.jsonl", {"step": r0.step, "world_size": plan.world_size,
+                                                            "indices": indices})
         if detector is not None:
             for event in detector.note_step(r0.step, step_time, {r: rec.sync_wait_s for r, rec in recs.items()}):
                 self.recorder.record(event)

@@ -64,7 +64,8 @@ def place(ctx, state: Placing):
             ctx.record(ev.ScheduleChanged(step=step, from_total_steps=saved_total, to_total_steps=total,
                                           lr_before=opt.lr_of_step(step + 1, saved_total),
                                           lr_after=opt.lr_of_step(step + 1, total)))
-    lost = ctx.ledger.restored(step, recovered=(restored or {}).get("recent_steps"), committed=state.live is None)
+    lost = ctx.ledger.restored(step, recovered=(restored or {}).get("recent_steps"), committed=state.live is None,
+                               sample_rows=_live_sample_rows(state.live))
     if state.restart_reason is not None:
         ctx.record(ev.Restarted(step=step, world_size=world, from_step=step, reason=state.restart_reason,
                                 lost_steps=lost, reused_workers=len(getattr(group, "reused", [])),
@@ -254,6 +255,15 @@ def _cover_with_keepers(ctx, group) -> None:
                   f"add nodes, or lower CheckpointConfig.memory_replicas to {max(len(peers) - 1, 0)}")
         log.warning("memory_replicas=%d: %s", keepers.copies, reason)
         ctx.record(ev.MemoryReplicasShort(wanted=keepers.copies, fewest=fewest, nodes=len(peers), reason=reason))
+
+
+def _live_sample_rows(live) -> dict:
+    """step -> the step's rows over every dp rank, from the survivors' snapshots (a live
+    recovery's steps that a dead rank finished but never reported)."""
+    rows: dict = {}
+    for info in (live or {}).get("infos", {}).values():
+        rows.update((int(s), r) for s, r in (info.get("sample_rows") or {}).items())
+    return rows
 
 
 def _load_sources(infos: list[dict]) -> dict:

@@ -710,7 +710,13 @@ class TrainWorker:
         from rayflex.checkpoint.live import take_snapshot
 
         try:
-            return take_snapshot(self._stateful(), rank=self.rank, step=self._step, node_id=self.node_id)
+            info, files = take_snapshot(self._stateful(), rank=self.rank, step=self._step, node_id=self.node_id)
+            if self.spec.data.log_samples:
+                # Every dp rank's rows of the recent steps: a dead rank's share of a step it
+                # finished but never reported is still written to samples.jsonl.
+                first = max(1, self._step - RECENT_STEPS + 1)
+                info["sample_rows"] = {s: self.sampler.indices(s - 1, 0, 1).tolist() for s in range(first, self._step + 1)}
+            return info, files
         except Exception as e:  # noqa: BLE001 - no live copy from this rank: said, not raised
             log.warning("rank %d: no live snapshot: %s", self.rank, e, exc_info=True)
             return {**base, "error": f"snapshot failed: {type(e).__name__}: {e}"}, {}
