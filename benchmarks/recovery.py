@@ -233,7 +233,7 @@ def pick_node(worker_nodes: list[str], head_id: str, avoid: str | None) -> str:
 
 # ----------------------------------------------------------------------------- rayflex
 def run_rayflex(lc: LoopbackCluster, fault: str, data: str, storage: str, name: str, args,
-                memory_replicas: int = 0) -> dict:
+                memory_replicas: int = 0, live_recovery: bool = True, dp_shard: int | None = None) -> dict:
     import rayflex as rf
     from rayflex.storage.rundir import RunDirectory
 
@@ -248,12 +248,13 @@ def run_rayflex(lc: LoopbackCluster, fault: str, data: str, storage: str, name: 
     trainer = rf.Trainer(model=model, data=data_cfg,
                          run=rf.RunConfig(name=name, storage=storage, steps=args.steps,
                                           optimizer=rayflex_optimizer()),
+                         parallel=rf.ParallelConfig(dp_shard=dp_shard),
                          scaling=rf.ScalingConfig(num_workers=WORKERS, min_workers=2, max_workers=WORKERS),
                          checkpoint=rf.CheckpointConfig(every_steps=args.every, keep=2,
                                                         memory_replicas=memory_replicas),
                          # --memory-wait-for-spawn: every restart waits for its replacement
                          # processes (the restore is then a smaller share of the recovery).
-                         elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60,
+                         elastic=rf.ElasticConfig(max_failures=3, resource_wait_s=60, live_recovery=live_recovery,
                                                   restart_while_warming=not getattr(args, "memory_wait_for_spawn",
                                                                                     False)))
     t_submit = time.time()
@@ -318,8 +319,12 @@ def run_rayflex(lc: LoopbackCluster, fault: str, data: str, storage: str, name: 
     restarts = [e for e in after if e["kind"] == "restarted"]
     loaded = next((e for e in after if e["kind"] == "checkpoint_loaded"), None)
     if loaded is not None:
-        out["checkpoint_loaded"] = {k: loaded.get(k) for k in ("step", "load_s", "sources", "fell_back",
+        out["checkpoint_loaded"] = {k: loaded.get(k) for k in ("step", "uri", "load_s", "sources", "fell_back",
                                                                "remote_reads", "world_size", "saved_world_size")}
+    chosen = next((e for e in after if e["kind"] == "recovery_chosen"), None)
+    if chosen is not None:
+        out["recovery_chosen"] = {k: chosen.get(k) for k in ("source", "step", "holders", "snapshot_s",
+                                                             "snapshot_bytes", "reason")}
     out.update(final=final, time_to_first_step_s=(metrics[0]["time"] - t_submit) if metrics else None,
                median_step_s=statistics.median(m["step_time_s"] for m in metrics) if metrics else None)
     if detect is not None:
@@ -650,6 +655,9 @@ def main() -> None:
     ap.add_argument("--memory-mb", type=int, default=256, help="state per rank of the restore measurement")
     ap.add_argument("--memory-rounds-restore", type=int, default=5)
     ap.add_argument("--memory-rounds", type=int, default=2, help="rounds of the fault cases (each: both paths)")
+    ap.add_argument("--live", action="store_true",
+                    help="with --memory: a third path, live recovery from the survivors' memory; every path runs "
+                         "HSDP (2 replicas x 2 shards) so only the recovery source differs")
     ap.add_argument("--memory-faults", type=int, default=1, help="0: the restore measurement only")
     ap.add_argument("--memory-nodes", type=int, default=3)
     ap.add_argument("--memory-fault-kinds", default="kill_actor,remove_node")
@@ -671,14 +679,15 @@ def main() -> None:
             results = memory_main(args, log, run_rayflex, LoopbackCluster)
         finally:
             sys.stdout = real_stdout
-        emit({"benchmark": "recovery_memory", "machine": machine(),
+        emit({"benchmark": "recovery_live" if args.live else "recovery_memory", "machine": machine(),
               "workload": {"restore_state_mb_per_rank": args.memory_mb, "storage": "moto S3 on 127.0.0.1",
                            "cluster": f"ray.cluster_utils.Cluster on 127.0.0.1, {args.memory_nodes} nodes x 2 CPUs",
                            "fault_model": {"vocab_size": args.memory_vocab, "d_model": args.memory_d_model,
                                            "n_layers": 1, "seq_len": args.memory_seq, "global_batch": 4,
                                            "workers": WORKERS, "steps": args.steps,
                                            "checkpoint_every_steps": args.every, "fault_after_step": args.fault_at,
-                                           "restart_while_warming": not args.memory_wait_for_spawn},
+                                           "restart_while_warming": not args.memory_wait_for_spawn,
+                                           "mesh": "hsdp 2x2 (dp_shard=2)" if args.live else "fsdp 4"},
 
                            "wall_s": time.time() - t0},
               "results": results})

@@ -16,7 +16,9 @@ as the checkpoint store:
 
 The committed results: ``--steps 16 --every 4 --fault-at 11 --memory-rounds 3`` (the fault
 three steps after a save: ``recovery_memory.json``) and ``--fault-at 8`` (during the save of
-step 8: ``recovery_memory_fault_during_save.json``).
+step 8: ``recovery_memory_fault_during_save.json``). ``--live`` adds a third path, live recovery
+from the survivors' memory, and runs every path as HSDP 2 x 2 (the same workload otherwise;
+``recovery_live.json``).
 """
 
 from __future__ import annotations
@@ -129,37 +131,56 @@ def restore_benchmark(lc, storage: str, mb: int, rounds: int, log, budget_mb: fl
             "goal_within_budget": all(m["within_budget"] for m in memory.values())}
 
 
+# The recovery paths: (memory replicas, live recovery). ``--live`` adds the survivors' memory;
+# every path then runs HSDP 2 x 2, so only where the restart reads its state differs.
+PATHS = {"storage": (0, False), "memory": (1, False), "live": (0, True)}
+
+
 def fault_benchmark(lc, run_rayflex, data: str, storage: str, args, log) -> dict:
-    """fault -> first resumed step for kill and node loss, without and with replicas."""
+    """fault -> first resumed step for kill and node loss, per recovery path, the paths in
+    a rotating order round by round."""
     cases: dict = {}
     kinds = args.memory_fault_kinds.split(",")
+    paths = list(PATHS) if getattr(args, "live", False) else ["storage", "memory"]
     for fault in kinds:
         for r in range(args.memory_rounds):
-            order = (0, 1) if r % 2 == 0 else (1, 0)
-            for replicas in order:
-                key = f"{fault}/{'memory' if replicas else 'storage'}"
-                name = f"mem{replicas}-{fault.replace('_', '-')}-{r}"
+            for path in paths[r % len(paths):] + paths[:r % len(paths)]:
+                replicas, live = PATHS[path]
+                key = f"{fault}/{path}"
+                name = f"{path}-{fault.replace('_', '-')}-{r}"
                 log(f"--- fault path {key} round {r}")
-                got = run_rayflex(lc, fault, data, storage, name, args, memory_replicas=replicas)
+                got = run_rayflex(lc, fault, data, storage, name, args, memory_replicas=replicas, live_recovery=live,
+                                  dp_shard=2 if getattr(args, "live", False) else None)
                 got["after_run"] = lc.settle()
                 if fault == "remove_node":
                     lc.restore(args.memory_nodes)
                 loaded = got.get("checkpoint_loaded") or {}
                 cases.setdefault(key, []).append({k: got.get(k) for k in (
                     "fault_to_resumed_step_s", "fault_to_kept_resumed_step_s", "detection_s", "restart_setup_s",
-                    "steps_lost", "restart_phases_s")} | {"load_s": loaded.get("load_s"), "sources": loaded.get("sources"),
-                                      "status": got.get("final", {}).get("status")})
-    out: dict = {"runs": cases, "median_fault_to_resumed_step_s": {}, "ratio_memory_over_storage": {}}
+                    "steps_lost", "restart_phases_s", "recovery_chosen")} | {
+                    "load_s": loaded.get("load_s"), "sources": loaded.get("sources"), "loaded_from": loaded.get("uri"),
+                    "status": got.get("final", {}).get("status")})
+    out: dict = {"runs": cases, "median_fault_to_resumed_step_s": {}, "spread_fault_to_resumed_step_s": {},
+                 "steps_lost": {}, "ratio_memory_over_storage": {}}
     for fault in kinds:
-        meds = {}
-        for path in ("storage", "memory"):
+        meds, spreads = {}, {}
+        for path in paths:
             vals = [c["fault_to_kept_resumed_step_s"] for c in cases[f"{fault}/{path}"]
                     if c["fault_to_kept_resumed_step_s"] is not None]
             meds[path] = statistics.median(vals) if vals else None
+            spreads[path] = [min(vals), max(vals)] if vals else None
+            out["steps_lost"][f"{fault}/{path}"] = [c["steps_lost"] for c in cases[f"{fault}/{path}"]]
         out["median_fault_to_resumed_step_s"][fault] = meds
+        out["spread_fault_to_resumed_step_s"][fault] = spreads
         out["ratio_memory_over_storage"][fault] = (meds["memory"] / meds["storage"]
                                                    if meds["memory"] and meds["storage"] else None)
+        if "live" in paths:
+            out.setdefault("ratio_live_over_memory", {})[fault] = (meds["live"] / meds["memory"]
+                                                                   if meds["live"] and meds["memory"] else None)
     out["goal_30pct_lower"] = all(r is not None and r <= 0.7 for r in out["ratio_memory_over_storage"].values())
+    if "live" in paths:
+        out["goal_live_0_steps_lost"] = all(n == 0 for f in kinds for n in out["steps_lost"][f"{f}/live"])
+        out["goal_live_le_0.8_memory"] = all(r is not None and r <= 0.8 for r in out["ratio_live_over_memory"].values())
     return out
 
 
@@ -177,8 +198,10 @@ def memory_main(args, log, run_rayflex, LoopbackCluster) -> dict:
     try:
         import ray
 
-        restore = restore_benchmark(lc, storage, args.memory_mb, args.memory_rounds_restore, log,
-                                    budget_mb=2.25 * args.memory_mb)
+        # --live compares the fault paths only (the restore from memory vs S3 is recovery_memory.json's).
+        restore = (None if getattr(args, "live", False) else
+                   restore_benchmark(lc, storage, args.memory_mb, args.memory_rounds_restore, log,
+                                     budget_mb=2.25 * args.memory_mb))
         # Ray sizes each node's object store from /dev/shm: a result larger than it passes
         # through Ray's disk fallback (what this machine measures; a GPU node has GBs).
         out = {"restore": restore, "object_store_bytes_per_node":
