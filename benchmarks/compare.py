@@ -38,6 +38,8 @@ per ratio to rayflex, the spread of the round-by-round ratios. Per system, a cle
 Then a second run per system (unless ``--skip-recovery``) SIGKILLs rank 1's process after step
 ``--fault-at`` and measures ``recovery_s`` (from the kill to the first step finished after the
 restart that stuck) and ``steps_lost`` (steps done before the kill that had to be redone).
+``--rayflex-live`` runs rayflex's as HSDP 2 x 2, so the restart resumes from the survivors'
+memory (live recovery, no step lost) where the peers reload their last checkpoint.
 Prints one JSON object on stdout; logs go to stderr (``--markdown``: also the table).
 """
 
@@ -305,6 +307,9 @@ def main() -> None:
                          "the per-parameter loop on CPU), or one kernel for all (what remains is overhead)")
     ap.add_argument("--rayflex-upload", default="auto", choices=("auto", "thread", "process"),
                     help="rayflex's CheckpointConfig.upload (where an async save's bytes are written from)")
+    ap.add_argument("--rayflex-live", action="store_true",
+                    help="rayflex's recovery run as HSDP 2 x 2 (dp_shard=2): the killed rank's shard has a live "
+                         "replica, and the restart resumes from the survivors' memory (live recovery)")
     ap.add_argument("--table-from", metavar="JSON", help="only print the benchmarks/README.md table of a committed result")
     ap.add_argument("--keep-dir", action="store_true", help="keep the temporary data, logs and checkpoints")
     ap.add_argument("--markdown", action="store_true", help="also print the markdown table to stderr")
@@ -369,7 +374,8 @@ def main() -> None:
             if "torchrun" in systems:
                 recov["torchrun"] = attempt("torchrun", "kill rank 1", lambda: torchrun(data, tmp, "tr-kill", args,
                                                                                          fault=True))
-            kill = {"rayflex": lambda: recovery.run_rayflex(lc, "kill_actor", data, rf_storage, "rf-kill", args),
+            kill = {"rayflex": lambda: recovery.run_rayflex(lc, "kill_actor", data, rf_storage, "rf-kill", args,
+                                                            dp_shard=2 if args.rayflex_live else None),
                     "ray_train": lambda: recovery.run_ray_train(lc, "kill_actor", data, rt_storage, "rt-kill", args)}
             for system in ray_systems:
                 recov[system] = attempt(system, "kill rank 1", kill[system])
@@ -422,7 +428,9 @@ def main() -> None:
                        "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
                        "rayflex": {"scaling": {"num_workers": WORKERS, "min_workers": 2, "max_workers": WORKERS},
                                    "checkpoint": f"async sharded DCP, keep 2, upload={args.rayflex_upload!r}",
-                                   "max_failures": 3},
+                                   "max_failures": 3,
+                                   "recovery_run_mesh": ("hsdp 2x2 (dp_shard=2): live recovery" if args.rayflex_live
+                                                         else "fsdp 4")},
                        "ray_train": {"train_loop": "recovery._rt_train_loop (fully_shard, sync dcp.save + "
                                                    "ray.train.report(checkpoint=...) every interval)",
                                      "max_failures": 3},

@@ -850,6 +850,7 @@ def test_a_killed_rank_whose_shard_has_a_live_replica_loses_no_step(tmp_path):
     assert chosen.holders == [0, 3], "one survivor per shard: shard 1's only copy left is rank 3's"
     live = cluster.live_restores[1]
     assert live["step"] == 3 and sorted(live["infos"]) == [0, 3] and live["files"] == {0: "files-0", 3: "files-3"}
+    assert live["save"], "past the last commit (none yet): the ranks save it first thing"
     restart, = _timeline(c).of(ev.Restarted)
     assert restart.lost_steps == 0 and restart.from_step == 3
     loaded = _timeline(c).of(ev.CheckpointLoaded)

@@ -33,7 +33,9 @@ def choose(ctx, plan: MeshPlan, snapshots: dict[int, tuple[dict, Any]]) -> Optio
     _record(ctx, choice, snapshots)
     if not isinstance(choice, live_recovery.LiveRecovery):
         return None
+    # Saved again only past the last commit (after an emergency checkpoint it is that step).
     return {"step": choice.step, "world_size": plan.world_size, "mesh": plan.to_dict(),
+            "save": choice.step > ctx.ledger.committed_step,
             "infos": {r: snapshots[r][0] for r in choice.holders},
             "files": {r: snapshots[r][1] for r in choice.holders}}
 

@@ -343,7 +343,7 @@ class TrainWorker:
 
             restored = load_live(self._stateful(), live, group=self.ckpt_group, node_id=self.node_id)
             self._step = restored["step"]
-            if self.checkpointer is not None and self.spec.checkpoint.every_steps:
+            if self.checkpointer is not None and self.spec.checkpoint.every_steps and live.get("save", True):
                 # Committed in the background as soon as possible: a second failure then
                 # loses no more than a failure did before this one.
                 self._save_at_start = "live_recovery"
