@@ -22,6 +22,10 @@ def main(argv=None) -> int:
                     help="overlap: every second fault lands while the run recovers from the one before")
     ap.add_argument("--memory-replicas", type=int, default=0,
                     help="CheckpointConfig.memory_replicas of the run (0: restores read storage)")
+    ap.add_argument("--dp-shard", type=int, default=None,
+                    help="ParallelConfig.dp_shard (e.g. 2 with 4 workers: HSDP 2 x 2, so a lost rank's shard has a "
+                         "live replica and restarts recover from the survivors' memory)")
+    ap.add_argument("--workers", type=int, default=None, help="ChaosConfig.workers (default: its own)")
     ap.add_argument("--workdir", default="")
     ap.add_argument("--out", help="also write the JSON report here (Ray's log lines share stdout)")
     args = ap.parse_args(argv)
@@ -33,8 +37,9 @@ def main(argv=None) -> int:
     for seed in args.seed:
         workdir = os.path.join(args.workdir, f"seed{seed}") if args.workdir else ""
         reports.append(run_chaos(ChaosConfig(seed=seed, faults=args.faults, steps_per_fault=args.steps_per_fault,
-                                             workdir=workdir, mode=args.mode,
-                                             memory_replicas=args.memory_replicas)))
+                                             workdir=workdir, mode=args.mode, dp_shard=args.dp_shard,
+                                             memory_replicas=args.memory_replicas,
+                                             **({"workers": args.workers} if args.workers else {}))))
         print(f"seed {seed}: {'PASSED' if reports[-1]['passed'] else 'FAILED'} in {reports[-1]['wall_s']:.0f}s",
               file=sys.stderr)
         text = json.dumps({"runs": reports, "passed": all(r["passed"] for r in reports)}, indent=2, default=str)

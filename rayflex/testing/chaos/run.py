@@ -15,6 +15,7 @@ import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 from unittest import mock
 
 from rayflex.telemetry import events as ev
@@ -49,6 +50,9 @@ class ChaosConfig:
     # CheckpointConfig.memory_replicas: restarts read what they can from the keepers'
     # copies (the invariants are the same: bitwise equal to the storage replay).
     memory_replicas: int = 0
+    # ParallelConfig.dp_shard: < workers makes the run HSDP, whose restarts recover from the
+    # survivors' memory when every shard survived (the invariants are the same).
+    dp_shard: Optional[int] = None
     timing: FaultTiming = field(default_factory=FaultTiming)
     workdir: str = ""
     timeout_s: float = 1800.0
@@ -109,6 +113,7 @@ def _trainer(cfg: ChaosConfig, data_uri: str, storage: str, name: str):
         model=gpt(GPTConfig(vocab_size=128, seq_len=32, d_model=32, n_layers=2, n_heads=2)),
         data=rf.DataConfig(uri=data_uri, seq_len=32, global_batch=12, log_samples=True),
         run=rf.RunConfig(name=name, storage=storage, steps=cfg.steps),
+        parallel=rf.ParallelConfig(dp_shard=cfg.dp_shard),
         scaling=rf.ScalingConfig(num_workers=cfg.workers, min_workers=2),
         checkpoint=rf.CheckpointConfig(every_steps=cfg.checkpoint_every, keep=4, memory_replicas=cfg.memory_replicas),
         elastic=rf.ElasticConfig(max_failures=4 * cfg.faults, max_preemptions=2 * cfg.faults,
@@ -235,6 +240,10 @@ def run_chaos(cfg: ChaosConfig) -> dict:
         checks["faults_accounted"] = {"ok": ok, "detail": rows, "timing": {**asdict(timing), "slack_s": timing.slack_s}}
         report["world_sizes"] = [e.world_size for e in timeline.of(ev.PlanChosen)]
         report["restarts"] = len(timeline.of(ev.Restarted))
+        # Where each restart after a failure took its state from (the survivors' memory or a checkpoint).
+        report["recoveries"] = [{"step": e.step, "source": e.source, **({"why": e.reason} if e.source != "live_peers"
+                                                                         else {"holders": e.holders})}
+                                for e in timeline.of(ev.RecoveryChosen)]
         if cfg.memory_replicas:  # where each restore read its shard files from (summed over ranks)
             report["restore_sources"] = [{"step": e.step, **e.sources} for e in timeline.of(ev.CheckpointLoaded)]
         if checks["finished_every_step"]["ok"]:
