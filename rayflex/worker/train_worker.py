@@ -174,6 +174,9 @@ class TrainWorker:
         this way: its imports and caches stay warm, only the rank's state starts over."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError(f"rank {self.rank}: cannot reconfigure while the training loop runs")
+        if getattr(self, "_keeping_for_snapshot", False):  # kept for a snapshot nobody took
+            self.shutdown(checkpoint_grace_s=0)
+        self._keeping_for_snapshot = False
         self.rank = rank
         self.plan = plan
         coords = plan.mesh_coords(rank)
@@ -192,7 +195,6 @@ class TrainWorker:
         self._request_reason: Optional[str] = None  # of the request a save taken now or pending serves
         self._pending_save: Optional[int] = None  # the step a deferred save fell due at
         self._updating: Optional[int] = None  # the step whose optimizer update is being applied
-        self._live: Optional[tuple[dict, dict]] = None  # the snapshot taken when leaving (live recovery)
         self._save_at_start: Optional[str] = None  # a save of the restored step, first thing
         # An armed injected failure belongs to this attempt: a reused process forgets it.
         self.fail_at: Optional[InjectedFailure] = _fail_at_from_env(rank)
@@ -343,6 +345,12 @@ class TrainWorker:
 
             restored = load_live(self._stateful(), live, group=self.ckpt_group, node_id=self.node_id)
             self._step = restored["step"]
+            if self.rank == 0 and self.checkpointer is not None:
+                # As a restore from storage does: saves the failed attempt left unfinished go,
+                # so this attempt writes its steps into empty directories.
+                from rayflex.checkpoint import manifest as mf
+
+                mf.clear_after(self.checkpointer.store, -1)
             if self.checkpointer is not None and self.spec.checkpoint.every_steps and live.get("save", True):
                 # Committed in the background as soon as possible: a second failure then
                 # loses no more than a failure did before this one.
@@ -668,8 +676,9 @@ class TrainWorker:
         them are freed. Returns ``Leaving.STUCK`` if the loop is still blocked after
         ``timeout_s``, ``Leaving.UPLOADING`` if a checkpoint upload still runs after the grace
         (a reused process must never write into a later attempt's checkpoints): the
-        controller then kills this process. Else ``Leaving.LEFT``; with ``snapshot``, having
-        first taken the state of its last finished step in memory (``take_live``)."""
+        controller then kills this process. Else ``Leaving.LEFT``; with ``snapshot``, keeping
+        the attempt's state until ``take_live`` has written it into memory (its time is not
+        this call's: a large state takes seconds, a release only waits for the loop)."""
         self._stop.set()
         grace = min(checkpoint_grace_s, timeout_s / 2)
         if abort:
@@ -694,8 +703,9 @@ class TrainWorker:
             log.warning("rank %d: a checkpoint upload is still running after %.1fs; this process is not "
                         "reused (it is killed, so the upload can never land later)", self.rank, grace)
             return Leaving.UPLOADING
-        self._live = self._snapshot() if snapshot else None
-        self.shutdown(checkpoint_grace_s=0)
+        self._keeping_for_snapshot = snapshot
+        if not snapshot:
+            self.shutdown(checkpoint_grace_s=0)
         self._state = WorkerState.RELEASED
         return Leaving.LEFT
 
@@ -722,13 +732,17 @@ class TrainWorker:
             return {**base, "error": f"snapshot failed: {type(e).__name__}: {e}"}, {}
 
     def take_live(self) -> tuple[dict, dict]:
-        """The snapshot ``release(snapshot=True)`` took, handed over once (the caller owns
-        it from here: Ray keeps a returned value for whoever called)."""
-        live, self._live = self._live, None
-        if live is None:
+        """After ``release(snapshot=True)``: the state of the last finished step written
+        into memory, (info, files), then the attempt's state dropped. The caller owns the
+        result (Ray keeps a returned value for whoever called), so it outlives this process."""
+        if not self._keeping_for_snapshot:
             return {"rank": self.rank, "node_id": self.node_id, "step": self._step,
-                    "error": "it took no snapshot when it left"}, {}
-        return live
+                    "error": "it did not keep its state when it left"}, {}
+        try:
+            return self._snapshot()
+        finally:
+            self._keeping_for_snapshot = False
+            self.shutdown(checkpoint_grace_s=0)
 
     def _wait_for_save(self, timeout_s: float) -> None:
         if self.checkpointer is not None and timeout_s > 0:
