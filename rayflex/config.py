@@ -417,6 +417,12 @@ class ElasticConfig:
     # no step is lost and nothing is read from storage. Otherwise, or False: the newest
     # checkpoint (memory replicas, then storage). A recovery_chosen event says which and why.
     live_recovery: bool = True
+    # Failures expected per hour (a spot cluster's preemptions without notice, node and
+    # process deaths). Set, layout="auto" prices them: a mesh whose shards have replicas
+    # (dp_replicate >= 2) recovers from live peers, one without trains the steps since its
+    # last checkpoint again, and the faster after failures wins (`rayflex plan` explains).
+    # None: meshes rank by step time alone.
+    failures_per_hour: Optional[float] = None
     # Entries of torch's collective flight recorder per worker process (0 = off): on a
     # hang the controller reads every rank's and names the deadlock (a hang_diagnosed
     # event; docs/guides/hangs.md).
@@ -425,6 +431,10 @@ class ElasticConfig:
     def __post_init__(self) -> None:
         c = "ElasticConfig"
         _non_negative_int(c, "flight_recorder", self.flight_recorder)
+        if self.failures_per_hour is not None and (isinstance(self.failures_per_hour, bool) or not isinstance(
+                self.failures_per_hour, (int, float)) or not 0 <= self.failures_per_hour < float("inf")):
+            raise ConfigError(f"{c}.failures_per_hour", f"must be a number >= 0, got {self.failures_per_hour!r}",
+                              "use e.g. 2 for a spot cluster, or None to rank meshes by step time alone")
         if not isinstance(self.live_recovery, bool):
             raise ConfigError(f"{c}.live_recovery", f"must be True or False, got {self.live_recovery!r}",
                               "use True (resume from the survivors' memory when every shard survived) or False "

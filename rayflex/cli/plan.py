@@ -51,6 +51,17 @@ def add_subcommand(subparsers) -> None:
     p.add_argument("--all", action="store_true", help="list every candidate, not the best per mesh shape")
     p.add_argument("--tp", type=int, action="append", help="only this tensor-parallel degree (repeatable); "
                    "default: every divisor of the node size the model can take")
+    p.add_argument("--failures-per-hour", type=float,
+                   help="price failures: rank meshes by their step time stretched by what this many failures an "
+                        "hour take from training (a mesh with replicas, dp_replicate >= 2, recovers from live peers; "
+                        "one without trains the steps since its last checkpoint again). Default: SPEC's "
+                        "ElasticConfig.failures_per_hour, else not priced")
+    p.add_argument("--checkpoint-every", type=int, help="with --failures-per-hour: steps between checkpoints "
+                   "(default: SPEC's CheckpointConfig.every_steps)")
+    p.add_argument("--checkpoint-interval-s", type=float, help="with --failures-per-hour: seconds between "
+                   "checkpoints instead of --checkpoint-every")
+    p.add_argument("--restart-s", type=float, default=30.0, help="with --failures-per-hour: seconds one restart "
+                   "takes (default 30)")
     p.add_argument("--explain", action="store_true", help="explain the choice and show its placement")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--topology", help="placement only: SPEC's mesh on a described topology "
@@ -130,7 +141,7 @@ def _inputs(args):
         # an auto spec's own description: the table then shows what pp="auto" will pick
         path = args.cluster or (spec.parallel.cluster if spec.parallel.is_auto else None)
         cluster = ClusterDescription.from_file(path) if path else ClusterDescription.local_cpu(world)
-        return model, cluster, global_batch, world, ac
+        return model, cluster, global_batch, world, ac, _failure_cost(args, spec)
     if args.model.lower().endswith((".yaml", ".yml", ".json")):
         import yaml
 
@@ -147,7 +158,24 @@ def _inputs(args):
         raise ConfigError("--cluster", "a described model needs a described cluster",
                           "pass --cluster cluster.yaml (see docs/capacity.md)")
     cluster = ClusterDescription.from_file(args.cluster)
-    return model, cluster, args.global_batch or 512, args.world_size or None, ac
+    return model, cluster, args.global_batch or 512, args.world_size or None, ac, _failure_cost(args)
+
+
+def _failure_cost(args, spec=None):
+    """What failures cost each mesh (``planning.capacity.failures``), or None: not priced."""
+    from rayflex.planning.capacity.failures import FailureCost, for_run
+
+    rate = args.failures_per_hour if args.failures_per_hour is not None else (
+        spec.elastic.failures_per_hour if spec is not None else None)
+    if rate is None:
+        if args.checkpoint_every or args.checkpoint_interval_s:
+            raise ConfigError("--checkpoint-every", "the checkpoint interval only prices failures",
+                              "add --failures-per-hour N (e.g. 2 for a spot cluster)")
+        return None
+    if args.checkpoint_interval_s is not None:
+        return FailureCost(rate, restart_s=args.restart_s, rollback_s=args.checkpoint_interval_s / 2)
+    every = args.checkpoint_every or (spec.checkpoint.every_steps if spec is not None else 0)
+    return for_run(rate, every, restart_s=args.restart_s)
 
 
 def cmd_plan(args) -> int:
@@ -156,9 +184,9 @@ def cmd_plan(args) -> int:
 
     if args.topology or args.live:
         return cmd_placement(args)
-    model, cluster, global_batch, world, ac = _inputs(args)
+    model, cluster, global_batch, world, ac, failures = _inputs(args)
     result = search(model, cluster, global_batch=global_batch, world_size=world, tp=args.tp,
-                    activation_checkpointing=ac)
+                    activation_checkpointing=ac, failures=failures)
     placement = _placement(result) if (args.explain and args.cluster) else None
     if args.json:
         out = result.to_dict()

@@ -7,7 +7,7 @@ Kept apart from the search itself so that :mod:`.explain` (which reads these) an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from rayflex.mesh.plan import MeshPlan
 from rayflex.planning.capacity.cluster import ClusterDescription
@@ -109,6 +109,7 @@ class SearchResult:
     ac_options: tuple = ()
     ac_at_best: tuple = ()
     explanation: str = ""  # why the best won (:mod:`.explain`), filled in by ``search``
+    failures: Any = None  # the FailureCost the ranking priced (None: step time alone)
 
     @property
     def best(self) -> Candidate:

@@ -19,7 +19,7 @@ from rayflex.planning.capacity.candidates import Candidate, SearchResult, ac_nam
 
 def explain(result: "SearchResult") -> str:
     best = result.best
-    lines = [_choice(result)] + _ac(result) + [_memory(result), _step(result)]
+    lines = [_choice(result)] + _ac(result) + _failures(result) + [_memory(result), _step(result)]
     if best.comm is not None:
         lines.append(_tiers(best))
     lines += _by_tp(result)
@@ -42,7 +42,7 @@ def summary(result: "SearchResult") -> str:
     """The short why ``rayflex plan`` prints under its choice: the fastest mesh of every tp
     degree and shard-group size, and where the chosen mesh's groups were priced."""
     best = result.best
-    lines = ["why:"] + _ac(result) + _by_tp(result) + _by_shard(result)
+    lines = ["why:"] + _ac(result) + _failures(result) + _by_tp(result) + _by_shard(result)
     if best.comm is not None:
         lines.append(_tiers(best))
     others = [c for c in result.best_per_shape() if not c.fits]
@@ -76,6 +76,26 @@ def _choice(result: "SearchResult") -> str:
     return (f"Chose {mesh}, {lay.schedule}{v}, {lay.microbatches} microbatches of {lay.micro_batch} sample(s) "
             f"({lay.micro_batch * model.seq_len} tokens); {lay.num_stages} stages of {span} blocks, split by "
             f"parameter count" + (f"; {extra}" if extra else "") + ".")
+
+
+def _failures(result: "SearchResult") -> list[str]:
+    """With failures priced (``search(failures=...)``): what they cost the choice, and the
+    fastest fitting mesh of the other kind (with replicas / without) at its price."""
+    f = result.failures
+    best = result.best
+    if f is None or not best.fits:
+        return []
+
+    def priced(c) -> str:
+        return (f"{c.label()} {c.step_s:.3f} s/step, {f.lost_fraction(c.layout, c.step_s):.1%} of the time lost to "
+                f"failures -> {f.effective_step_s(c.layout, c.step_s):.3f} s")
+
+    other = next((c for c in result.fitting if f.live(c.layout) != f.live(best.layout)), None)
+    line = f"Failures: {f.describe()}. Chose {priced(best)}"
+    if other is not None:
+        kind = "with replicas (live recovery)" if f.live(other.layout) else "without replicas"
+        line += f"; the fastest mesh {kind}: {priced(other)}"
+    return [line + "."]
 
 
 def _memory(result: "SearchResult") -> str:

@@ -34,6 +34,7 @@ from rayflex.mesh.plan import MeshPlan
 from rayflex.planning.capacity.cluster import ClusterDescription, DeviceSpec
 from rayflex.planning.capacity.candidates import Candidate, SearchResult, ac_name, group_tiers
 from rayflex.planning.capacity.explain import explain
+from rayflex.planning.capacity.failures import FailureCost
 from rayflex.planning.capacity.layouts import enumerate_layouts, tier_units, tp_degrees
 from rayflex.planning.capacity.memory import (CapacityError, ModelDescription, Runtime,
                                               describe_model, estimate_memory, fmt_bytes, rank_exceeds)
@@ -77,14 +78,17 @@ def search(model: ModelDescription, cluster: ClusterDescription, *, global_batch
            world_size: Optional[int] = None, schedules: Sequence[str] = ("gpipe", "1f1b", "interleaved"),
            max_stages_per_rank: int = 4, max_microbatches: int = 0, require_fit: bool = True,
            tp: Optional[Iterable[int]] = None, hsdp: bool = True,
-           activation_checkpointing: Optional[Sequence] = None) -> SearchResult:
+           activation_checkpointing: Optional[Sequence] = None,
+           failures: Optional[FailureCost] = None) -> SearchResult:
     """Rank every mesh for ``model`` on ``cluster``; raise CapacityError if none fits.
 
     ``tp``: only these tensor-parallel degrees (default: every divisor of the node size the
     model can take); ``hsdp=False``: plain FSDP only. ``activation_checkpointing``: MemoryConfigs
     to try on every layout, least recomputation first (:func:`ac_options`); each replaces
     ``model``'s recompute flags, and a layout keeps its first that fits (the module
-    docstring). None: ``model`` as described.
+    docstring). None: ``model`` as described. ``failures``: rank fitting meshes by their step
+    time stretched by what the expected failures take from training (:mod:`.failures`:
+    a mesh with replicas recovers from live peers, one without trains steps again).
     """
     options = tuple(activation_checkpointing or ())
     t0 = time.perf_counter()
@@ -113,14 +117,14 @@ def search(model: ModelDescription, cluster: ClusterDescription, *, global_batch
     if not candidates:
         raise CapacityError(f"no mesh of {world} ranks can take global batch {global_batch} for {model.name}: "
                             + "; ".join(f"{w}: {why}" for w, why in skipped))
-    candidates.sort(key=_rank_key)
+    candidates.sort(key=lambda c: _rank_key(c, failures))
     at_best = ()
     if options:
         lay = candidates[0].layout
         at_best = tuple(evaluate_layout(m, cluster, lay, global_batch, cm.breakdown(lay), ac)
                         for ac, m, cm in variants)
     result = SearchResult(model, cluster, world, global_batch, tuple(candidates), tuple(skipped),
-                          time.perf_counter() - t0, options, at_best)
+                          time.perf_counter() - t0, options, at_best, failures=failures)
     result = replace(result, explanation=explain(result))
     if require_fit and not candidates[0].fits:
         raise CapacityError(_nothing_fits(result))
@@ -149,9 +153,10 @@ def _evaluate_options(cluster: ClusterDescription, layout: MeshPlan, global_batc
     return evaluate_layout(m, cluster, layout, global_batch, cm.breakdown(layout), ac)
 
 
-def _rank_key(c: Candidate):
+def _rank_key(c: Candidate, failures: Optional[FailureCost] = None):
     lay = c.layout
-    return (not c.fits, round(c.step_s, 9) if c.fits else c.peak_bytes, c.peak_bytes,
+    step_s = failures.effective_step_s(lay, c.step_s) if failures is not None else c.step_s
+    return (not c.fits, round(step_s, 9) if c.fits else c.peak_bytes, c.peak_bytes,
             SCHEDULE_ORDER.index(lay.schedule), lay.pp, lay.tp, lay.dp_replicate)
 
 
