@@ -324,7 +324,7 @@ class FakeGroup:
             broken = getattr(self.cluster, "snapshot_errors", {})
             released = dataclasses.replace(released, live={
                 r: ({"rank": r, "step": self.step, **({"error": broken[r]} if r in broken else {})}, f"files-{r}")
-                for r in released.left})
+                for r in released.left | released.uploading})
         for act in self.cluster.after_release:  # what happens once they were let go (a node declared dead)
             act(self)
         self.cluster.after_release = []

@@ -105,7 +105,7 @@ def test_survivors_state_resumes_at_another_size_bitwise_like_a_checkpoint(datas
     from rayflex.checkpoint import manifest as mf
 
     saved = mf.list_committed(f"file://{tmp_path}/run/live/checkpoints")
-    assert saved == [FAIL_AT - 1, STEPS], "the live-recovered step is committed first thing, then the final one"
+    assert saved == [FAIL_AT, STEPS], "committed after the first resumed step, then the final one"
     want, have = _final_model(tmp_path / "ref"), _final_model(tmp_path / "run")
     assert want.keys() == have.keys()
     for key in want:

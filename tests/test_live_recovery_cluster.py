@@ -69,9 +69,9 @@ def _assert_live_recovered(trainer, tmp_path, name, result, fault_free, lost_ran
     assert restarted["lost_steps"] == 0 and restarted["from_step"] == live_step
     loaded, = [e for e in events if e["kind"] == "checkpoint_loaded"]
     assert loaded["uri"] == "live peers" and loaded["step"] == live_step
-    # The live step is committed first thing, so a second failure cannot roll back past it.
+    # Committed after the first resumed step, so a second failure cannot roll back past it.
     committed = [e for e in events if e["kind"] == "checkpoint_committed"]
-    assert committed[0]["step"] == live_step and committed[0]["reason"] == "live_recovery", committed[0]
+    assert committed[0]["step"] == live_step + 1 and committed[0]["reason"] == "live_recovery", committed[0]
 
     metrics = run_events(tmp_path, name, "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1)), "every step trained and recorded once"

@@ -196,7 +196,8 @@ class RayWorkerGroup:
                 left.add(r)
             elif answer == Leaving.UPLOADING:
                 uploading.add(r)
-        live = self._take_live(sorted(left)) if snapshot else {}
+        # A rank still uploading is not reused, but its state is a finished step's all the same.
+        live = self._take_live(sorted(left | uploading)) if snapshot else {}
         return Release(frozenset(left), died, frozenset(uploading), live)
 
     def _take_live(self, ranks: list[int]) -> dict:

@@ -195,7 +195,7 @@ class TrainWorker:
         self._request_reason: Optional[str] = None  # of the request a save taken now or pending serves
         self._pending_save: Optional[int] = None  # the step a deferred save fell due at
         self._updating: Optional[int] = None  # the step whose optimizer update is being applied
-        self._save_at_start: Optional[str] = None  # a save of the restored step, first thing
+        self._save_at_start: Optional[str] = None  # a save after the first step of the attempt (live recovery)
         # An armed injected failure belongs to this attempt: a reused process forgets it.
         self.fail_at: Optional[InjectedFailure] = _fail_at_from_env(rank)
         self.collective_fault = collective_fault_for(rank)
@@ -250,7 +250,7 @@ class TrainWorker:
         saved ``world_size`` and ``mesh``, ``skipped`` steps, and ``total_steps`` (the
         run.steps it was trained toward; None for a checkpoint older than that record).
         ``live``: restore the survivors' snapshots instead (``checkpoint.live``; the
-        controller's live recovery), then save that step first thing when saves are on.
+        controller's live recovery), then save after the first resumed step when saves are on.
         """
         self._set_phase("setup")
         t0 = self._attempt_start = time.time()
@@ -412,9 +412,6 @@ class TrainWorker:
         try:
             stop_agreed = False
             self._probe_until = self._step + 2  # activation memory: the attempt's first steps, then sampled
-            if self._save_at_start is not None:
-                reason, self._save_at_start = self._save_at_start, None
-                self._save(self._step, reason)
             while self._step < end_step and not stop_agreed:
                 step = self._step + 1
                 if self.fail_at is not None and self.fail_at.due(step):
@@ -449,6 +446,12 @@ class TrainWorker:
                 self._recent.append(recent_step(record, self.plan.world_size))
                 if self.checkpointer is not None:
                     self._note_checkpoint(self.checkpointer.completed())
+                if self._save_at_start is not None and step < end_step:
+                    # After the first resumed step, not before it: that step trains without an
+                    # upload beside it, and the commit a second failure falls back to is this step.
+                    reason, self._save_at_start = self._save_at_start, None
+                    self._save(step, reason)
+                    continue
                 self._maybe_save(step, end_step, agreed)
             if self.checkpointer is not None:
                 # The end of a run and a graceful stop both leave a checkpoint of the last
@@ -696,6 +699,9 @@ class TrainWorker:
         # An upload whose peers are gone (aborted above) fails within moments: give it one
         # second even with no grace, so only a truly stuck upload costs a process.
         self._wait_for_save(max(grace, 1.0))
+        # Kept for ``take_live`` even when the process is not reusable (an upload still runs):
+        # its state is a finished step's all the same.
+        self._keeping_for_snapshot = snapshot
         if self.checkpointer is not None and self.checkpointer.busy():
             # Its upload thread would go on writing after this process joined the next
             # attempt: into a step directory that attempt writes too (or committing a step
@@ -703,7 +709,6 @@ class TrainWorker:
             log.warning("rank %d: a checkpoint upload is still running after %.1fs; this process is not "
                         "reused (it is killed, so the upload can never land later)", self.rank, grace)
             return Leaving.UPLOADING
-        self._keeping_for_snapshot = snapshot
         if not snapshot:
             self.shutdown(checkpoint_grace_s=0)
         self._state = WorkerState.RELEASED
@@ -742,7 +747,8 @@ class TrainWorker:
             return self._snapshot()
         finally:
             self._keeping_for_snapshot = False
-            self.shutdown(checkpoint_grace_s=0)
+            if self._state == WorkerState.RELEASED:  # else still uploading: the controller kills it
+                self.shutdown(checkpoint_grace_s=0)
 
     def _wait_for_save(self, timeout_s: float) -> None:
         if self.checkpointer is not None and timeout_s > 0:

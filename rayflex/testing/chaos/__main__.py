@@ -31,13 +31,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(message)s")
+    import rayflex as rf
     from rayflex.testing.chaos import ChaosConfig, run_chaos
 
     reports = []
     for seed in args.seed:
         workdir = os.path.join(args.workdir, f"seed{seed}") if args.workdir else ""
         reports.append(run_chaos(ChaosConfig(seed=seed, faults=args.faults, steps_per_fault=args.steps_per_fault,
-                                             workdir=workdir, mode=args.mode, dp_shard=args.dp_shard,
+                                             workdir=workdir, mode=args.mode,
+                                             parallel=rf.ParallelConfig(dp_shard=args.dp_shard),
                                              memory_replicas=args.memory_replicas,
                                              **({"workers": args.workers} if args.workers else {}))))
         print(f"seed {seed}: {'PASSED' if reports[-1]['passed'] else 'FAILED'} in {reports[-1]['wall_s']:.0f}s",

@@ -15,7 +15,7 @@ import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional
 from unittest import mock
 
 from rayflex.telemetry import events as ev
@@ -50,9 +50,10 @@ class ChaosConfig:
     # CheckpointConfig.memory_replicas: restarts read what they can from the keepers'
     # copies (the invariants are the same: bitwise equal to the storage replay).
     memory_replicas: int = 0
-    # ParallelConfig.dp_shard: < workers makes the run HSDP, whose restarts recover from the
-    # survivors' memory when every shard survived (the invariants are the same).
-    dp_shard: Optional[int] = None
+    # The run's ParallelConfig (None: FSDP over the workers). ``ParallelConfig(dp_shard=2)``
+    # with 4 workers is HSDP, whose restarts recover from the survivors' memory when every
+    # shard survived (the invariants are the same).
+    parallel: Optional[Any] = None
     timing: FaultTiming = field(default_factory=FaultTiming)
     workdir: str = ""
     timeout_s: float = 1800.0
@@ -113,7 +114,7 @@ def _trainer(cfg: ChaosConfig, data_uri: str, storage: str, name: str):
         model=gpt(GPTConfig(vocab_size=128, seq_len=32, d_model=32, n_layers=2, n_heads=2)),
         data=rf.DataConfig(uri=data_uri, seq_len=32, global_batch=12, log_samples=True),
         run=rf.RunConfig(name=name, storage=storage, steps=cfg.steps),
-        parallel=rf.ParallelConfig(dp_shard=cfg.dp_shard),
+        parallel=cfg.parallel or rf.ParallelConfig(),
         scaling=rf.ScalingConfig(num_workers=cfg.workers, min_workers=2),
         checkpoint=rf.CheckpointConfig(every_steps=cfg.checkpoint_every, keep=4, memory_replicas=cfg.memory_replicas),
         elastic=rf.ElasticConfig(max_failures=4 * cfg.faults, max_preemptions=2 * cfg.faults,
