@@ -658,6 +658,7 @@ def main() -> None:
     ap.add_argument("--live", action="store_true",
                     help="with --memory: a third path, live recovery from the survivors' memory; every path runs "
                          "HSDP (2 replicas x 2 shards) so only the recovery source differs")
+    ap.add_argument("--paths", help="with --memory: only these recovery paths, e.g. memory,live")
     ap.add_argument("--memory-faults", type=int, default=1, help="0: the restore measurement only")
     ap.add_argument("--memory-nodes", type=int, default=3)
     ap.add_argument("--memory-fault-kinds", default="kill_actor,remove_node")

@@ -142,9 +142,11 @@ def fault_benchmark(lc, run_rayflex, data: str, storage: str, args, log) -> dict
     cases: dict = {}
     kinds = args.memory_fault_kinds.split(",")
     paths = list(PATHS) if getattr(args, "live", False) else ["storage", "memory"]
+    if getattr(args, "paths", None):
+        paths = [p for p in args.paths.split(",") if p in PATHS]
     for fault in kinds:
         for r in range(args.memory_rounds):
-            for path in paths[r % len(paths):] + paths[:r % len(paths)]:
+            for path in paths[r % len(paths):] + paths[:r % len(paths)]:  # rotating order
                 replicas, live = PATHS[path]
                 key = f"{fault}/{path}"
                 name = f"{path}-{fault.replace('_', '-')}-{r}"
@@ -173,12 +175,13 @@ def fault_benchmark(lc, run_rayflex, data: str, storage: str, args, log) -> dict
         out["median_fault_to_resumed_step_s"][fault] = meds
         out["spread_fault_to_resumed_step_s"][fault] = spreads
         out["ratio_memory_over_storage"][fault] = (meds["memory"] / meds["storage"]
-                                                   if meds["memory"] and meds["storage"] else None)
-        if "live" in paths:
+                                                   if meds.get("memory") and meds.get("storage") else None)
+        if "live" in paths and "memory" in paths:
             out.setdefault("ratio_live_over_memory", {})[fault] = (meds["live"] / meds["memory"]
                                                                    if meds["live"] and meds["memory"] else None)
-    out["goal_30pct_lower"] = all(r is not None and r <= 0.7 for r in out["ratio_memory_over_storage"].values())
-    if "live" in paths:
+    if "storage" in paths and "memory" in paths:
+        out["goal_30pct_lower"] = all(r is not None and r <= 0.7 for r in out["ratio_memory_over_storage"].values())
+    if "live" in paths and "memory" in paths:
         out["goal_live_0_steps_lost"] = all(n == 0 for f in kinds for n in out["steps_lost"][f"{f}/live"])
         out["goal_live_le_0.8_memory"] = all(r is not None and r <= 0.8 for r in out["ratio_live_over_memory"].values())
     return out
