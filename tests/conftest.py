@@ -182,6 +182,22 @@ def wait_until_running(handle, step: int, timeout_s: float = 120, committed: int
     raise AssertionError(f"run not running at step {step} after {timeout_s}s")
 
 
+def wait_then_end_frozen(handle, pid: int, timeout_s: float = 240):
+    """The run's result once it ends; then the SIGSTOPped process ``pid`` is continued and
+    killed whatever happened: a test never leaves a stopped process behind."""
+    import os
+    import signal
+
+    try:
+        return handle.wait(timeout_s=timeout_s)
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
 def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
     """Poll ``predicate`` until it returns something truthy (returned), or fail naming ``what``."""
     import time

@@ -13,7 +13,7 @@ import rayflex as rf
 from rayflex.constants import knob
 from rayflex.testing.reference import single_process_losses
 
-from conftest import run_events, small_gpt, wait_until_running
+from conftest import run_events, small_gpt, wait_then_end_frozen, wait_until_running
 
 pytestmark = pytest.mark.cluster
 # Enough that a fault lands mid-run: the first save commits a few steps late (a save due
@@ -132,14 +132,7 @@ def test_frozen_worker_is_detected_as_hang(two_node_cluster, dataset_uri, tmp_pa
     victim = next(w for w in st["workers"] if w["rank"] == 1)
     frozen_at = time.time()
     os.kill(victim["pid"], signal.SIGSTOP)
-    try:
-        result = handle.wait(timeout_s=240)
-    finally:
-        for sig in (signal.SIGCONT, signal.SIGKILL):  # never leave a stopped process behind
-            try:
-                os.kill(victim["pid"], sig)
-            except ProcessLookupError:
-                pass
+    result = wait_then_end_frozen(handle, victim["pid"])
     events = run_events(tmp_path, "sigstop")
     hang = next(e for e in events if e["kind"] == "hang_detected")
     assert hang["ranks"] == [1] and hang["phases"]["1"] == "unresponsive"

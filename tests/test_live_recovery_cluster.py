@@ -17,17 +17,12 @@ from rayflex.checkpoint import manifest as mf
 from rayflex.checkpoint.reader import CheckpointWeights
 from rayflex.data.dataset import TokenDataset
 
-from conftest import run_events, small_gpt, wait_until_running
+from conftest import run_events, small_gpt, wait_then_end_frozen, wait_until_running
+from test_elastic_cluster import fast_detection  # noqa: F401 - the autouse fixture
 
 pytestmark = pytest.mark.cluster
 # No checkpoint before step 12: a rollback would lose every step trained before the kill.
 STEPS, EVERY = 24, 12
-
-
-@pytest.fixture(autouse=True)
-def fast_detection(monkeypatch):
-    monkeypatch.setenv("RAYFLEX_HEARTBEAT_TIMEOUT_S", "3")
-    monkeypatch.setenv("RAYFLEX_RELEASE_TIMEOUT_S", "5")
 
 
 def _trainer(dataset_uri, tmp_path, name):
@@ -87,29 +82,25 @@ def _assert_live_recovered(trainer, tmp_path, name, result, fault_free, lost_ran
         assert torch.equal(fault_free[key], have[key]), f"{key} differs from the fault-free run's"
 
 
-def test_a_killed_worker_loses_no_step(two_node_cluster, dataset_uri, tmp_path, fault_free_model):
-    trainer = _trainer(dataset_uri, tmp_path, "live-kill")
+def _signal_rank_once_running(trainer, rank: int, sig) -> tuple:
+    """Submit the run, wait for step 4, send ``sig`` to ``rank``'s process: (handle, its pid)."""
     handle = trainer.submit()
     st = wait_until_running(handle, 4)
-    victim = next(w for w in st["workers"] if w["rank"] == 1)
-    os.kill(victim["pid"], signal.SIGKILL)
+    victim = next(w for w in st["workers"] if w["rank"] == rank)
+    os.kill(victim["pid"], sig)
+    return handle, victim
+
+
+def test_a_killed_worker_loses_no_step(two_node_cluster, dataset_uri, tmp_path, fault_free_model):
+    trainer = _trainer(dataset_uri, tmp_path, "live-kill")
+    handle, _ = _signal_rank_once_running(trainer, 1, signal.SIGKILL)
     _assert_live_recovered(trainer, tmp_path, "live-kill", handle.wait(timeout_s=240), fault_free_model, [1])
 
 
 def test_a_frozen_worker_loses_no_step(two_node_cluster, dataset_uri, tmp_path, fault_free_model):
     trainer = _trainer(dataset_uri, tmp_path, "live-freeze")
-    handle = trainer.submit()
-    st = wait_until_running(handle, 4)
-    victim = next(w for w in st["workers"] if w["rank"] == 2)
-    os.kill(victim["pid"], signal.SIGSTOP)
-    try:
-        result = handle.wait(timeout_s=240)
-    finally:
-        for sig in (signal.SIGCONT, signal.SIGKILL):  # never leave a stopped process behind
-            try:
-                os.kill(victim["pid"], sig)
-            except ProcessLookupError:
-                pass
+    handle, victim = _signal_rank_once_running(trainer, 2, signal.SIGSTOP)
+    result = wait_then_end_frozen(handle, victim["pid"])
     assert any(e["kind"] == "hang_detected" for e in run_events(tmp_path, "live-freeze"))
     _assert_live_recovered(trainer, tmp_path, "live-freeze", result, fault_free_model, [2])
 
