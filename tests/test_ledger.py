@@ -99,6 +99,27 @@ def test_steps_no_live_rank_reported_are_written_from_the_metrics_the_checkpoint
     assert recorder2.metrics == []
 
 
+def test_after_a_live_recovery_every_step_has_its_samples_line_even_one_no_rank_reported(tmp_path):
+    """The survivors' snapshots carry every dp rank's rows of their recent steps: a step the
+    killed rank never reported (3 of 4 lines) and one no rank reported before the fault
+    (the metrics the snapshot carries) both get the step's whole batch in samples.jsonl."""
+    from rayflex.worker.status import recent_step
+
+    recorder, spec = _Recorder(), _spec(tmp_path)
+    ledger = _ledger(spec, recorder)
+    plan = plan_mesh(spec.model, spec.parallel, spec.data, 4)
+    for rank in range(4):
+        ledger.absorb(rank, _status(rank, 1), plan, _Detector())
+    for rank in (0, 1, 2):
+        ledger.absorb(rank, _status(rank, 2), plan, _Detector())
+    rows = {s: list(range(8 * (s - 1), 8 * s)) for s in (1, 2, 3)}
+    carried = [recent_step(_status(0, s).records[0], 4) for s in (1, 2, 3)]
+    assert ledger.restored(3, recovered=carried, committed=False, sample_rows=rows) == 0
+    samples = recorder.rundir.lines["samples.jsonl"]
+    assert [(s["step"], s["indices"]) for s in samples] == [(1, rows[1]), (2, rows[2]), (3, rows[3])]
+    assert ledger.committed_step == 0, "a live step is not a commit"
+
+
 def test_a_saves_cost_is_what_it_blocked_plus_the_slowdown_of_the_steps_beside_its_upload(tmp_path):
     import dataclasses
 

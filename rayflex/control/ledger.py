@@ -143,7 +143,7 @@ class StepLedger:
                 self._finish_step(self._pending.pop(self.step + 1), self._plan, None,
                                   rows=(sample_rows or {}).get(self.step + 1))
             elif (self.step + 1) in by_step:
-                self._recovered_step(by_step[self.step + 1])
+                self._recovered_step(by_step[self.step + 1], rows=(sample_rows or {}).get(self.step + 1))
             else:
                 break
         self._measure_saves()  # the ending attempt's steps are about to leave the window
@@ -198,7 +198,7 @@ class StepLedger:
         elif ck.get("error"):
             self.recorder.record(ev.CheckpointFailed(step=ck.get("step"), reason=ck["error"]))
 
-    def _recovered_step(self, rec: dict) -> None:
+    def _recovered_step(self, rec: dict, rows: Optional[list] = None) -> None:
         step_time = rec["step_time_s"]
         line = {"step": rec["step"], "loss": rec["loss"], "step_time_s": step_time,
                 "tokens_per_s": rec["samples"] * self.data.seq_len / step_time if step_time > 0 else None,
@@ -210,6 +210,9 @@ class StepLedger:
         with self._lock:
             self._metrics.append(line)
         self.recorder.add_metrics(line)
+        if rows is not None and self.data.log_samples:  # a live recovery's survivors know the step's rows
+            self.recorder.rundir.add_line("samples.jsonl", {"step": rec["step"], "world_size": rec["world_size"],
+                                                            "indices": list(rows)})
         self.step = self.recorder.step = rec["step"]
 
     def _finish_step(self, recs: dict, plan, detector, rows: Optional[list] = None) -> None:
