@@ -158,8 +158,16 @@ def test_each_fault_kind_is_named_by_its_own_event():
     # The object store's bound is the product's promise (no slack); the corruption's is the
     # kill's plus the restart that restores past it (2.3 s here).
     assert rows[3]["bound_s"] == 7.0 and rows[4]["bound_s"] == 0.7 + 2.3
-    # The kill alone does not name a corruption: the restart must have skipped that step.
+    # The kill alone does not name a corruption: the restart must have skipped that step...
     ok, rows = inv.faults_accounted(faults[4:], events[:-2], TIMING)
+    assert not ok and rows[0]["detected_by"] is None
+    # ... or read no checkpoint at all (the survivors' memory), but not a checkpoint past it unskipped.
+    live = [events[6], ev.RecoveryChosen(time=50.4, step=16, source="live_peers", holders=[1])]
+    ok, rows = inv.faults_accounted(faults[4:], live, TIMING)
+    assert ok and rows[0]["detected_by"] == "recovery_chosen", rows
+    from_storage = [events[6], ev.RecoveryChosen(time=50.4, step=16, source="checkpoint", reason="x"),
+                    ev.CheckpointLoaded(time=52.0, step=15, skipped=[])]
+    ok, rows = inv.faults_accounted(faults[4:], from_storage, TIMING)
     assert not ok and rows[0]["detected_by"] is None
     with pytest.raises(ValueError, match="unknown fault kind"):
         inv.faults_accounted([fault(5, "meteor", 1.0)], events, TIMING)

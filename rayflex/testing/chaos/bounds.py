@@ -15,7 +15,8 @@ Per kind, the mechanism that names it:
 * ``s3_down`` — the product's promise (:func:`storage_outage_bound_s`): the recorder's
   ticker, which no step or poll delays. No slack: the promise holds on any host.
 * ``corrupt_checkpoint`` — named by the restore of the restart that follows the kill it
-  comes with: the kill's bound plus that restart's own duration, read off the timeline.
+  comes with: the kill's bound plus that restart's own duration, read off the timeline (or
+  by that restart's choice to resume from the survivors' memory, which reads no checkpoint).
 
 Every bound but the outage's gets ``SLACK_STEPS`` x the run's median step time: the
 controller's cycle and Ray's notices share the cores with the ranks, so on a host k times

@@ -86,9 +86,14 @@ def _kill_actor(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
 
 
 def _corrupt_checkpoint(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
-    """The restart after the kill skipped the corrupted step's checkpoint."""
+    """The restart after the kill skipped the corrupted step's checkpoint — or read none:
+    it resumed from the survivors' memory (live recovery), and the corrupted step, never
+    loaded, must then be gone by the end (``checkpoints_verify``)."""
     if _kill_actor(fault, after) is None:
         return None
+    chosen = next((e for e in after if isinstance(e, ev.RecoveryChosen)), None)
+    if chosen is not None and chosen.source == "live_peers":
+        return chosen
     skipped = f"step {fault['detail']['step']}:"
     return next((e for e in after if isinstance(e, ev.CheckpointLoaded)
                  and any(skipped in s for s in e.skipped)), None)
