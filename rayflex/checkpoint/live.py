@@ -180,5 +180,5 @@ def load_live(state, live: dict, *, group=None, node_id: str = "") -> dict:
             "mesh": live.get("mesh", {}), "skipped": [], "load_s": load_s,
             "total_steps": extra.get("total_steps"), "sample_order": extra.get("sample_order"),
             "recent_steps": [r for r in extra.get("recent_steps") or [] if r["step"] <= int(live["step"])],
-            "sources": {"files": {"live_peer": len(read)}, "fell_back": {}, "memory_bytes": 0,
-                        "remote_reads": len(remote), "holders": sorted(read)}}
+            "sources": {"files": {"live_peer": len(read)}, "fell_back": {}, "remote_reads": len(remote),
+                        "holders": sorted(read)}}

@@ -207,10 +207,11 @@ class RayWorkerGroup:
         import ray
 
         pending = {r: self.actors[r].take_live.options(num_returns=2).remote() for r in ranks}
+        deadline = time.time() + knob("ACTOR_CALL_TIMEOUT_S")  # one wait for all: they snapshot at once
         out = {}
         for r, (info_ref, files_ref) in pending.items():
             try:
-                out[r] = (ray.get(info_ref, timeout=knob("ACTOR_CALL_TIMEOUT_S")), files_ref)
+                out[r] = (ray.get(info_ref, timeout=max(0.0, deadline - time.time())), files_ref)
             except Exception as e:  # noqa: BLE001 - no live copy from this rank: the policy says so
                 out[r] = ({"rank": r, "error": f"its snapshot did not arrive: {_short_error(e)}"}, None)
         return out
