@@ -41,3 +41,14 @@ def test_pipeline_and_tp_shards_are_told_apart():
     assert lost_shard(plan, set(range(8)) - {0, 2}) == "every copy of stage 0, FSDP shard 0, tp rank 0 was lost with ranks 0, 2"
     plain = MeshPlan(pp=1, dp=2)
     assert "rank 1 held the only copy" in lost_shard(plain, {0}) and "dp_replicate=1" in lost_shard(plain, {0})
+
+
+def test_the_switch_is_a_bool_and_says_so():
+    import pytest
+
+    import rayflex as rf
+    from rayflex.errors import ConfigError
+
+    assert rf.ElasticConfig().live_recovery is True
+    with pytest.raises(ConfigError, match="ElasticConfig.live_recovery.*must be True or False"):
+        rf.ElasticConfig(live_recovery="yes")
