@@ -93,19 +93,23 @@ def test_s3_dataset_missing_bucket_vs_missing_shards(s3_endpoint, s3_bucket):
     assert len(TokenDataset(f"{s3_bucket}/tokens")) == 12
 
 
-def test_reading_rows_imports_neither_pandas_nor_arrow_compute(tmp_path):
+def test_reading_rows_imports_neither_pandas_nor_arrow_compute_and_starts_no_arrow_pool(tmp_path):
     # Every worker process reads data at start-up: Arrow's own conversions would import
-    # pandas and pyarrow.compute there (~1 CPU-s per process).
+    # pandas and pyarrow.compute there (~1 CPU-s per process), and a thread of Arrow's
+    # pools still up when the process exits can abort it (exit -6, "terminate called
+    # without an active exception"), at random, after its work is done.
     import subprocess
     import sys
 
     uri = write_synthetic_dataset(f"file://{tmp_path}/d", num_samples=48, seq_len=16, vocab_size=64, num_shards=2)
-    code = ("import sys\nfrom rayflex.data.dataset import TokenDataset\n"
+    code = ("import os, sys\nimport pyarrow.parquet\nfrom rayflex.data.dataset import TokenDataset\n"
+            "threads = lambda: len(os.listdir('/proc/self/task'))\nbefore = threads()\n"
             f"ds = TokenDataset({uri!r})\nrows = ds.rows(__import__('numpy').arange(len(ds)))\n"
-            "print(rows.shape, sorted(m for m in ('pandas', 'pyarrow.compute') if m in sys.modules))")
+            "print(rows.shape, sorted(m for m in ('pandas', 'pyarrow.compute') if m in sys.modules),"
+            " 'new threads:', threads() - before)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
-    assert done.stdout.strip() == "torch.Size([48, 17]) []", done.stdout
+    assert done.stdout.strip() == "torch.Size([48, 17]) [] new threads: 0", done.stdout
 
 
 def test_rows_of_unequal_length_are_refused_with_the_fix(tmp_path):

@@ -150,12 +150,12 @@ class TokenDataset:
         import pyarrow.parquet as pq
 
         # ParquetFile with the footer already read: one ranged read of the column chunk
-        # (read_table would import pyarrow.dataset and read the footer again). One column
-        # chunk decodes on this thread: Arrow's CPU pool would start a thread per core in
-        # every worker process, and a process exiting while those threads are still up
-        # aborts ("terminate called without an active exception", seen on a busy host).
+        # (read_table would import pyarrow.dataset and read the footer again). Read and
+        # decoded on this thread, no Arrow pool started: pre-buffering starts Arrow's I/O
+        # pool and use_threads its CPU pool, and a process exiting while a pool thread is
+        # still up aborts ("terminate called without an active exception").
         with self._fs.open(self._shards[g.shard], "rb") as f:
-            return pq.ParquetFile(f, metadata=self._footers[g.shard]).read_row_group(
+            return pq.ParquetFile(f, metadata=self._footers[g.shard], pre_buffer=False).read_row_group(
                 g.index, columns=[TOKENS_COLUMN], use_threads=False)
 
     def _load(self, gi: int) -> np.ndarray:
