@@ -1,8 +1,8 @@
 """Live recovery on a loopback cluster: an HSDP run (2 replicas x 2 shards, a replica per
-node) that loses a worker (SIGKILL), a whole node, or a frozen worker (SIGSTOP) resumes
-from the survivors' memory — no step lost, nothing read from storage — and ends with the
-parameters of a run that never failed, bit for bit (it restarts at the same size: the
-replacement is waited for)."""
+node) that loses a worker (SIGKILL) and later a whole node, or a frozen worker (SIGSTOP),
+resumes from the survivors' memory each time — no step lost, nothing read from storage —
+and ends with the parameters of a run that never failed, bit for bit (it restarts at the
+same size: the replacement is waited for)."""
 
 import os
 import signal
@@ -10,12 +10,11 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 import rayflex as rf
 from rayflex.checkpoint import manifest as mf
-from rayflex.checkpoint.reader import CheckpointWeights
 from rayflex.data.dataset import TokenDataset
+from rayflex.testing.chaos.replay import Segment, compare, replay
 
 from conftest import run_events, small_gpt, wait_then_end_frozen, wait_until_running
 from test_elastic_cluster import fast_detection  # noqa: F401 - the autouse fixture
@@ -39,34 +38,34 @@ def _trainer(dataset_uri, tmp_path, name):
                       elastic=rf.ElasticConfig(max_failures=2, resource_wait_s=60, restart_while_warming=False))
 
 
-def _final_model(tmp_path, name):
-    uri = f"file://{tmp_path}/runs/{name}/checkpoints"
-    weights = CheckpointWeights(step_uri=mf.step_dir(uri, STEPS), step=STEPS, model={}, description=name)
-    return weights.load(sorted(weights.tensors()))
-
-
 @pytest.fixture(scope="module")
-def fault_free_model(two_node_cluster, dataset_uri, tmp_path_factory):
+def fault_free(dataset_uri, tmp_path_factory):
+    """The final step of the same run without a fault, trained in plain local processes
+    (the chaos replay's pool: no Ray actors to start); its checkpoint directory."""
     root = tmp_path_factory.mktemp("live-ref")
-    assert _trainer(dataset_uri, root, "live-ref").fit(progress=False).status == "finished"
-    return _final_model(root, "live-ref")
+    spec = _trainer(dataset_uri, root, "live-ref").spec
+    return mf.step_dir(replay(spec, [Segment(4, 0, STEPS)], f"file://{root}/replay"), STEPS)
 
 
-def _assert_live_recovered(trainer, tmp_path, name, result, fault_free, lost_ranks):
+def _assert_live_recovered(trainer, tmp_path, name, result, fault_free, lost_ranks_per_fault):
+    """Each fault (its lost ranks, in order) recovered from live peers; every step trained
+    once on its own samples; the final parameters those of the fault-free run."""
     assert result.status == "finished" and result.steps_completed == STEPS
     events = run_events(tmp_path, name)
     chosen = [e for e in events if e["kind"] == "recovery_chosen"]
-    assert len(chosen) == 1 and chosen[0]["source"] == "live_peers", chosen
-    live_step = chosen[0]["step"]
-    assert 4 <= live_step < EVERY, "recovered past every checkpoint (there was none yet)"
-    assert not set(lost_ranks) & set(chosen[0]["holders"]), "the lost shards were read from their live replicas"
-    restarted, = [e for e in events if e["kind"] == "restarted"]
-    assert restarted["lost_steps"] == 0 and restarted["from_step"] == live_step
-    loaded, = [e for e in events if e["kind"] == "checkpoint_loaded"]
-    assert loaded["uri"] == "live peers" and loaded["step"] == live_step
-    # Committed after the first resumed step, so a second failure cannot roll back past it.
+    assert [e["source"] for e in chosen] == ["live_peers"] * len(lost_ranks_per_fault), chosen
+    restarted = [e for e in events if e["kind"] == "restarted"]
+    loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
     committed = [e for e in events if e["kind"] == "checkpoint_committed"]
-    assert committed[0]["step"] == live_step + 1 and committed[0]["reason"] == "live_recovery", committed[0]
+    assert 4 <= chosen[0]["step"] < EVERY, "recovered past every checkpoint (there was none yet)"
+    for live, lost, restart, load in zip(chosen, lost_ranks_per_fault, restarted, loaded, strict=True):
+        step = live["step"]
+        assert not set(lost) & set(live["holders"]), f"the lost shards were read from their live replicas: {live}"
+        assert restart["lost_steps"] == 0 and restart["from_step"] == step, restart
+        assert load["uri"] == "live peers" and load["step"] == step, load
+        # Committed after the first resumed step, so a second failure cannot roll back past it.
+        after = next(c for c in committed if c["step"] > step)
+        assert after["step"] == step + 1 and after["reason"] == "live_recovery", after
 
     metrics = run_events(tmp_path, name, "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1)), "every step trained and recorded once"
@@ -76,10 +75,8 @@ def _assert_live_recovered(trainer, tmp_path, name, result, fault_free, lost_ran
     for step, indices in samples.items():
         np.testing.assert_array_equal(indices, sampler.indices(step - 1, 0, 1))
 
-    have = _final_model(tmp_path, name)
-    assert fault_free.keys() == have.keys()
-    for key in fault_free:
-        assert torch.equal(fault_free[key], have[key]), f"{key} differs from the fault-free run's"
+    same = compare(mf.step_dir(trainer.spec.checkpoint_uri, STEPS), fault_free)
+    assert same["bitwise_equal"], f"the final parameters differ from the fault-free run's: {same}"
 
 
 def _signal_rank_once_running(trainer, rank: int, sig) -> tuple:
@@ -91,35 +88,34 @@ def _signal_rank_once_running(trainer, rank: int, sig) -> tuple:
     return handle, victim
 
 
-def test_a_killed_worker_loses_no_step(two_node_cluster, dataset_uri, tmp_path, fault_free_model):
-    trainer = _trainer(dataset_uri, tmp_path, "live-kill")
-    handle, _ = _signal_rank_once_running(trainer, 1, signal.SIGKILL)
-    _assert_live_recovered(trainer, tmp_path, "live-kill", handle.wait(timeout_s=240), fault_free_model, [1])
-
-
-def test_a_frozen_worker_loses_no_step(two_node_cluster, dataset_uri, tmp_path, fault_free_model):
-    trainer = _trainer(dataset_uri, tmp_path, "live-freeze")
-    handle, victim = _signal_rank_once_running(trainer, 2, signal.SIGSTOP)
-    result = wait_then_end_frozen(handle, victim["pid"])
-    assert any(e["kind"] == "hang_detected" for e in run_events(tmp_path, "live-freeze"))
-    _assert_live_recovered(trainer, tmp_path, "live-freeze", result, fault_free_model, [2])
-
-
-def test_a_lost_node_loses_no_step(two_node_cluster, dataset_uri, tmp_path, fault_free_model):
+def test_a_killed_worker_and_then_a_lost_node_lose_no_step(two_node_cluster, dataset_uri, tmp_path, fault_free):
+    """A SIGKILLed rank, then (after the live step's commit) the node of the other replica:
+    both restarts resume from the survivors' memory."""
     cluster = two_node_cluster
     worker_node = next(iter(cluster.worker_nodes))
-    trainer = _trainer(dataset_uri, tmp_path, "live-node")
-    handle = trainer.submit()
-    st = wait_until_running(handle, 4)
+    trainer = _trainer(dataset_uri, tmp_path, "live-kill-node")
+    handle, _ = _signal_rank_once_running(trainer, 1, signal.SIGKILL)
+    # Past the commit of the first live step (its first resumed step), well before EVERY.
+    st = wait_until_running(handle, 8, timeout_s=180, committed=5)
+    assert st["step"] < EVERY, f"the run outran the second fault's window: {st['step']}"
     lost_ranks = sorted(w["rank"] for w in st["workers"] if w["node_id"] == worker_node.node_id)
     assert len(lost_ranks) == 2, st["workers"]
     cluster.remove_node(worker_node)
     try:
         # The restart waits for 4 slots (min_workers=4): a node like the lost one joins.
         deadline = time.time() + 60
-        while not any(e["kind"] == "recovery_chosen" for e in run_events(tmp_path, "live-node")):
-            assert time.time() < deadline, "the loss was never handled"
+        while len([e for e in run_events(tmp_path, "live-kill-node") if e["kind"] == "recovery_chosen"]) < 2:
+            assert time.time() < deadline, "the node's loss was never handled"
             time.sleep(0.2)
     finally:
         cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={"rack": "r1"})
-    _assert_live_recovered(trainer, tmp_path, "live-node", handle.wait(timeout_s=240), fault_free_model, lost_ranks)
+    _assert_live_recovered(trainer, tmp_path, "live-kill-node", handle.wait(timeout_s=240), fault_free,
+                           [[1], lost_ranks])
+
+
+def test_a_frozen_worker_loses_no_step(two_node_cluster, dataset_uri, tmp_path, fault_free):
+    trainer = _trainer(dataset_uri, tmp_path, "live-freeze")
+    handle, victim = _signal_rank_once_running(trainer, 2, signal.SIGSTOP)
+    result = wait_then_end_frozen(handle, victim["pid"])
+    assert any(e["kind"] == "hang_detected" for e in run_events(tmp_path, "live-freeze"))
+    _assert_live_recovered(trainer, tmp_path, "live-freeze", result, fault_free, [[2]])
