@@ -23,6 +23,24 @@ os.environ.setdefault("RAYFLEX_RUN_REPORT", "0")
 os.environ.setdefault("RAY_enable_metrics_collection", "0")
 os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 
+
+def _own_ray_temp_dir() -> None:
+    """A Ray temp dir for this pytest process alone (each xdist worker has one). A cluster
+    records its address in ``<temp dir>/ray/ray_current_cluster``, and a process that joins
+    "this machine's running cluster" (``rayflex.local_ray.ensure_ray``: ``rayflex run``, the
+    GPU kit, a notebook) reads it there: with one shared /tmp/ray, a test's subprocess on one
+    worker joined the cluster the other worker's test had up (the kit's run took the chaos
+    run's nodes). Short: Ray's socket paths under it must fit in 107 bytes."""
+    root = f"/tmp/rayflex-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
+    os.makedirs(root, exist_ok=True)
+    stale = os.path.join(root, "ray", "ray_current_cluster")  # a previous session's cluster, long gone
+    if os.path.exists(stale):
+        os.remove(stale)
+    os.environ["RAY_TMPDIR"] = root
+
+
+_own_ray_temp_dir()
+
 import pytest  # noqa: E402
 
 pytest_plugins = ["s3_fixture", "cloud_fixtures", "suite_cpu"]

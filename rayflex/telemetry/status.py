@@ -126,12 +126,13 @@ def _loopback_target() -> bool:
     """Whether the cluster we would join listens on loopback (RAY_ADDRESS, else the one
     ``ray start`` recorded), read without importing Ray."""
     import os
-    import tempfile
 
     address = os.environ.get("RAY_ADDRESS")
     if not address:
+        # Where Ray keeps it: RAY_TMPDIR, else TMPDIR (Linux), else /tmp; then ray/.
+        temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
         try:
-            with open(os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")) as f:
+            with open(os.path.join(temp, "ray", "ray_current_cluster")) as f:
                 address = f.read().strip()
         except OSError:
             return False
