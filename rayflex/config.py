@@ -1,8 +1,10 @@
 """User-facing configuration: keyword-only dataclasses validated on construction.
 
-Every check runs in ``__post_init__`` (or in :func:`validate_together` for checks that
-span several configs), so a bad value fails on the driver before any actor exists. Each
-error names the field and says how to fix it.
+What one field accepts is declared with the field (``setting(default, rule)``,
+``rayflex.field_rules``) and checked by ``check_fields`` in ``__post_init__``; what
+needs several fields is checked after it there (or in :func:`validate_together`, for
+checks that span several configs). A bad value fails on the driver before any actor
+exists, and each error names the field and says how to fix it.
 """
 
 from __future__ import annotations
@@ -15,21 +17,13 @@ from typing import Any, Optional, Union
 
 from rayflex.constants import DEFAULT_SHUFFLE_WINDOW
 from rayflex.errors import ConfigError
+from rayflex.field_rules import (check_fields, check_value, custom, flag, mapping, number, one_of, setting, text,
+                                 whole)
 from rayflex.mesh import rules
 from rayflex.schemes import SUPPORTED_SCHEMES, check_backend
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-
-
-def _positive_int(cls: str, name: str, value: Any, fix: str = "use an integer >= 1") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{cls}.{name}", f"must be a positive integer, got {value!r}", fix)
-
-
-def _non_negative_int(cls: str, name: str, value: Any, fix: str = "use an integer >= 0") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{cls}.{name}", f"must be an integer >= 0, got {value!r}", fix)
 
 
 def check_uri(where: str, uri: str) -> None:
@@ -57,32 +51,31 @@ class ScalingConfig:
     elastic restarts (both default to ``num_workers``: a fixed-size run).
     """
 
-    num_workers: int = 4
-    min_workers: Optional[int] = None
-    max_workers: Optional[int] = None
-    cpus_per_worker: float = 1.0
-    use_gpu: bool = False
-    resources_per_worker: dict = field(default_factory=dict)
+    num_workers: int = setting(4, whole(1))
+    min_workers: Optional[int] = setting(None, whole(1, optional=True))
+    max_workers: Optional[int] = setting(None, whole(1, optional=True))
+    cpus_per_worker: float = setting(1.0, number(gt=0, fix="use e.g. 1 (a worker needs CPU time even on a GPU node)"))
+    use_gpu: bool = setting(False, flag("use True to give each worker a GPU, False to train on CPUs"))
+    resources_per_worker: dict = setting(rule=mapping("resource -> amount", "use e.g. {'accelerator_type:H100': 0.001}"),
+                                         default_factory=dict)
     # Torch intra-op threads per worker; 1 avoids oversubscribing small machines.
-    torch_threads: int = 1
+    torch_threads: int = setting(1, whole(1))
     # Node labels every worker's node must carry, e.g. {"ray.io/market-type": "spot"}.
-    node_labels: dict = field(default_factory=dict)
+    node_labels: dict = setting(rule=mapping("label -> value", "use e.g. {'ray.io/market-type': 'spot'}"),
+                                default_factory=dict)
     # Where ranks go: "planned" (the topology-aware planner), or, to measure what it buys,
     # "node_order" (Ray Train's: ranks fill nodes in node order, by address) or
     # "shuffled:SEED" (tp groups whole, otherwise a seeded random order).
-    placement: str = "planned"
+    placement: str = setting("planned", custom(
+        lambda v: None if v in ("planned", "node_order") or (str(v).partition(":")[0] == "shuffled"
+                                                              and str(v).partition(":")[2].isdigit())
+        else f"unknown placement {v!r}",
+        "use 'planned' (the default), 'node_order' or 'shuffled:SEED' (e.g. 'shuffled:7')"))
 
     def __post_init__(self) -> None:
         c = "ScalingConfig"
-        how, colon, seed = str(self.placement).partition(":")
-        if not (self.placement in ("planned", "node_order") or (how == "shuffled" and seed.isdigit())):
-            raise ConfigError(f"{c}.placement", f"unknown placement {self.placement!r}",
-                              "use 'planned' (the default), 'node_order' or 'shuffled:SEED' (e.g. 'shuffled:7')")
-        _positive_int(c, "num_workers", self.num_workers)
-        lo = self.num_workers if self.min_workers is None else self.min_workers
-        hi = self.num_workers if self.max_workers is None else self.max_workers
-        _positive_int(c, "min_workers", lo)
-        _positive_int(c, "max_workers", hi)
+        check_fields(self)
+        lo, hi = self.min_size, self.max_size
         if lo > hi:
             raise ConfigError(f"{c}.min_workers", f"min_workers={lo} is greater than max_workers={hi}",
                               "set min_workers <= max_workers")
@@ -90,16 +83,6 @@ class ScalingConfig:
             raise ConfigError(f"{c}.num_workers",
                               f"num_workers={self.num_workers} is outside [min_workers={lo}, max_workers={hi}]",
                               "pick num_workers between min_workers and max_workers")
-        if not isinstance(self.cpus_per_worker, (int, float)) or self.cpus_per_worker <= 0:
-            raise ConfigError(f"{c}.cpus_per_worker", f"must be > 0, got {self.cpus_per_worker!r}",
-                              "use e.g. 1 (a worker needs CPU time even on a GPU node)")
-        if not isinstance(self.node_labels, dict):
-            raise ConfigError(f"{c}.node_labels", "must be a dict of label -> value",
-                              "use e.g. {'ray.io/market-type': 'spot'}")
-        _positive_int(c, "torch_threads", self.torch_threads)
-        if not isinstance(self.resources_per_worker, dict):
-            raise ConfigError(f"{c}.resources_per_worker", "must be a dict of resource -> amount",
-                              "use e.g. {'accelerator_type:H100': 0.001}")
 
     # Resolved bounds. The fields keep None ("same as num_workers") so that overriding
     # num_workers alone (`--set scaling.num_workers=2`) moves a fixed-size run's bounds too.
@@ -117,6 +100,10 @@ class ScalingConfig:
             res["GPU"] = 1.0
         res.update({k: float(v) for k, v in self.resources_per_worker.items()})
         return {k: v for k, v in res.items() if v > 0}
+
+
+_LAYOUT = one_of(("auto",), "value", "use 'auto' to let the capacity planner choose, or None and set pp/tp/dp_shard",
+                 optional=True)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -143,22 +130,22 @@ class ParallelConfig:
     """
 
     pp: Union[int, str] = 1
-    schedule: str = "1f1b"
-    microbatches: Optional[int] = None
-    stages_per_rank: int = 1
+    schedule: str = setting("1f1b", one_of(SCHEDULES, "schedule"))
+    microbatches: Optional[int] = setting(None, whole(1, optional=True))
+    stages_per_rank: int = setting(1, whole(1))
     # How blocks are balanced over stages: "params" (parameter count) or "uniform".
-    balance: str = "params"
+    balance: str = setting("params", one_of(("params", "uniform"), "balance", "use 'params' or 'uniform'"))
     cluster: Optional[str] = None
-    tp: int = 1
-    dp_shard: Optional[int] = None
+    tp: int = setting(1, whole(1, "use an integer >= 1 (1: no tensor parallelism)"))
+    dp_shard: Optional[int] = setting(None, whole(1, "use an integer >= 1, or None to shard over every dp rank",
+                                                  optional=True))
+    # Checked before the rest (it rewrites pp), so declared with its rule apart.
     layout: Optional[str] = None
 
     def __post_init__(self) -> None:
         c = "ParallelConfig"
+        check_value(f"{c}.layout", self.layout, _LAYOUT)
         if self.layout is not None:
-            if self.layout != "auto":
-                raise ConfigError(f"{c}.layout", f"unknown value {self.layout!r}",
-                                  "use 'auto' to let the capacity planner choose, or None and set pp/tp/dp_shard")
             if self.pp not in (1, "auto") or self.tp != 1 or self.dp_shard is not None:
                 raise ConfigError(f"{c}.layout", "layout='auto' chooses pp, tp and dp_shard itself",
                                   "leave pp, tp and dp_shard at their defaults, or drop layout='auto'")
@@ -179,20 +166,14 @@ class ParallelConfig:
                                       f"{name}={value!r} is chosen by the capacity planner with layout='auto'",
                                       f"leave {name} at its default ({default!r}), or set the layout yourself")
         else:
-            _positive_int(c, "pp", self.pp, "use an integer >= 1, or layout='auto'")
-        _positive_int(c, "tp", self.tp, "use an integer >= 1 (1: no tensor parallelism)")
-        if self.dp_shard is not None:
-            _positive_int(c, "dp_shard", self.dp_shard, "use an integer >= 1, or None to shard over every dp rank")
+            check_value(f"{c}.pp", self.pp, whole(1, "use an integer >= 1, or layout='auto'"))
+        check_fields(self)
         if self.cluster is not None:
             if not isinstance(self.cluster, (str, os.PathLike)) or not str(self.cluster):
                 raise ConfigError(f"{c}.cluster", f"must be a path to a cluster-description YAML, got "
                                   f"{self.cluster!r}", "see docs/capacity.md, or use None for the live cluster")
             # Absolute now: the controller reads it later, possibly from another directory.
             object.__setattr__(self, "cluster", os.path.abspath(os.fspath(self.cluster)))
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"{c}.schedule", f"unknown schedule {self.schedule!r}",
-                              f"use one of {', '.join(SCHEDULES)}")
-        _positive_int(c, "stages_per_rank", self.stages_per_rank)
         if self.schedule == "interleaved" and self.stages_per_rank < 2:
             raise ConfigError(f"{c}.stages_per_rank",
                               "the interleaved schedule needs at least 2 stages per rank",
@@ -202,11 +183,7 @@ class ParallelConfig:
                               f"stages_per_rank={self.stages_per_rank} only works with schedule='interleaved'",
                               "set schedule='interleaved' or stages_per_rank=1")
         if self.microbatches is not None:
-            _positive_int(c, "microbatches", self.microbatches)
             rules.check_microbatches(self.pp, self.microbatches, self.schedule)
-        if self.balance not in ("params", "uniform"):
-            raise ConfigError(f"{c}.balance", f"unknown balance {self.balance!r}",
-                              "use 'params' or 'uniform'")
 
     @property
     def is_auto(self) -> bool:
@@ -266,18 +243,18 @@ class DataConfig:
     """
 
     uri: str = ""
-    seq_len: int = 64
-    global_batch: int = 16
-    micro_batch: Optional[int] = None
-    seed: int = 0
+    seq_len: int = setting(64, whole(1))
+    global_batch: int = setting(16, whole(1))
+    micro_batch: Optional[int] = setting(None, whole(1, optional=True))
+    seed: int = setting(0, whole(0))
     # Write which dataset rows each step consumed to ``samples.jsonl`` (an audit log that
     # proves exact data continuation across restarts; costs one line per step).
     log_samples: bool = False
     # Row groups shuffled together (rayflex.data.sampler): a step's rows come from about
     # twice this many row groups, which each rank caches. Larger mixes more, costs memory.
-    shuffle_window: int = DEFAULT_SHUFFLE_WINDOW
+    shuffle_window: int = setting(DEFAULT_SHUFFLE_WINDOW, whole(1))
     # Steps whose row groups a background thread loads ahead of training (0: off).
-    prefetch_steps: int = 2
+    prefetch_steps: int = setting(2, whole(0))
     # The tokenizer the data must have been prepared with (a directory with tokenizer.json,
     # or a Hugging Face name): checked against the dataset's rayflex_dataset.json before
     # any actor starts (rayflex.data.prepare.check_manifest). None: only the vocabulary
@@ -294,13 +271,7 @@ class DataConfig:
             object.__setattr__(self, "sources", _mixture_sources(self.sources, self.uri))
         else:
             check_uri(f"{c}.uri", self.uri)
-        _positive_int(c, "seq_len", self.seq_len)
-        _positive_int(c, "global_batch", self.global_batch)
-        if self.micro_batch is not None:
-            _positive_int(c, "micro_batch", self.micro_batch)
-        _non_negative_int(c, "seed", self.seed)
-        _positive_int(c, "shuffle_window", self.shuffle_window)
-        _non_negative_int(c, "prefetch_steps", self.prefetch_steps)
+        check_fields(self)
 
 
 UPLOAD_MODES = ("auto", "process", "thread")
@@ -315,35 +286,40 @@ class CheckpointConfig:
     run goes; ``mtbf_prior_s`` is the mean time between failures it assumes before the run
     has seen its own (one failure per hour: a few hundred spot nodes)."""
 
-    every_steps: int | str = 0
-    mtbf_prior_s: float = 3600.0
-    keep: int = 3
-    async_save: bool = True
+    every_steps: int | str = setting(0, custom(
+        lambda v: None if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+        else f"must be an integer >= 0, got {v!r}", 'use 0 (off), a step interval, or "auto"'))
+    mtbf_prior_s: float = setting(3600.0, number(
+        gt=0, unit="seconds", fix="use the mean time between failures you expect of the cluster, e.g. 3600"))
+    keep: int = setting(3, whole(1))
+    async_save: bool = setting(True, flag("use True to write checkpoints in the background, False to wait for them"))
     # Where checkpoints go; None means ``{RunConfig.storage}/{name}/checkpoints``.
     uri: Optional[str] = None
     # Load the latest committed checkpoint of this run on start (resume).
-    resume: bool = True
+    resume: bool = setting(True, flag("use True to resume from the newest committed checkpoint, False to start over"))
     # Where an async save's bytes are serialised and written: "process" (an uploader
     # process per rank reading shared-memory staging: shares no GIL with training; needs
     # /dev/shm room for one copy of the rank's state), "thread" (a background thread of
     # the training process), "auto" (thread until the process path is measured on GPU).
-    upload: str = "auto"
+    upload: str = setting("auto", one_of(UPLOAD_MODES, "upload mode"))
     # Files each rank writes in parallel per save (more parallel PUTs to an object store).
-    upload_threads: int = 1
+    upload_threads: int = setting(1, whole(1))
     # Keep every saved shard in host memory too: on its own node and on this many other
     # nodes (another rack when the run has one). A restart then reads what it can from
     # memory — a dead process from its node's copy, a lost node from a replica — and the
     # rest from storage. 0: off. Costs (1 + memory_replicas) x the checkpoint's size of
     # RAM across the cluster, twice while a save is in flight (docs/guides/checkpoints.md, "Memory replicas").
-    memory_replicas: int = 0
+    memory_replicas: int = setting(0, whole(0, "use 0 (off) or the number of other nodes to copy each shard to, e.g. 1"))
     # The most host memory the copies may take on one node, in GB (oldest steps go first;
     # a file beyond it is not kept). None: a quarter of the node's RAM.
-    memory_budget_gb: Optional[float] = None
+    memory_budget_gb: Optional[float] = setting(None, number(
+        gt=0, unit="GB", fix="use e.g. 64 (per node), or None for a quarter of each node's RAM", optional=True))
     # A save that falls due while the previous one is still being written: "defer" takes it
     # at the first step boundary after that upload ended (training never waits for an
     # upload; a checkpoint_deferred event says so), "wait" takes it on time and training
     # waits for the previous upload first. Emergency, stop and final saves always wait.
-    when_busy: str = "defer"
+    when_busy: str = setting("defer", one_of(WHEN_BUSY, "policy", f"use one of {', '.join(WHEN_BUSY)} "
+                                                                     "(\"defer\": training never waits for an upload)"))
 
     @property
     def memory_budget_bytes(self) -> Optional[int]:
@@ -360,26 +336,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         c = "CheckpointConfig"
-        if self.every_steps != "auto":
-            _non_negative_int(c, "every_steps", self.every_steps, 'use 0 (off), a step interval, or "auto"')
-        if isinstance(self.mtbf_prior_s, bool) or not isinstance(self.mtbf_prior_s, (int, float)) \
-                or not self.mtbf_prior_s > 0:
-            raise ConfigError(f"{c}.mtbf_prior_s", f"must be a number of seconds > 0, got {self.mtbf_prior_s!r}",
-                              "use the mean time between failures you expect of the cluster, e.g. 3600")
-        _positive_int(c, "keep", self.keep)
-        if self.upload not in UPLOAD_MODES:
-            raise ConfigError(f"{c}.upload", f"unknown upload mode {self.upload!r}",
-                              f"use one of {', '.join(UPLOAD_MODES)}")
-        _positive_int(c, "upload_threads", self.upload_threads)
-        if self.when_busy not in WHEN_BUSY:
-            raise ConfigError(f"{c}.when_busy", f"unknown policy {self.when_busy!r}",
-                              f"use one of {', '.join(WHEN_BUSY)} (\"defer\": training never waits for an upload)")
-        _non_negative_int(c, "memory_replicas", self.memory_replicas,
-                          "use 0 (off) or the number of other nodes to copy each shard to, e.g. 1")
-        if self.memory_budget_gb is not None and (isinstance(self.memory_budget_gb, bool) or not isinstance(
-                self.memory_budget_gb, (int, float)) or not self.memory_budget_gb > 0):
-            raise ConfigError(f"{c}.memory_budget_gb", f"must be a number of GB > 0, got {self.memory_budget_gb!r}",
-                              "use e.g. 64 (per node), or None for a quarter of each node's RAM")
+        check_fields(self)
         if self.memory_replicas and self.upload == "process":
             raise ConfigError(f"{c}.upload", "upload='process' cannot keep memory replicas: the uploader "
                               "process serializes the shards, and the copies are made from those bytes "
@@ -393,69 +350,50 @@ class CheckpointConfig:
 class ElasticConfig:
     """Failure and preemption budgets for restarts."""
 
-    max_failures: int = 3
-    max_preemptions: int = 10
+    max_failures: int = setting(3, whole(0))
+    max_preemptions: int = setting(10, whole(0))
     # Seconds to wait for enough resources before giving up on a restart.
-    resource_wait_s: float = 120.0
+    resource_wait_s: float = setting(120.0, number(ge=0, unit="seconds", fix="use a number of seconds, e.g. 120"))
     # Spot notices: Ray's drain state (what the autoscaler sets for spot terminations),
     # the cloud metadata endpoint polled on each worker node (None: off; "{node_id}" and
     # "{node_ip}" are substituted), and a notice file an operator may write.
-    watch_ray_drain: bool = True
-    metadata_url: Optional[str] = None
-    metadata_kind: str = "aws"
-    notice_file: Optional[str] = None
+    watch_ray_drain: bool = setting(True, flag("use True to act on Ray's drain notices, False to ignore them"))
+    metadata_url: Optional[str] = setting(None, custom(
+        lambda v: None if str(v).startswith(("http://", "https://")) else f"not an http(s) URL: {v!r}",
+        "use e.g. http://169.254.169.254/latest/meta-data/spot/instance-action", optional=True))
+    metadata_kind: str = setting("aws", one_of(("aws", "gcp"), "metadata kind",
+                                               "use 'aws' (spot/instance-action) or 'gcp' (instance/preempted)"))
+    notice_file: Optional[str] = setting(None, text("use a path an operator writes a notice to, or None",
+                                                    optional=True))
     # Safety margin on top of (a step + an estimated checkpoint) before a notice's deadline.
-    emergency_margin_s: float = 2.0
+    emergency_margin_s: float = setting(2.0, number(ge=0, unit="seconds", fix="use a number of seconds, e.g. 2"))
     # When a restart needs worker processes that are not up yet (a dead one's replacement,
     # a preempted node's ranks moving elsewhere): True restarts at once with the workers
     # that are up (if that is a valid size >= min_workers) while the missing ones start,
     # then grows at a step boundary once they are warm — training never waits for process
     # start, at the cost of one more (checkpointed) restart. False waits for them.
-    restart_while_warming: bool = True
+    restart_while_warming: bool = setting(True, flag(
+        "use True (restart now, grow when warm) or False (wait for the new workers)"))
     # After a failure without notice, resume from the survivors' live state of their last
     # finished step when every shard of it survived (a mesh with dp_replicate >= 2: HSDP):
     # no step is lost and nothing is read from storage. Otherwise, or False: the newest
     # checkpoint (memory replicas, then storage). A recovery_chosen event says which and why.
-    live_recovery: bool = True
+    live_recovery: bool = setting(True, flag("use True (resume from the survivors' memory when every shard "
+                                             "survived) or False (always the newest checkpoint)"))
     # Failures expected per hour (a spot cluster's preemptions without notice, node and
     # process deaths). Set, layout="auto" prices them: a mesh whose shards have replicas
     # (dp_replicate >= 2) recovers from live peers, one without trains the steps since its
     # last checkpoint again, and the faster after failures wins (`rayflex plan` explains).
     # None: meshes rank by step time alone.
-    failures_per_hour: Optional[float] = None
+    failures_per_hour: Optional[float] = setting(None, number(
+        ge=0, fix="use e.g. 2 for a spot cluster, or None to rank meshes by step time alone", optional=True))
     # Entries of torch's collective flight recorder per worker process (0 = off): on a
     # hang the controller reads every rank's and names the deadlock (a hang_diagnosed
     # event; docs/guides/hangs.md).
-    flight_recorder: int = 2000
+    flight_recorder: int = setting(2000, whole(0))
 
     def __post_init__(self) -> None:
-        c = "ElasticConfig"
-        _non_negative_int(c, "flight_recorder", self.flight_recorder)
-        if self.failures_per_hour is not None and (isinstance(self.failures_per_hour, bool) or not isinstance(
-                self.failures_per_hour, (int, float)) or not 0 <= self.failures_per_hour < float("inf")):
-            raise ConfigError(f"{c}.failures_per_hour", f"must be a number >= 0, got {self.failures_per_hour!r}",
-                              "use e.g. 2 for a spot cluster, or None to rank meshes by step time alone")
-        if not isinstance(self.live_recovery, bool):
-            raise ConfigError(f"{c}.live_recovery", f"must be True or False, got {self.live_recovery!r}",
-                              "use True (resume from the survivors' memory when every shard survived) or False "
-                              "(always the newest checkpoint)")
-        if not isinstance(self.restart_while_warming, bool):
-            raise ConfigError(f"{c}.restart_while_warming", f"must be True or False, got {self.restart_while_warming!r}",
-                              "use True (restart now, grow when warm) or False (wait for the new workers)")
-        _non_negative_int(c, "max_failures", self.max_failures)
-        _non_negative_int(c, "max_preemptions", self.max_preemptions)
-        if not isinstance(self.resource_wait_s, (int, float)) or self.resource_wait_s < 0:
-            raise ConfigError(f"{c}.resource_wait_s", f"must be >= 0, got {self.resource_wait_s!r}",
-                              "use a number of seconds")
-        if self.metadata_kind not in ("aws", "gcp"):
-            raise ConfigError(f"{c}.metadata_kind", f"unknown metadata kind {self.metadata_kind!r}",
-                              "use 'aws' (spot/instance-action) or 'gcp' (instance/preempted)")
-        if self.metadata_url is not None and not str(self.metadata_url).startswith(("http://", "https://")):
-            raise ConfigError(f"{c}.metadata_url", f"not an http(s) URL: {self.metadata_url!r}",
-                              "use e.g. http://169.254.169.254/latest/meta-data/spot/instance-action")
-        if not isinstance(self.emergency_margin_s, (int, float)) or self.emergency_margin_s < 0:
-            raise ConfigError(f"{c}.emergency_margin_s", f"must be >= 0, got {self.emergency_margin_s!r}",
-                              "use a number of seconds")
+        check_fields(self)
 
 
 OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
@@ -472,29 +410,20 @@ class OptimizerConfig:
     sharding dispatch per parameter and per op: on ``benchmarks/compare.py``'s model it took
     16 ms of a rank's ~100 ms CPU step, fused 3.5 ms."""
 
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    betas: tuple = (0.9, 0.95)
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    grad_clip: Optional[float] = 1.0
-    implementation: str = "fused"
+    lr: float = setting(3e-3, number(gt=0, fix="use e.g. 3e-4"))
+    weight_decay: float = setting(0.0, number(ge=0, fix="use e.g. 0.1"))
+    betas: tuple = setting((0.9, 0.95), custom(
+        lambda v: None if isinstance(v, (tuple, list)) and len(v) == 2 and all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v)
+        else f"must be two numbers in [0, 1), got {v!r}", "use e.g. (0.9, 0.95)"))
+    warmup_steps: int = setting(0, whole(0))
+    min_lr_ratio: float = setting(0.1, number(ge=0, le=1, fix="use e.g. 0.1"))
+    grad_clip: Optional[float] = setting(1.0, number(gt=0, fix="use e.g. 1.0, or None to disable clipping",
+                                                     optional=True))
+    implementation: str = setting("fused", one_of(OPTIMIZER_IMPLEMENTATIONS, "AdamW implementation"))
 
     def __post_init__(self) -> None:
-        c = "OptimizerConfig"
-        if not isinstance(self.lr, (int, float)) or not self.lr > 0:
-            raise ConfigError(f"{c}.lr", f"must be > 0, got {self.lr!r}", "use e.g. 3e-4")
-        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
-            raise ConfigError(f"{c}.weight_decay", f"must be >= 0, got {self.weight_decay!r}", "use e.g. 0.1")
-        _non_negative_int(c, "warmup_steps", self.warmup_steps)
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"{c}.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio!r}", "use e.g. 0.1")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ConfigError(f"{c}.grad_clip", f"must be > 0 or None, got {self.grad_clip!r}",
-                              "use e.g. 1.0, or None to disable clipping")
-        if self.implementation not in OPTIMIZER_IMPLEMENTATIONS:
-            raise ConfigError(f"{c}.implementation", f"unknown AdamW implementation {self.implementation!r}",
-                              f"use one of {', '.join(OPTIMIZER_IMPLEMENTATIONS)}")
+        check_fields(self)
 
     def build(self, params):
         """torch's AdamW over ``params`` with these hyper-parameters and kernel; the learning
@@ -524,6 +453,8 @@ class OptimizerConfig:
 
 
 PARAM_DTYPES = ("fp32", "bf16")
+_DTYPE = one_of(PARAM_DTYPES, "dtype", f"use one of {', '.join(PARAM_DTYPES)} (bf16 compute usually pairs with "
+                                       "reduce_dtype='fp32')")
 ACTIVATION_CHECKPOINTING = ("none", "full", "every_k", "auto")
 
 
@@ -544,21 +475,12 @@ class PrecisionConfig:
     driver refuses it on CPU workers, a worker on an older GPU refuses it at setup.
     """
 
-    param_dtype: str = "fp32"
-    reduce_dtype: str = "fp32"
-    float8: bool = False
+    param_dtype: str = setting("fp32", _DTYPE)
+    reduce_dtype: str = setting("fp32", _DTYPE)
+    float8: bool = setting(False, flag("use True to train the linear layers in float8, False for param_dtype alone"))
 
     def __post_init__(self) -> None:
-        c = "PrecisionConfig"
-        for name in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, name)
-            if value not in PARAM_DTYPES:
-                raise ConfigError(f"{c}.{name}", f"unknown dtype {value!r}",
-                                  f"use one of {', '.join(PARAM_DTYPES)} (bf16 compute usually pairs with "
-                                  "reduce_dtype='fp32')")
-        if not isinstance(self.float8, bool):
-            raise ConfigError(f"{c}.float8", f"must be True or False, got {self.float8!r}",
-                              "use True to train the linear layers in float8, False for param_dtype alone")
+        check_fields(self)
 
     @property
     def mixed(self) -> bool:
@@ -583,23 +505,14 @@ class MemoryConfig:
     "aot_eager" needs none and is what the tests use).
     """
 
-    activation_checkpointing: str = "none"
-    ac_every: int = 2
-    compile: bool = False
-    compile_backend: str = "inductor"
+    activation_checkpointing: str = setting("none", one_of(ACTIVATION_CHECKPOINTING, "mode"))
+    ac_every: int = setting(2, whole(1, "use an integer >= 1 (1 checkpoints every block, like 'full')"))
+    compile: bool = setting(False, flag("use True to torch.compile each block, False to run eagerly"))
+    compile_backend: str = setting("inductor", text("use 'inductor' (GPU) or 'aot_eager' (no compiler)",
+                                                    what="a torch.compile backend name"))
 
     def __post_init__(self) -> None:
-        c = "MemoryConfig"
-        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
-            raise ConfigError(f"{c}.activation_checkpointing", f"unknown mode {self.activation_checkpointing!r}",
-                              f"use one of {', '.join(ACTIVATION_CHECKPOINTING)}")
-        _positive_int(c, "ac_every", self.ac_every, "use an integer >= 1 (1 checkpoints every block, like 'full')")
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f"{c}.compile", f"must be True or False, got {self.compile!r}",
-                              "use True to torch.compile each block, False to run eagerly")
-        if not isinstance(self.compile_backend, str) or not self.compile_backend:
-            raise ConfigError(f"{c}.compile_backend", f"must be a torch.compile backend name, got "
-                              f"{self.compile_backend!r}", "use 'inductor' (GPU) or 'aot_eager' (no compiler)")
+        check_fields(self)
 
     def checkpointed(self, index: int) -> bool:
         """Whether block ``index`` (global) recomputes its activations in backward; the one
@@ -633,6 +546,9 @@ TRACKERS: dict[str, TrackerInfo] = {t.name: t for t in (
 )}
 
 EXTRA_HINT = "pip install 'rayflex[tracking]'"
+_TRACKER_PLACE_FIX = ("use e.g. 'file:///tmp/mlruns' / 'http://127.0.0.1:5000' (mlflow), a local folder "
+                      "(wandb_dir), or None for the tracker's default")
+_PROJECT_FIX = "use e.g. the team's project name; the default is 'rayflex'"
 
 
 def missing_package(name: str) -> Optional[str]:
@@ -656,28 +572,30 @@ class RunConfig:
     finishes. That converts weights into a rayflex checkpoint ahead of a run (and lets
     ``rayflex ckpt export`` hand back exactly what was loaded)."""
 
-    name: str
+    name: str = setting(rule=custom(
+        lambda v: None if isinstance(v, str) and _NAME_RE.match(v) else f"invalid run name {v!r}",
+        "use letters, digits, '_', '-', '.', starting with a letter or digit"))
     storage: str = "file:///tmp/rayflex"
-    steps: int = 100
+    steps: int = setting(100, whole(0, "use an integer >= 1, or 0 to only save the initial weights"))
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    log_every: int = 1
+    log_every: int = setting(1, whole(1))
     # Experiment trackers fed by the controller: any of "tensorboard", "mlflow", "wandb"
     # (docs/guides/trackers.md; rayflex/telemetry/trackers/).
     loggers: tuple = ()
-    mlflow_tracking_uri: Optional[str] = None  # None: MLflow's default (MLFLOW_TRACKING_URI)
-    mlflow_experiment: str = "rayflex"
-    wandb_project: str = "rayflex"
-    wandb_mode: Optional[str] = None  # "online" | "offline" | "disabled"; None: WANDB_MODE
-    wandb_dir: Optional[str] = None   # None: a local run directory, else W&B's default
+    # None: MLflow's default (MLFLOW_TRACKING_URI)
+    mlflow_tracking_uri: Optional[str] = setting(None, text(_TRACKER_PLACE_FIX, optional=True))
+    mlflow_experiment: str = setting("rayflex", text(_PROJECT_FIX))
+    wandb_project: str = setting("rayflex", text(_PROJECT_FIX))
+    # "online" | "offline" | "disabled"; None: WANDB_MODE
+    wandb_mode: Optional[str] = setting(None, one_of(
+        ("online", "offline", "disabled"), "W&B mode",
+        "use 'online', 'offline', 'disabled', or None for W&B's default (WANDB_MODE)", optional=True))
+    # None: a local run directory, else W&B's default
+    wandb_dir: Optional[str] = setting(None, text(_TRACKER_PLACE_FIX, optional=True))
 
     def __post_init__(self) -> None:
-        c = "RunConfig"
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
-            raise ConfigError(f"{c}.name", f"invalid run name {self.name!r}",
-                              "use letters, digits, '_', '-', '.', starting with a letter or digit")
-        check_uri(f"{c}.storage", self.storage)
-        _non_negative_int(c, "steps", self.steps, "use an integer >= 1, or 0 to only save the initial weights")
-        _positive_int(c, "log_every", self.log_every)
+        check_fields(self)
+        check_uri("RunConfig.storage", self.storage)
         self._check_loggers()
 
     def _check_loggers(self) -> None:
@@ -695,18 +613,6 @@ class RunConfig:
         if len(set(self.loggers)) != len(self.loggers):
             raise ConfigError(f"{c}.loggers", f"a tracker is named twice in {self.loggers!r}",
                               "name each tracker once")
-        for name, value in (("mlflow_tracking_uri", self.mlflow_tracking_uri), ("wandb_dir", self.wandb_dir)):
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(f"{c}.{name}", f"must be a non-empty string or None, got {value!r}",
-                                  "use e.g. 'file:///tmp/mlruns' / 'http://127.0.0.1:5000' (mlflow), "
-                                  "a local folder (wandb_dir), or None for the tracker's default")
-        for name, value in (("mlflow_experiment", self.mlflow_experiment), ("wandb_project", self.wandb_project)):
-            if not isinstance(value, str) or not value:
-                raise ConfigError(f"{c}.{name}", f"must be a non-empty string, got {value!r}",
-                                  "use e.g. the team's project name; the default is 'rayflex'")
-        if self.wandb_mode not in (None, "online", "offline", "disabled"):
-            raise ConfigError(f"{c}.wandb_mode", f"unknown W&B mode {self.wandb_mode!r}",
-                              "use 'online', 'offline', 'disabled', or None for W&B's default (WANDB_MODE)")
         missing = [(name, package) for name in self.loggers if (package := missing_package(name))]
         if missing:
             what = ", ".join(f"{name!r} needs the {package!r} package" for name, package in missing)

@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "rayflex"
 # layer; ``rayflex`` itself (the public re-exports) counts as the api layer.
 LAYERS: list[set[str]] = [
     {"errors", "constants"},
-    {"mesh", "local_ray", "schemes"},
+    {"mesh", "local_ray", "schemes", "field_rules"},
     {"config", "models", "storage"},
     {"planning", "data", "telemetry"},
     {"checkpoint"},  # the checkpoint path: checkpointer, uploads, DCP I/O, manifest, replicas in host memory
