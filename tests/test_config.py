@@ -95,3 +95,42 @@ def test_overrides_parse_and_revalidate(dataset_uri):
     with pytest.raises(rf.ConfigError, match="not divisible"):
         t.with_overrides({"parallel.pp": "3"})
     assert apply_override(rf.ParallelConfig(), "schedule", "gpipe").schedule == "gpipe"
+
+
+def _ruled_fields():
+    import dataclasses
+
+    from rayflex import config
+    from rayflex.field_rules import RULE
+
+    for cls in (config.ScalingConfig, config.ParallelConfig, config.DataConfig, config.CheckpointConfig,
+                config.ElasticConfig, config.OptimizerConfig, config.PrecisionConfig, config.MemoryConfig,
+                config.RunConfig):
+        for f in dataclasses.fields(cls):
+            if RULE in f.metadata:
+                yield pytest.param(cls, f.name, id=f"{cls.__name__}.{f.name}")
+
+
+@pytest.mark.parametrize("cls, name", list(_ruled_fields()))
+def test_every_declared_field_rule_refuses_a_wrong_value_naming_the_field_and_the_fix(cls, name):
+    """A value of no type any field takes is refused by that field's rule, with its name
+    and a fix — so every declared rule is really checked on construction."""
+    required = {"uri": "file:///tmp/d"} if cls is rf.DataConfig else {"name": "r"} if cls is rf.RunConfig else {}
+    with pytest.raises(rf.ConfigError) as info:
+        cls(**{**required, name: object()})
+    assert str(info.value).startswith(f"{cls.__name__}.{name}: "), str(info.value)
+    assert "Fix: " in str(info.value)
+
+
+@pytest.mark.parametrize("make, field, problem", [
+    (lambda: rf.ScalingConfig(use_gpu="yes"), "ScalingConfig.use_gpu", "must be True or False, got 'yes'"),
+    (lambda: rf.OptimizerConfig(betas=(0.9, 1.0)), "OptimizerConfig.betas", "two numbers in [0, 1)"),
+    (lambda: rf.OptimizerConfig(lr=float("nan")), "OptimizerConfig.lr", "must be a number > 0, got nan"),
+    (lambda: rf.ElasticConfig(resource_wait_s=True), "ElasticConfig.resource_wait_s", "got True"),
+    (lambda: rf.CheckpointConfig(every_steps=2.5), "CheckpointConfig.every_steps", "integer >= 0, got 2.5"),
+    (lambda: rf.ScalingConfig(min_workers=0), "ScalingConfig.min_workers", "positive integer, got 0"),
+])
+def test_values_of_the_right_type_but_out_of_range_are_refused(make, field, problem):
+    with pytest.raises(rf.ConfigError) as info:
+        make()
+    assert str(info.value).startswith(f"{field}: ") and problem in str(info.value), str(info.value)
