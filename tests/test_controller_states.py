@@ -861,6 +861,15 @@ def test_a_killed_rank_whose_shard_has_a_live_replica_loses_no_step(tmp_path):
     assert c.ctx.ledger.committed_step != 3
 
 
+def test_a_failure_that_ends_the_run_records_no_recovery(tmp_path):
+    # The survivors hold every shard, but the failure budget is spent: nothing is recovered,
+    # and no event says where the state would have come from.
+    spec = _spec(tmp_path, every=4, parallel=HSDP, restart_while_warming=False, max_failures=0)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, kill_rank(1))])
+    assert result["status"] == "failed"
+    assert _recovery(c) == [] and not _timeline(c).of(ev.Restarted)
+
+
 def test_a_shard_that_lost_every_copy_falls_back_to_the_checkpoint_and_says_why(tmp_path):
     spec = _spec(tmp_path, every=2, parallel=HSDP, restart_while_warming=False)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from rayflex.control.states import Failed
 from rayflex.faults import live_recovery
 from rayflex.mesh.plan import MeshPlan
 from rayflex.telemetry import events as ev
@@ -14,38 +15,47 @@ from rayflex.telemetry import events as ev
 log = logging.getLogger(__name__)
 
 
-def worth_asking(ctx, plan: MeshPlan, lost: set[int]) -> bool:
-    """True when the ranks not ``lost`` may still hold every shard: they are then asked for
-    snapshots as they leave. Otherwise the checkpoint path is chosen now, and said."""
+def worth_asking(ctx, plan: MeshPlan, lost: set[int]) -> tuple[bool, Optional[ev.RecoveryChosen]]:
+    """Whether the ranks not ``lost`` may still hold every shard (they are then asked for
+    snapshots as they leave); if not, the checkpoint path's ``recovery_chosen``, saying why.
+    (False, None): live recovery is off."""
     if not ctx.spec.elastic.live_recovery:
-        return False
+        return False, None
     missing = live_recovery.lost_shard(plan, set(range(plan.world_size)) - lost)
     if missing is None:
-        return True
-    _record(ctx, live_recovery.FromCheckpoint(reason=missing))
-    return False
+        return True, None
+    return False, _event(ctx, live_recovery.FromCheckpoint(reason=missing))
 
 
-def choose(ctx, plan: MeshPlan, snapshots: dict[int, tuple[dict, Any]]) -> Optional[dict]:
-    """The policy's choice over the survivors' snapshots, recorded; for a live recovery,
-    what each rank of the next attempt is given to read (``TrainWorker.setup(live=...)``)."""
+def choose(ctx, plan: MeshPlan, snapshots: dict[int, tuple[dict, Any]]) -> tuple[Optional[dict], ev.RecoveryChosen]:
+    """The policy's choice over the survivors' snapshots: for a live recovery, what each
+    rank of the next attempt is given to read (``TrainWorker.setup(live=...)``), else None;
+    and its ``recovery_chosen`` event, recorded once the restart is decided (a run that
+    fails instead recovers from nothing)."""
     choice = live_recovery.decide(plan, {r: info for r, (info, _) in snapshots.items()})
-    _record(ctx, choice, snapshots)
+    event = _event(ctx, choice, snapshots)
     if not isinstance(choice, live_recovery.LiveRecovery):
-        return None
+        return None, event
     # Saved again only past the last commit (after an emergency checkpoint it is that step).
     return {"step": choice.step, "world_size": plan.world_size, "mesh": plan.to_dict(),
             "save": choice.step > ctx.ledger.committed_step,
             "infos": {r: snapshots[r][0] for r in choice.holders},
-            "files": {r: snapshots[r][1] for r in choice.holders}}
+            "files": {r: snapshots[r][1] for r in choice.holders}}, event
 
 
-def _record(ctx, choice, snapshots: Optional[dict] = None) -> None:
+def _event(ctx, choice, snapshots: Optional[dict] = None) -> ev.RecoveryChosen:
     infos = [info for info, _ in (snapshots or {}).values() if not info.get("error")]
     holders = list(getattr(choice, "holders", ()))
     step = getattr(choice, "step", ctx.ledger.step)
-    log.info("recovery from %s: %s", choice.source, choice.reason)
-    ctx.record(ev.RecoveryChosen(step=step, source=choice.source, reason=choice.reason, holders=holders,
-                                 snapshot_s=max((i.get("snapshot_s", 0.0) for i in infos), default=0.0),
-                                 snapshot_bytes=sum(i.get("bytes", 0) for i in infos
-                                                    if i.get("rank") in holders)))
+    return ev.RecoveryChosen(step=step, source=choice.source, reason=choice.reason, holders=holders,
+                             snapshot_s=max((i.get("snapshot_s", 0.0) for i in infos), default=0.0),
+                             snapshot_bytes=sum(i.get("bytes", 0) for i in infos if i.get("rank") in holders))
+
+
+def record(ctx, chosen: Optional[ev.RecoveryChosen], next_state) -> None:
+    """Record the recovery ``chosen`` for a failure once its restart is decided: not when
+    the run fails instead (nothing is recovered)."""
+    if chosen is None or isinstance(next_state, Failed):
+        return
+    log.info("recovery from %s: %s", chosen.source, chosen.reason)
+    ctx.record(chosen)

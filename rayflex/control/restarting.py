@@ -35,17 +35,22 @@ def restart(ctx, state: Restarting):
     _drain(ctx, attempt)
     _leave_out_unreachable_nodes(ctx, fault, node_of)  # before warming replacements there
     # A rank that raised still holds a finished step's state: only the killed ones lose theirs.
-    snapshots: Optional[dict] = {} if live_state.worth_asking(ctx, attempt.plan, gone) else None
+    ask, chosen = live_state.worth_asking(ctx, attempt.plan, gone)
+    snapshots: Optional[dict] = {} if ask else None
     survivors = collect_survivors(ctx, attempt, set(fault.bad_ranks), raised,
                                   warm=(lambda: warm_replacements(ctx, node_of, gone)) if gone else None,
                                   snapshots=snapshots)
-    live = live_state.choose(ctx, attempt.plan, snapshots) if snapshots is not None else None
+    live = None
+    if snapshots is not None:
+        live, chosen = live_state.choose(ctx, attempt.plan, snapshots)
     watch_failed_attempt(ctx)
     name_vanished_nodes(ctx)
     commit_handed_off(ctx)  # an emergency save's keepers upload it: committed before a step is chosen
     decision = ctx.policies.failure.decide(kind=fault.kind, step=ctx.ledger.step + 1, committed_step=ctx.ledger.committed_step,
                                  usable_slots=ctx.usable_slots(), error=fault.error, diagnosis=fault.diagnosis)
-    return follow_decision(ctx, decision, survivors, state.fault_time, lambda: worker_error(fault), live=live)
+    next_state = follow_decision(ctx, decision, survivors, state.fault_time, lambda: worker_error(fault), live=live)
+    live_state.record(ctx, chosen, next_state)
+    return next_state
 
 
 def _drain(ctx, attempt: Attempt) -> None:
