@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -67,6 +68,7 @@ class RayHead:
         (gcs, dash, client, agent_http, agent_grpc, metrics, rt_env, nm, om) = free_ports(9)
         self.gcs_address = f"127.0.0.1:{gcs}"
         self.dashboard_url = f"http://127.0.0.1:{dash}"
+        self.agent_url = f"http://127.0.0.1:{agent_http}"
         self.token_path = root / "auth_token"
         self.token_path.write_text(secrets.token_hex(32))
         self.token_path.chmod(0o600)
@@ -97,7 +99,8 @@ class RayHead:
         self.log = open(self.root / "ray-start.log", "w")
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        _wait_for(lambda: self.proc.poll() is not None or self.job_server_up(), timeout_s, "the Ray job server")
+        _wait_for(lambda: self.proc.poll() is not None or (self.job_server_up() and self.job_agent_up()), timeout_s,
+                  "the Ray job server and the head's job agent")
         if self.proc.poll() is not None:
             raise RuntimeError(f"ray start exited with {self.proc.returncode}:\n"
                                + (self.root / "ray-start.log").read_text()[-3000:])
@@ -111,6 +114,20 @@ class RayHead:
         except OSError:  # refused, reset, or an HTTP error while the dashboard starts
             return False
         return True
+
+    def job_agent_up(self) -> bool:
+        """The head node's dashboard agent serves HTTP (it records its address for the job
+        server right after). A job is submitted through it, and the job server waits only
+        10 s for one (Ray's WAIT_AVAILABLE_AGENT_TIMEOUT): on a slow host the agent came up
+        later than that after the job server, and the submission got "No available agent to
+        submit job" (HTTP 500). Any HTTP answer means it is up; a refused connection, not."""
+        try:
+            with urllib.request.urlopen(f"{self.agent_url}/api/healthz", timeout=10):
+                return True
+        except urllib.error.HTTPError:
+            return True
+        except OSError:
+            return False
 
     def ray(self, *args, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         cmd = [str(BIN / "ray"), *args]
