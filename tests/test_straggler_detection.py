@@ -1,0 +1,78 @@
+"""The straggler signal (rayflex.faults.detector): a rank the others keep waiting for is
+named once, with its node and how much longer the others wait; a rank descheduled for a
+few steps on a shared CPU, or one that costs the run next to nothing, is not."""
+
+import random
+
+from rayflex.faults.detector import FaultDetector
+from rayflex.telemetry import events as ev
+
+NODES = {0: "a", 1: "a", 2: "b", 3: "b"}
+STEP_S = 0.2
+
+
+def _waits(last: int, wait_s: float = 0.05) -> dict[int, float]:
+    """The end-of-step waits when rank ``last`` arrives last: it waits ~0, the others ``wait_s``."""
+    return {r: (0.0005 if r == last else wait_s) for r in NODES}
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _detector():
+    clock = _Clock()
+    return FaultDetector(4, NODES, clock=clock), clock
+
+
+def _feed(detector_and_clock, waits_per_step) -> list[ev.StragglerDetected]:
+    detector, clock = detector_and_clock
+    out = []
+    for step, waits in enumerate(waits_per_step, start=1):
+        clock.now += STEP_S
+        out += detector.note_step(step, STEP_S, waits)
+    return out
+
+
+def test_a_rank_the_others_keep_waiting_for_is_named_once_with_its_node_and_ratio():
+    # Named once it has been the last for most of a whole window (20 s: 100 steps of 0.2 s).
+    named = _feed(_detector(), [_waits(2)] * 150)
+    assert len(named) == 1, named
+    assert (named[0].rank, named[0].node_id) == (2, "b") and 100 <= named[0].step <= 102, named[0]
+    assert named[0].ratio > 50
+
+
+def test_a_rank_descheduled_for_a_few_steps_in_a_row_on_a_shared_cpu_is_not_named():
+    # 4 ranks sharing 2 cores: one of them arrives last, the same one up to 8 steps running
+    # while the scheduler keeps it off a core (the demo's false positive: 5 in a row, ratio
+    # 5.7), then any of them.
+    rng = random.Random(7)
+    steps = []
+    while len(steps) < 400:
+        steps += [_waits(rng.randrange(4))] * rng.randint(1, 8)
+    assert _feed(_detector(), steps) == []
+
+
+def test_a_rank_slow_for_less_than_most_of_the_window_is_not_named():
+    # Slow for 15 s of every 20 s: three quarters, not most (0.8) of the window.
+    steps = ([_waits(1)] * 75 + [_waits((0, 2, 3)[r % 3]) for r in range(25)]) * 4
+    assert _feed(_detector(), steps) == []
+
+
+def test_a_slow_step_run_is_judged_on_at_least_ten_steps():
+    # 5 s steps: the window holds 4 of them, so it stretches to 10 before it names anyone.
+    detector, clock = _detector()
+    named = []
+    for step in range(1, 16):
+        clock.now += 5.0
+        named += detector.note_step(step, 5.0, {r: (0.001 if r == 3 else 1.0) for r in NODES})
+    assert [(e.rank, e.step) for e in named] == [(3, 10)], named
+
+
+def test_a_rank_that_costs_the_run_less_than_a_twentieth_of_the_step_is_not_named():
+    # The others wait 6 ms of a 200 ms step for it: 3% of the run, not worth an event.
+    assert _feed(_detector(), [_waits(3, wait_s=0.006)] * 300) == []
