@@ -698,6 +698,39 @@ def test_a_vanished_node_is_named_when_a_survivor_raised_first_and_its_ranks_wer
         assert "4 workers no longer fit in the 2 usable slots" in timeline.of(ev.Restarted)[-1].reason
 
 
+def test_a_warm_restart_whose_node_goes_before_it_plans_is_decided_again(tmp_path):
+    # Seen on the link bed (CI, 8dd31e5): a rank on node a raised (its collective broken by
+    # b's loss), rank 2 on b died as the survivors left, and the warm restart chose to go on
+    # at once with the workers up (a's two and b's rank 3). Ray declared b dead before the
+    # start planned: the workers up no longer formed a mesh, the fallback (the full 4) did
+    # not fit the 2 slots left, and the run failed with a PlacementError.
+    spec = _spec(tmp_path, min_workers=2, every=2, restart_while_warming=True)
+
+    def b_goes_during_the_restart(group):
+        raise_in_rank(1, "RuntimeError: gloo: Connection closed by peer")(group)
+        cluster = group.cluster
+        cluster.die_while_leaving = (2,)
+        topology, reads = cluster.topology, []
+
+        def b_declared_once_the_warm_restart_was_decided():
+            # The restart's decision reads the topology, then warming the newcomers does;
+            # b goes after that read: the next one is the start's plan.
+            view = topology()
+            if cluster.releases and "b" in cluster.alive:
+                reads.append(1)
+                if len(reads) == 2:
+                    lose_node("b")(group)
+            return view
+        cluster.topology = b_declared_once_the_warm_restart_was_decided
+
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(4, b_goes_during_the_restart)])
+    timeline = _timeline(c)
+    assert result["status"] == "finished" and result["world_size"] == 2, result  # was: failed, PlacementError
+    assert set(timeline.of(ev.PlanChosen)[-1].rank_to_node) == {"a"}
+    reason = timeline.of(ev.Restarted)[-1].reason
+    assert "growing to 4 when 2 more are warm; 4 workers no longer fit in the 2 usable slots" in reason, reason
+
+
 def test_a_vanished_node_is_named_when_ray_declares_it_dead_only_after_the_next_attempt_started(tmp_path):
     # Seen on the link bed (CI, 1059bd6): the killed node's slots were gone from Ray's
     # resources when the restart planned (it ran on the other node alone), but Ray still

@@ -14,7 +14,7 @@ from rayflex.control.notices import exclude_noticed_nodes, keep_notices_for_the_
 from rayflex.control.decisions import follow_decision
 from rayflex.control.lost_nodes import implicated_nodes, name_vanished_nodes, stop_watching
 from rayflex.control.states import Attempt, Finished, Placing, Running
-from rayflex.errors import RayflexError, SetupFailed
+from rayflex.errors import PlacementError, RayflexError, SetupFailed
 from rayflex.planning.capacity.memory import CapacityError
 from rayflex.faults.detector import FaultDetector
 from rayflex.faults.policy import best_world_size
@@ -32,7 +32,15 @@ def place(ctx, state: Placing):
     if redecided is not None:
         return redecided
     survivors = dict(state.survivors)
-    world, plan, resolved, placement = _plan(ctx, state, survivors)
+    try:
+        world, plan, resolved, placement = _plan(ctx, state, survivors)
+    except PlacementError:
+        # A node of the warm plan (the workers that are up) went since the decision, and the
+        # full size no longer fits either: decided again with the slots usable now.
+        redecided = _decide_again_if_slots_went(ctx, state, plan_failed=True)
+        if redecided is None:
+            raise
+        return redecided
     stop_watching(ctx, placement.rank_to_node)
     ctx.plan = plan
     group = _start_group(ctx, plan, placement, survivors, world, shrinking=state.workers_up is not None)
@@ -87,17 +95,20 @@ def place(ctx, state: Placing):
     return Running(Attempt(group=group, plan=plan, detector=detector))
 
 
-def _decide_again_if_slots_went(ctx, state: Placing):
+def _decide_again_if_slots_went(ctx, state: Placing, *, plan_failed: bool = False):
     """A node may go between a restart's decision and its plan (Ray declares a vanished
     machine dead seconds after its ranks stop): the size is decided again with the slots
-    usable now, charging no failure, instead of failing a plan that no longer fits."""
-    if state.restart_reason is None or state.world_size is None or state.workers_up is not None:
+    usable now, charging no failure, instead of failing a plan that no longer fits. A warm
+    restart (on the workers that are up, ``workers_up``) has a fallback of its own, the full
+    size; only once that plan failed too (``plan_failed``) is it decided again."""
+    if state.restart_reason is None or state.world_size is None or (state.workers_up is not None and not plan_failed):
         return None
+    size = state.full_size or state.world_size
     usable = ctx.usable_slots()
-    if usable >= state.world_size:
+    if usable >= size:
         return None
-    log.warning("%d workers no longer fit in the %d usable slots: deciding the size again", state.world_size, usable)
-    decision = ctx.policies.failure.resize(usable_slots=usable, reason=f"{state.restart_reason}; {state.world_size} workers "
+    log.warning("%d workers no longer fit in the %d usable slots: deciding the size again", size, usable)
+    decision = ctx.policies.failure.resize(usable_slots=usable, reason=f"{state.restart_reason}; {size} workers "
                                                              f"no longer fit in the {usable} usable slots")
     return follow_decision(ctx, decision, dict(state.survivors), state.fault_time, lambda: None, live=state.live)
 
