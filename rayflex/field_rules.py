@@ -47,14 +47,8 @@ def check_fields(obj: Any) -> None:
     """Raise on the first field of ``obj`` (in declaration order) that breaks its rule."""
     for f in dataclasses.fields(obj):
         rule = f.metadata.get(RULE)
-        if rule is None:
-            continue
-        value = getattr(obj, f.name)
-        if value is None and rule.optional:
-            continue
-        problem = rule.problem(value)
-        if problem:
-            raise ConfigError(f"{type(obj).__name__}.{f.name}", problem, rule.fix)
+        if rule is not None:
+            check_value(f"{type(obj).__name__}.{f.name}", getattr(obj, f.name), rule)
 
 
 def check_value(where: str, value: Any, rule: Rule) -> None:

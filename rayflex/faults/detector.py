@@ -30,15 +30,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from rayflex.constants import knob
+from rayflex.telemetry import events as ev
+from rayflex.worker.status import WorkerState
+
 # The others' median wait for the last rank, as a share of the step, below which a slow
 # rank is not named: it costs the run less than this.
 STRAGGLER_MIN_COST = 0.05
 # The fewest steps a straggler window must hold (slow steps: the window grows to hold them).
 STRAGGLER_MIN_STEPS = 10
-
-from rayflex.constants import knob
-from rayflex.telemetry import events as ev
-from rayflex.worker.status import WorkerState
 
 
 @dataclass
