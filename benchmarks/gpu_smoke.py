@@ -152,7 +152,6 @@ def run_in_process(t, timeout_s: float = 600) -> dict:
     from rayflex.constants import set_node_ip
     from rayflex.mesh.plan import plan_mesh
     from rayflex.worker.status import WorkerState
-    from rayflex.local_ray import free_ports
     from rayflex.worker.train_worker import TrainWorker
 
     set_node_ip("127.0.0.1")
@@ -160,7 +159,7 @@ def run_in_process(t, timeout_s: float = 600) -> dict:
     t.preflight()
     worker = TrainWorker(0, spec, plan_mesh(spec.model, spec.parallel, spec.data, 1))
     t0 = time.time()
-    info = worker.setup("127.0.0.1", free_ports(1)[0], restore=spec.checkpoint.resume)
+    info = worker.setup("127.0.0.1", worker.node_info()["port"], restore=spec.checkpoint.resume)
     setup_s = time.time() - t0
     worker.start(spec.run.steps)
     worker.join(timeout_s)

@@ -45,12 +45,11 @@ def make_spec(data_uri: str, storage: str, steps: int, ac: str, dtype: str):
 
 def measure(spec) -> dict:
     from rayflex.mesh.plan import plan_mesh
-    from rayflex.local_ray import free_ports
     from rayflex.worker.train_worker import TrainWorker
 
     worker = TrainWorker(0, spec, plan_mesh(spec.model, spec.parallel, spec.data, 1))
     try:
-        worker.setup("127.0.0.1", free_ports(1)[0])
+        worker.setup("127.0.0.1", worker.node_info()["port"])
         worker.start(spec.run.steps)
         if not worker.join(300):
             raise RuntimeError("training did not finish in 300 s")

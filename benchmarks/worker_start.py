@@ -38,8 +38,7 @@ with open(spec_path, "rb") as f:
     spec, plan = pickle.load(f)
 a = actor.TrainWorkerActor(0, spec, plan)
 t_ctor = time.process_time()
-from rayflex.local_ray import free_ports
-a.setup("127.0.0.1", free_ports(1)[0], False)
+a.setup("127.0.0.1", a.node_info()["port"], False)
 t_setup = time.process_time()
 print(json.dumps({"import_ray": t_ray - t0, "construct": t_ctor - t_ray, "setup": t_setup - t_ctor,
                   "total": t_setup - t0}), flush=True)

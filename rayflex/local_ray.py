@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import socket
 from typing import Iterator, Optional
 
@@ -57,22 +58,55 @@ def _prepare_env() -> None:
 RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365})
 
 
+# Ray workers take ports 10002-19999 (its min/max_worker_port defaults).
+_RAY_WORKER_PORTS_END = 20000
+
+
+def _unassigned_port_range() -> Optional[range]:
+    """Ports neither Ray's workers nor the kernel take on their own: from the end of Ray's
+    worker ports to the start of the kernel's ephemeral range (what ``bind(("", 0))`` and
+    every outbound ``connect`` draw from). None where that gap is too small to draw from."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return range(_RAY_WORKER_PORTS_END, ephemeral_low) if ephemeral_low - _RAY_WORKER_PORTS_END >= 1000 else None
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct TCP ports free on loopback now, none of them a Ray default.
 
-    All sockets stay bound until every port is chosen, so the ``n`` differ; the OS
-    hands out ephemeral ports in rotation, so one just released is not the next given.
+    A port is free only until someone binds it, and the caller binds it later (often in
+    another process). A port the kernel chose (``bind`` to port 0) lies in its ephemeral
+    range, which it keeps handing out to other processes' listeners and outbound
+    connections in the meantime: CI once lost a rendezvous that way (``EADDRINUSE`` on a
+    port free a moment before). So ports are drawn at random below that range, where only
+    another explicit choice can take them; the kernel's choice is the fallback where the
+    range leaves no room. All sockets stay bound until every port is chosen, so the ``n``
+    differ.
     """
+    draw = _unassigned_port_range()
+    rng = random.SystemRandom()  # per call from the OS: forked children do not draw alike
     held: list[socket.socket] = []
     ports: list[int] = []
     try:
-        while len(ports) < n:
+        for _ in range(64 * n):
+            if len(ports) == n:
+                break
+            port = rng.choice(draw) if draw is not None else 0
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((LOOPBACK, 0))
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:  # taken: draw again
+                s.close()
+                continue
             held.append(s)
             port = s.getsockname()[1]
             if port not in RAY_DEFAULT_PORTS:
                 ports.append(port)
+        if len(ports) < n:
+            raise RuntimeError(f"found {len(ports)} of {n} free loopback ports in {64 * n} tries")
         return ports
     finally:
         for s in held:

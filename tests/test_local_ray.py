@@ -1,13 +1,51 @@
 """Port choice for every Ray rayflex starts (no cluster here: the choice itself)."""
 
 import socket
+import unittest.mock as mock
 
 from rayflex import local_ray
 
 
+def test_free_ports_are_never_what_the_kernel_hands_out_meanwhile():
+    """A chosen port is bound later, often by another process; meanwhile every listener on
+    port 0 and every outbound connection on the host takes a port the kernel picks. None of
+    those can be a chosen one, so the caller's bind finds it still free."""
+    chosen = set(local_ray.free_ports(8))
+    assert len(chosen) == 8 and not chosen & local_ray.RAY_DEFAULT_PORTS
+    taken = []
+    try:
+        for _ in range(300):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            taken.append(s)
+            assert s.getsockname()[1] not in chosen
+    finally:
+        for s in taken:
+            s.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", min(chosen)))
+
+
+def test_a_drawn_port_that_is_taken_is_drawn_again():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        busy, free = holder.getsockname()[1], local_ray.free_ports(1)[0]
+        draws = iter([busy, busy, free])
+
+        class Draw:
+            def choice(self, _range):
+                return next(draws)
+
+        with mock.patch.object(local_ray, "_unassigned_port_range", return_value=range(1, 2)), \
+                mock.patch.object(local_ray.random, "SystemRandom", Draw):
+            assert local_ray.free_ports(1) == [free]
+
+
 def test_free_ports_skip_rays_fixed_defaults(monkeypatch):
-    """Even when the OS hands out a Ray default (52365 is inside Linux's ephemeral
-    range), it is never chosen, and the ports chosen differ."""
+    """Where the kernel must choose (no room below its ephemeral range), a Ray default it
+    hands out (52365 is inside Linux's ephemeral range) is never chosen, and the ports
+    chosen differ."""
+    monkeypatch.setattr(local_ray, "_unassigned_port_range", lambda: None)
     handed_out = iter([52365, 6379, 41001, 8265, 41002, 10001, 41003])
 
     class FakeSocket:

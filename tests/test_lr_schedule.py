@@ -39,13 +39,12 @@ def _train(spec, end_step: int):
     shut down; returns (setup info, {step: record})."""
     import torch.distributed as dist
 
-    from rayflex.local_ray import free_ports
     from rayflex.mesh.plan import plan_mesh
     from rayflex.worker.train_worker import TrainWorker
 
     worker = TrainWorker(0, spec, plan_mesh(spec.model, spec.parallel, spec.data, 1))
     try:
-        info = worker.setup("127.0.0.1", free_ports(1)[0], restore=True)
+        info = worker.setup("127.0.0.1", worker.node_info()["port"], restore=True)
         worker.start(end_step)
         assert worker.join(60.0), "training did not finish in 60 s"
         status = worker.poll()

@@ -15,7 +15,6 @@ import rayflex as rf
 from rayflex.mesh.plan import plan_mesh
 from rayflex.mesh.plan import MeshPlan
 from rayflex.planning.capacity.memory import Precision, Runtime, describe_model, estimate_memory
-from rayflex.local_ray import free_ports
 from rayflex.worker.train_worker import TrainWorker
 
 from conftest import SEQ_LEN, small_gpt
@@ -42,7 +41,7 @@ class OneRank:
         plan = plan_mesh(spec.model, spec.parallel, spec.data, 1)
         worker = TrainWorker(0, spec, plan)
         try:
-            self.setup = worker.setup("127.0.0.1", free_ports(1)[0])
+            self.setup = worker.setup("127.0.0.1", worker.node_info()["port"])
             worker.start(end_step or spec.run.steps)
             assert worker.join(120), "training did not finish in 120 s"
             status = worker.poll()

@@ -11,7 +11,6 @@ import traceback
 from typing import Any, Callable, Sequence
 
 from rayflex.testing.processes import ForkedContext
-from rayflex.local_ray import free_ports
 
 
 def _serve(commands, answers) -> None:
@@ -88,7 +87,8 @@ class LocalWorkerPool:
         newest checkpoint, train to ``end_step`` (saving there), and leave."""
         world = len(order)
         self.each(order, "assign", lambda k: (spec, k, world))
-        port = free_ports(1)[0]
+        # Rank 0 offers a port it already holds (as the controller asks it), never one merely free.
+        port = self.each(order[:1], "call", lambda k: ("node_info", (), {}))[0]["port"]
         restored = self.each(order, "setup", lambda k: (port,))
         runs = self.each(order, "run", lambda k: (end_step, self.timeout_s))
         released = self.each(order, "release", lambda k: ())
