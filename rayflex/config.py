@@ -43,6 +43,21 @@ def check_uri(where: str, uri: str) -> None:
         check_backend(uri, field=where)
 
 
+PRICE_KEYS = ("spot", "on-demand", "*")
+
+
+def price_table_problem(table) -> Optional[str]:
+    """What is wrong with a ``price_per_hour`` table (None: nothing)."""
+    if not isinstance(table, dict):
+        return f"must be a dict of market -> dollars per node-hour, got {table!r}"
+    for key, price in table.items():
+        if key not in PRICE_KEYS:
+            return f"unknown market {key!r} (known: {', '.join(PRICE_KEYS)})"
+        if isinstance(price, bool) or not isinstance(price, (int, float)) or not 0 <= price < float("inf"):
+            return f"the price of {key!r} must be a number of dollars >= 0, got {price!r}"
+    return None
+
+
 @dataclass(kw_only=True, frozen=True)
 class ScalingConfig:
     """How many workers and what each one needs.
@@ -63,6 +78,13 @@ class ScalingConfig:
     # Node labels every worker's node must carry, e.g. {"ray.io/market-type": "spot"}.
     node_labels: dict = setting(rule=mapping("label -> value", "use e.g. {'ray.io/market-type': 'spot'}"),
                                 default_factory=dict)
+    # What a node costs per hour, by its market (``ray.io/market-type``: "spot", "on-demand";
+    # "*": any node), e.g. {"spot": 2.1, "on-demand": 6.5}. A node's own label
+    # ``rayflex.io/price-per-hour`` (cluster.yaml) wins. Runs report what they cost
+    # (rayflex.telemetry.cost); no prices, no cost.
+    price_per_hour: dict = setting(rule=custom(
+        price_table_problem, "use e.g. {'spot': 2.1, 'on-demand': 6.5} (dollars per node-hour; "
+        "'*' prices any node)"), default_factory=dict)
     # Where ranks go: "planned" (the topology-aware planner), or, to measure what it buys,
     # "node_order" (Ray Train's: ranks fill nodes in node order, by address) or
     # "shuffled:SEED" (tp groups whole, otherwise a seeded random order).

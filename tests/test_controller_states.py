@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 
 import rayflex as rf
+from rayflex.constants import knob
 from rayflex.control.controller import Controller
 from rayflex.control.states import RunState as S
 from rayflex.faults.policy import Fail, FailurePolicy, Policies, Restart
@@ -36,13 +37,14 @@ def _production_timing(monkeypatch):
     monkeypatch.setattr("rayflex.telemetry.report.write_report", lambda *a, **k: None)
 
 
-def _spec(tmp_path, *, workers=4, min_workers=None, max_workers=None, steps=8, every=0, parallel=None, **elastic):
+def _spec(tmp_path, *, workers=4, min_workers=None, max_workers=None, steps=8, every=0, parallel=None, prices=None,
+          **elastic):
     model = ModelSummary(name="m", num_blocks=4, hidden_size=8, init_seed=1, block_params=(10, 10, 10, 10))
     return rf.TrainSpec(model=model, data=rf.DataConfig(uri="file:///nowhere", seq_len=8, global_batch=8),
                         run=rf.RunConfig(name="r", storage=f"file://{tmp_path}", steps=steps),
                         parallel=parallel or rf.ParallelConfig(),
                         scaling=rf.ScalingConfig(num_workers=workers, min_workers=min_workers,
-                                                 max_workers=max_workers),
+                                                 max_workers=max_workers, price_per_hour=prices or {}),
                         checkpoint=rf.CheckpointConfig(every_steps=every, resume=True),
                         elastic=rf.ElasticConfig(watch_ray_drain=False, **elastic))
 
@@ -521,24 +523,45 @@ def test_too_few_slots_waits_for_resources_then_gives_up(tmp_path):
     assert cluster.capacity_requests >= 1, "the autoscaler was asked for the missing workers"
 
 
-def test_resources_that_return_in_time_resume_the_run(tmp_path):
-    spec = _spec(tmp_path, min_workers=4, every=2, resource_wait_s=30)
-
-    def lose_then_return(group):
-        lose_node("b", forever=False)(group)
+def _lose_then_return(node: str, after_s: float):
+    """``node`` goes, and is back ``after_s`` later (seen by the next topology read)."""
+    def act(group):
+        lose_node(node, forever=False)(group)
         clock, start = group.cluster.clock, group.cluster.clock.time()
         original = group.cluster.topology
 
         def topology():
-            if clock.time() - start > 10:
-                group.cluster.alive.add("b")
+            if clock.time() - start > after_s:
+                group.cluster.alive.add(node)
             return original()
         group.cluster.topology = topology
+    return act
 
-    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, lose_then_return)])
+
+def test_resources_that_return_in_time_resume_the_run(tmp_path):
+    spec = _spec(tmp_path, min_workers=4, every=2, resource_wait_s=30)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, _lose_then_return("b", 10))])
     assert c.transitions == START + RESTART + [(S.RUNNING, S.FINISHED)]
     assert _timeline(c).of(ev.Restarted)[0].world_size == 4
     assert result["status"] == "finished"
+    (waited,) = _timeline(c).of(ev.CapacityWaited)
+    # b is back 10 s after it went; the wait began once its loss was handled and ended at the
+    # first look at the cluster after b returned (fake clock: only those polls take time).
+    assert waited.outcome == "placed" and 10 - 2 <= waited.waited_s <= 10 + knob("RESOURCE_POLL_S")
+
+
+def test_the_result_says_what_the_run_cost_and_where_the_money_went(tmp_path):
+    """Every node at $1/s ("*": 3600 an hour): the run held 2 nodes but while b was gone."""
+    spec = _spec(tmp_path, min_workers=4, every=2, resource_wait_s=30, prices={"*": 3600.0})
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, _lose_then_return("b", 10))])
+    cost = result["cost"]
+    assert all(p == {"a": 3600.0, "b": 3600.0} for p in (e.node_prices for e in _timeline(c).of(ev.PlanChosen)))
+    assert cost["total_usd"] == pytest.approx(sum(cost["parts_usd"].values()))
+    assert cost["total_usd"] == pytest.approx(cost["node_hours"] * 3600.0)
+    assert cost["parts_usd"]["capacity_wait"] > 0 and cost["parts_usd"]["training"] > 0
+    per_step = {round(m["tokens_per_s"] * m["step_time_s"]) for m in c.metrics()}
+    assert len(per_step) == 1 and cost["tokens"] == 8 * per_step.pop(), "each of the 8 steps counted once"
+    assert cost["usd_per_1k_tokens"] == pytest.approx(cost["total_usd"] / (cost["tokens"] / 1000))
 
 
 def test_a_stop_request_stops_at_a_step_boundary_with_a_checkpoint(tmp_path):

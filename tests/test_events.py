@@ -21,7 +21,7 @@ STORED_KINDS = {
     "checkpoint_loaded", "worker_failed", "worker_died", "node_lost", "hang_detected", "hang_diagnosed", "straggler_detected",
     "preemption_notice", "restarted", "storage_unavailable", "storage_recovered", "run_stopped",
     "run_finished", "run_failed", "schedule_changed", "checkpoint_interval_chosen", "memory_replicas_short",
-    "checkpoint_deferred", "recovery_chosen",
+    "checkpoint_deferred", "recovery_chosen", "capacity_waited",
 }
 
 
@@ -55,6 +55,7 @@ def one_of_each() -> list[ev.Event]:
                          table=[{"rank": 0, "phase": "not responding"}, {"rank": 1, "at": "waits in all_reduce"}]),
         ev.RecoveryChosen(time=T0 + 21.5, step=10, source="live_peers", reason="every shard of step 10 is held",
                           holders=[1, 2], snapshot_s=0.4, snapshot_bytes=1 << 20),
+        ev.CapacityWaited(time=T0 + 21.8, waited_s=1.2, reason="need 4 workers, 2 fit"),
         ev.Restarted(time=T0 + 22, step=10, world_size=2, from_step=10, reason="node lost", lost_steps=5,
                      reused_workers=2, fault_time=T0 + 20),
         ev.CheckpointLoaded(time=T0 + 23, step=10, uri="memory://ckpt/10", world_size=2, saved_world_size=4,

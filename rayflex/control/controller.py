@@ -189,6 +189,7 @@ class Controller:
             "last_checkpoint": ledger.last_checkpoint,
             "run_dir": self.spec.run.run_dir,
             "goodput": _goodput(metrics, timeline),
+            "cost": _cost(metrics, timeline),
             "preemptions": len({e.node_id for e in timeline.of(ev.PreemptionNotice) if e.ranks}),
             "lost_steps": sum(e.lost_steps for e in timeline.of(ev.Restarted)),
         }
@@ -202,6 +203,18 @@ def _describe_spec(spec: TrainSpec) -> dict:
     if metadata:  # e.g. a Hugging Face model's family and the config an exporter writes
         out["model"]["metadata"] = metadata
     return out
+
+
+def _cost(metrics: list[dict], timeline) -> Optional[dict]:
+    """What the run cost by category (None: no node it held has a price)."""
+    try:
+        from rayflex.telemetry.cost import cost_breakdown
+
+        cost = cost_breakdown(metrics, timeline.events)
+        return cost.to_dict() if cost is not None else None
+    except Exception as e:  # noqa: BLE001 - a report number must not fail the run
+        log.warning("cost unavailable: %s", e)
+        return None
 
 
 def _goodput(metrics: list[dict], timeline) -> Optional[float]:

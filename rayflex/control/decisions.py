@@ -12,6 +12,7 @@ from rayflex.control.states import Failed, Placing
 from rayflex.control.survivors import kill_all
 from rayflex.control.warming import warm_standbys
 from rayflex.faults.policy import Fail, Restart, WaitForResources, best_world_size
+from rayflex.telemetry import events as ev
 
 log = logging.getLogger(__name__)
 
@@ -21,17 +22,23 @@ def follow_decision(ctx, decision, survivors: dict, fault_time: float, error: Ca
     """Act on the failure policy's decision: wait for resources (asking the autoscaler),
     fail the run (with ``error()`` as its cause), or restart at the size it chose (from the
     survivors' state, ``live``, when the recovery policy chose it)."""
-    deadline = None
+    deadline = started = None
     while isinstance(decision, WaitForResources):
         if deadline is None:
-            deadline = ctx.clock.time() + decision.timeout_s
+            started = ctx.clock.time()
+            deadline = started + decision.timeout_s
             ctx.request_capacity()
             log.warning("waiting up to %.0fs for resources: %s", decision.timeout_s, decision.reason)
         if ctx.clock.time() > deadline or ctx.stop_requested.is_set():
+            ctx.record(ev.CapacityWaited(waited_s=ctx.clock.time() - started, reason=decision.reason,
+                                         outcome="gave_up"))
             kill_all(ctx, survivors)
             return Failed(f"gave up waiting for resources after {decision.timeout_s:.0f}s: {decision.reason}")
         ctx.clock.sleep(knob("RESOURCE_POLL_S"))
+        reason = decision.reason
         decision = ctx.policies.failure.resize(usable_slots=ctx.usable_slots())
+    if started is not None:
+        ctx.record(ev.CapacityWaited(waited_s=ctx.clock.time() - started, reason=reason))
     if isinstance(decision, Fail):
         kill_all(ctx, survivors)
         return Failed(decision.reason, error())

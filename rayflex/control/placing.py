@@ -50,7 +50,7 @@ def place(ctx, state: Placing):
     except SetupFailed as failure:
         return _setup_failed(ctx, group, placement, failure)
     ctx.record(_plan_event(world, plan, resolved, placement, group,
-                           plan.memory_config(ctx.spec.memory).activation_checkpointing))
+                           plan.memory_config(ctx.spec.memory).activation_checkpointing, _node_prices(ctx, group)))
     if ctx.spec.checkpoint.memory_replicas:
         _cover_with_keepers(ctx, group)
     steps = {i["step"] for i in infos}
@@ -207,15 +207,20 @@ def _wait_for_a_size_that_fits(ctx, too_small: int, error: CapacityError):
     deadline = ctx.clock.time() + wait_s
     log.warning("the model fits in no mesh of %d workers; waiting up to %.0fs for more: %s", too_small, wait_s, error)
     ctx.request_capacity()
+    started = ctx.clock.time()
     while ctx.clock.time() < deadline and not ctx.stop_requested.is_set():
         ctx.clock.sleep(knob("RESOURCE_POLL_S"))
         topology = ctx.usable_topology()
         size = ctx.best_size(topology)
         if size > too_small:
             try:
-                return (size, *ctx.plan_at(size, topology))
+                planned = (size, *ctx.plan_at(size, topology))
             except CapacityError as e:
                 too_small, error = size, e
+                continue
+            ctx.record(ev.CapacityWaited(waited_s=ctx.clock.time() - started, reason=str(error)[:300]))
+            return planned
+    ctx.record(ev.CapacityWaited(waited_s=ctx.clock.time() - started, reason=str(error)[:300], outcome="gave_up"))
     raise CapacityError(f"gave up after waiting {wait_s:.0f}s for room: the model fits in no mesh of "
                         f"{too_small} workers, the most the cluster has had since: {error}")
 
@@ -290,7 +295,16 @@ def _load_sources(infos: list[dict]) -> dict:
     return out
 
 
-def _plan_event(world: int, plan, resolved, placement, group, recompute: str) -> ev.PlanChosen:
+def _node_prices(ctx, group) -> dict:
+    """Dollars per hour of each node the attempt's ranks are on (None: unpriced)."""
+    from rayflex.telemetry.cost import node_price
+
+    labels = {n.node_id: n.labels for n in ctx.cluster.topology().nodes}
+    return {node: node_price(labels.get(node, {}), ctx.spec.scaling.price_per_hour)
+            for node in sorted(set(group.node_of.values())) if node}
+
+
+def _plan_event(world: int, plan, resolved, placement, group, recompute: str, prices: dict) -> ev.PlanChosen:
     return ev.PlanChosen(world_size=world, pp=plan.pp, dp=plan.dp, tp=plan.tp, dp_replicate=plan.dp_replicate,
                          activation_checkpointing=recompute, schedule=plan.schedule,
                          stage_blocks=[list(b) for b in plan.stage_blocks], stage_costs=list(plan.stage_costs),
@@ -299,7 +313,8 @@ def _plan_event(world: int, plan, resolved, placement, group, recompute: str) ->
                          rank_to_node=[group.node_of.get(r, "") for r in range(world)],
                          planned_rank_to_node=list(placement.rank_to_node),
                          modeled_comm_s=placement.modeled_comm_s, naive_comm_s=placement.naive_comm_s,
-                         explanation="\n".join(x for x in (resolved.explanation, placement.explanation) if x))
+                         explanation="\n".join(x for x in (resolved.explanation, placement.explanation) if x),
+                         node_prices=prices)
 
 
 def _watch_preemptions(ctx, group) -> None:

@@ -10,6 +10,7 @@ waiting for a placement — all of which can take longer than that."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -50,6 +51,9 @@ class Recorder:
             self._stop_ticker = self.clock.every(knob("RUNDIR_FLUSH_S"), self.flush, name="rundir-ticker")
 
     def record(self, event: ev.Event) -> ev.Event:
+        # Stamped by the controller's clock, the clock its waits and timeouts run on, so a
+        # timeline's durations (goodput, cost) agree with them.
+        event = dataclasses.replace(event, time=self.clock.time())
         with self._lock:
             self.timeline.add(event)
             self.exporter.on_event(event)

@@ -40,6 +40,7 @@ class EventKind(enum.StrEnum):
     STRAGGLER_DETECTED = "straggler_detected"
     PREEMPTION_NOTICE = "preemption_notice"
     RESTARTED = "restarted"
+    CAPACITY_WAITED = "capacity_waited"
     RECOVERY_CHOSEN = "recovery_chosen"
     STORAGE_UNAVAILABLE = "storage_unavailable"
     STORAGE_RECOVERED = "storage_recovered"
@@ -109,6 +110,8 @@ class PlanChosen(Event):
     modeled_comm_s: Optional[float] = None
     naive_comm_s: Optional[float] = None
     explanation: str = ""
+    # node id -> dollars per hour (None: no price known) for the nodes of rank_to_node
+    node_prices: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -304,6 +307,18 @@ class CheckpointIntervalChosen(Event):
     faults: int = 0
     step_time_s: float = 0.0
     measured: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapacityWaited(Event):
+    """A restart waited ``waited_s`` (ending at ``time``) for the cluster to have room for
+    the run (the failure policy's wait for resources, or a model that fit in no mesh of the
+    survivors); ``outcome``: "placed" or "gave_up"."""
+
+    kind: ClassVar[EventKind] = EventKind.CAPACITY_WAITED
+    waited_s: float = 0.0
+    reason: str = ""
+    outcome: str = "placed"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,7 +17,6 @@ status`` and ``rayflex report`` agree, and a resumed run is accounted for as a w
 from __future__ import annotations
 
 import math
-import time as _time
 from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
@@ -138,8 +137,3 @@ def goodput_breakdown(metrics: list[dict], events: Events, *, now: Optional[floa
 def goodput(metrics: list[dict], events: Events, *, now: Optional[float] = None) -> float:
     """Committed useful step time / wall time, in [0, 1] (0.0 for an empty timeline)."""
     return goodput_breakdown(metrics, events, now=now).value
-
-
-def live_goodput(metrics: list[dict], events: Events) -> float:
-    """Goodput of a run that may still be going: its last session runs until now."""
-    return goodput(metrics, events, now=_time.time())

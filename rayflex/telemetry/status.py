@@ -2,8 +2,9 @@
 their run directories (``result.json``, ``metrics.jsonl``, ``events.jsonl``).
 
 Any process connected to the cluster finds the live runs (the Controller is a named actor
-in namespace ``rayflex``); ``--storage`` adds the runs whose driver is gone. Goodput comes
-from the run's timeline (:mod:`rayflex.telemetry.goodput`), live or not.
+in namespace ``rayflex``); ``--storage`` adds the runs whose driver is gone. Goodput and
+cost come from the run's timeline (:mod:`rayflex.telemetry.goodput`,
+:mod:`rayflex.telemetry.cost`), live or not.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Optional
 
 from rayflex.constants import CONTROLLER_NAMESPACE
 from rayflex.telemetry import events as ev
+from rayflex.telemetry.cost import cost_breakdown
 from rayflex.telemetry.goodput import TERMINAL_EVENTS, goodput
 
 log = logging.getLogger(__name__)
@@ -20,7 +22,7 @@ log = logging.getLogger(__name__)
 _STATE_AFTER = {ev.RunFinished: "FINISHED", ev.RunFailedEvent: "FAILED", ev.RunStopped: "STOPPED"}
 
 COLUMNS = ("name", "state", "step", "target_steps", "loss", "tokens_per_s", "world_size", "last_checkpoint",
-           "restarts", "goodput")
+           "restarts", "goodput", "cost_usd")
 
 
 def live_runs() -> dict[str, object]:
@@ -74,7 +76,20 @@ def row_from_run_dir(run_dir: str) -> Optional[dict]:
                 {"step": commits[-1].step, "uri": commits[-1].uri} if commits else None),
             "restarts": res.get("restarts", sum(isinstance(e, ev.Restarted) for e in events)),
             "goodput": res["goodput"] if res.get("goodput") is not None else goodput(metrics, events),
+            **_cost_columns(res["cost"] if res.get("cost") is not None else _cost(metrics, events)),
             "run_dir": run_dir}
+
+
+def _cost(metrics: list[dict], events, now: Optional[float] = None) -> Optional[dict]:
+    cost = cost_breakdown(metrics, events, now=now)
+    return cost.to_dict() if cost is not None else None
+
+
+def _cost_columns(cost: Optional[dict]) -> dict:
+    """The status row's cost: the total, dollars per 1k tokens, and the breakdown."""
+    if cost is None:
+        return {"cost_usd": None, "usd_per_1k_tokens": None, "cost": None}
+    return {"cost_usd": cost["total_usd"], "usd_per_1k_tokens": cost["usd_per_1k_tokens"], "cost": cost}
 
 
 def finished_runs(storage: str) -> list[dict]:
@@ -114,11 +129,14 @@ def live_row(actor) -> dict:
     row = ray.get(actor.status.remote(), timeout=10)
     row.pop("workers", None)
     try:
-        from rayflex.telemetry.goodput import live_goodput
+        import time
 
-        row["goodput"] = live_goodput(*_timeline(row["run_dir"]))
+        metrics, events = _timeline(row["run_dir"])
+        now = time.time()
+        row["goodput"] = goodput(metrics, events, now=now)
+        row.update(_cost_columns(_cost(metrics, events, now)))
     except Exception:  # noqa: BLE001 - storage unreachable from here: status still works
-        row["goodput"] = None
+        row.update(goodput=None, **_cost_columns(None))
     return row
 
 
