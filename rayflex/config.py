@@ -13,7 +13,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 from rayflex.constants import DEFAULT_SHUFFLE_WINDOW
 from rayflex.errors import ConfigError
@@ -44,6 +44,26 @@ def check_uri(where: str, uri: str) -> None:
 
 
 PRICE_KEYS = ("spot", "on-demand", "*")
+PRICE_LABEL = "rayflex.io/price-per-hour"  # a node's own price (cluster.yaml), over the table
+MARKET_LABEL = "ray.io/market-type"
+
+
+def node_price(labels: Mapping[str, str], price_per_hour: Mapping[str, float]) -> Optional[float]:
+    """Dollars per hour of a node with ``labels``: its ``PRICE_LABEL``, else the table's price
+    for its market, else the table's ``"*"``; None where nothing prices it. A label that is
+    not a number is ignored (the table, if any, prices the node)."""
+    label = labels.get(PRICE_LABEL)
+    if label is not None:
+        try:
+            price = float(label)
+            if price >= 0:
+                return price
+        except ValueError:
+            pass
+    market = labels.get(MARKET_LABEL)
+    if market in price_per_hour:
+        return float(price_per_hour[market])
+    return float(price_per_hour["*"]) if "*" in price_per_hour else None
 
 
 def price_table_problem(table) -> Optional[str]:

@@ -6,7 +6,8 @@ import pytest
 
 import rayflex as rf
 from rayflex.errors import ConfigError
-from rayflex.telemetry.cost import CATEGORIES, cost_breakdown, node_price
+from rayflex.config import node_price
+from rayflex.telemetry.cost import CATEGORIES, cost_breakdown
 
 A, B, C = "node-a", "node-b", "node-c"
 PER_S = 3600.0  # a price per hour that costs one dollar a second
@@ -104,3 +105,50 @@ def test_a_price_table_that_cannot_price_anything_is_refused_before_the_run():
         rf.ScalingConfig(price_per_hour={"preemptible": 2.1})
     with pytest.raises(ConfigError, match=r"the price of 'spot' must be a number of dollars >= 0, got -1"):
         rf.ScalingConfig(price_per_hour={"spot": -1})
+
+
+def _run_dir(tmp_path, metrics, events):
+    import json
+
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return run_dir
+
+
+def test_the_report_and_status_show_the_same_breakdown(tmp_path, capsys):
+    import json
+
+    from rayflex.cli.main import main
+    from rayflex.telemetry.report import write_report
+
+    run_dir = _run_dir(tmp_path, *_timeline())
+    write_report(f"file://{run_dir}")
+    summary = json.loads((run_dir / "report.json").read_text())
+    assert summary["cost_usd"] == pytest.approx(66.0) and summary["usd_per_1k_tokens"] == pytest.approx(11.0)
+    assert summary["cost_parts_usd"]["recomputed"] == pytest.approx(9.0)
+    page = (run_dir / "report.html").read_text()
+    assert "<h2>Cost</h2>" in page and "$66.00 in all, $11.00 per 1k tokens" in page
+    assert "<tr><td>capacity_wait</td><td>$3.00</td><td>4.5%</td><td>2.0</td></tr>" in page
+    assert main(["status", "--storage", f"file://{tmp_path}/runs", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["cost_usd"] == pytest.approx(66.0) and row["cost"]["parts_usd"] == summary["cost_parts_usd"]
+
+
+def test_rayflex_plan_prices_the_chosen_mesh_by_the_cluster_files_node_prices(tmp_path, capsys):
+    import json
+
+    from rayflex.cli.main import main
+
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("device: {name: H100-80GB, memory_gb: 80, tflops: 989, mfu: 0.4}\n"
+                       "uniform: {nodes: 8, devices_per_node: 8, nodes_per_rack: 8, price_per_hour: 31.2}\n")
+    assert main(["plan", "--model", "7b", "--cluster", str(cluster), "--global-batch", "512", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cost, step_s = out["cost"], out["best"]["step_s"]
+    assert cost["nodes"] == 8 and cost["usd_per_hour"] == pytest.approx(8 * 31.2)
+    tokens = 512 * 2048
+    assert cost["usd_per_1k_tokens"] == pytest.approx(8 * 31.2 / 3600 * step_s / (tokens / 1000))
+    assert main(["plan", "--model", "7b", "--cluster", str(cluster)]) == 0
+    assert "cost: $249.60 an hour for the 8 nodes it fills" in capsys.readouterr().out

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Optional
 
 from rayflex.errors import ConfigError
 
@@ -188,8 +189,11 @@ def cmd_plan(args) -> int:
     result = search(model, cluster, global_batch=global_batch, world_size=world, tp=args.tp,
                     activation_checkpointing=ac, failures=failures)
     placement = _placement(result) if (args.explain and args.cluster) else None
+    cost = _expected_cost(cluster, result, model, global_batch)
     if args.json:
         out = result.to_dict()
+        if cost is not None:
+            out["cost"] = cost
         if placement is not None:
             out["placement"] = placement.to_dict()
         json.dump(out, sys.stdout, indent=2, default=float)
@@ -212,6 +216,9 @@ def cmd_plan(args) -> int:
         ac = f", activation checkpointing {ac_name(best.activation_checkpointing, best.ac_every)}"
     print(f"choice: {best.label()}: pp={lay.pp} tp={lay.tp} dp={lay.dp}{hsdp}{ac}, {best.peak_bytes / 1e9:.2f} GB "
           f"per rank, modeled step {best.step_s:.3f} s")
+    if cost is not None:
+        print(f"cost: ${cost['usd_per_hour']:,.2f} an hour for the {cost['nodes']} nodes it fills; "
+              f"${cost['usd_per_1k_tokens']:.3g} per 1k tokens at the modeled step")
     print()
     print(summary(result))
     if args.explain:
@@ -222,6 +229,17 @@ def cmd_plan(args) -> int:
             print("placement of the chosen mesh:")
             print(placement.format())
     return 0
+
+
+def _expected_cost(cluster, result, model, global_batch: int) -> Optional[dict]:
+    """What the chosen mesh costs by the cluster file's node prices (None: unpriced)."""
+    held = cluster.hourly_cost(result.world_size)
+    if held is None or not result.best.fits:
+        return None
+    per_hour, nodes = held
+    tokens = global_batch * model.seq_len
+    return {"usd_per_hour": per_hour, "nodes": nodes,
+            "usd_per_1k_tokens": per_hour / 3600 * result.best.step_s / (tokens / 1000)}
 
 
 def _table_rows(result, not_fitting: int = 8):

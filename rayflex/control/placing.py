@@ -297,7 +297,7 @@ def _load_sources(infos: list[dict]) -> dict:
 
 def _node_prices(ctx, group) -> dict:
     """Dollars per hour of each node the attempt's ranks are on (None: unpriced)."""
-    from rayflex.telemetry.cost import node_price
+    from rayflex.config import node_price
 
     labels = {n.node_id: n.labels for n in ctx.cluster.topology().nodes}
     return {node: node_price(labels.get(node, {}), ctx.spec.scaling.price_per_hour)

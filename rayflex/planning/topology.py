@@ -27,13 +27,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
+from rayflex.config import MARKET_LABEL
 from rayflex.errors import ConfigError
 
 ZONE_LABEL = "ray.io/availability-zone"
 ZONE_LABEL_SHORT = "zone"
 RACK_LABEL = "rack"
 GPU_DOMAIN_LABEL = "ray.io/gpu-domain"
-MARKET_LABEL = "ray.io/market-type"
 NODE_ID_LABEL = "ray.io/node-id"
 
 

@@ -6,7 +6,7 @@ Computed from ``metrics.jsonl`` and ``events.jsonl`` alone (as goodput is), so
 **What is charged.** A run pays for every node its ranks occupy, whole (you rent the
 machine, not the share of it a rank uses), at the node's price per hour: its label
 ``rayflex.io/price-per-hour`` (cluster.yaml), else ``ScalingConfig.price_per_hour`` for its
-market (``ray.io/market-type``), else ``"*"``. Each ``plan_chosen`` records the prices of
+market (``ray.io/market-type``), else ``"*"`` (:func:`rayflex.config.node_price`). Each ``plan_chosen`` records the prices of
 its nodes. A node is charged from the moment the run starts placing ranks on it (for a
 session's first attempt: from the session's start) until the run stops using it: the next
 attempt's placement leaves it out, it is lost (``node_lost``), or the driver session ends.
@@ -34,32 +34,13 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Optional
 
 from rayflex.telemetry import events as ev
 from rayflex.telemetry.goodput import TERMINAL_EVENTS, Events, final_history, goodput_breakdown, sessions
 
-PRICE_LABEL = "rayflex.io/price-per-hour"
-MARKET_LABEL = "ray.io/market-type"
 CATEGORIES = ("training", "stragglers", "checkpoint_stalls", "setup", "recovery", "capacity_wait",
               "recomputed", "uncommitted")
-
-
-def node_price(labels: Mapping[str, str], price_per_hour: Mapping[str, float]) -> Optional[float]:
-    """Dollars per hour of a node with ``labels``; None where nothing prices it. A label that
-    is not a number is ignored (the table, if any, prices the node)."""
-    label = labels.get(PRICE_LABEL)
-    if label is not None:
-        try:
-            price = float(label)
-            if price >= 0:
-                return price
-        except ValueError:
-            pass
-    market = labels.get(MARKET_LABEL)
-    if market in price_per_hour:
-        return float(price_per_hour[market])
-    return float(price_per_hour["*"]) if "*" in price_per_hour else None
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Four panels on one wall-clock axis (seconds since the run first started): loss, 
 world size, and the event timeline (checkpoints, failures, preemptions, restarts), whose
 events are also drawn as vertical lines through the other panels. Steps a restart rolled
 back are drawn faded; the gaps between driver sessions (stop ... resubmit) are shaded.
-Goodput (see :mod:`rayflex.telemetry.goodput`) is in the title.
+Goodput (see :mod:`rayflex.telemetry.goodput`) is in the title; where nodes have prices, a
+fifth panel shows what the run cost and where the money went (:mod:`rayflex.telemetry.cost`).
 
 Writes ``report.png``, ``report.html`` (the PNG inlined, plus a summary and the event
 table) and ``report.json`` (the numbers behind the picture, including how many event
@@ -25,6 +26,7 @@ from typing import Optional
 
 from rayflex.storage import fs as rfs
 from rayflex.telemetry import events as ev
+from rayflex.telemetry.cost import CATEGORIES, cost_breakdown
 from rayflex.telemetry.events import EventKind
 from rayflex.telemetry.goodput import TERMINAL_EVENTS, final_history, goodput_breakdown, sessions
 
@@ -139,9 +141,18 @@ def render(data: ReportData, now: Optional[float] = None) -> tuple[bytes, dict]:
     def x(t: float) -> float:
         return (t - t0) / scale
 
-    fig = Figure(figsize=(11, 9), dpi=100)
+    cost = cost_breakdown(data.metrics, data.events, now=now)
+    fig = Figure(figsize=(11, 9 if cost is None else 10), dpi=100)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(4, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.3, 1.6]})
+    if cost is None:
+        axes = fig.subplots(4, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2, 1.3, 1.6]})
+    else:  # a fifth panel, on an axis of its own: where the money went
+        *axes, ax_cost = fig.subplots(5, 1, gridspec_kw={"height_ratios": [3, 2, 1.3, 1.6, 0.8]})
+        for ax in axes[1:]:
+            ax.sharex(axes[0])
+        for ax in axes[:-1]:
+            ax.tick_params(labelbottom=False)
+        _draw_cost(ax_cost, cost)
     ax_loss, ax_tps, ax_ws, ax_ev = axes
 
     good = sorted((m for m in data.metrics if id(m) in kept and m.get("time")), key=lambda m: m["time"])
@@ -228,17 +239,68 @@ def render(data: ReportData, now: Optional[float] = None) -> tuple[bytes, dict]:
     target = res.get("target_steps") or next((e.target_steps for e in data.events
                                               if isinstance(e, ev.RunStarted)), None)
     fig.suptitle(f"rayflex run {data.name!r} ({status}, step {steps}/{target})  —  goodput {gp.value:.1%}  "
-                 f"({gp.useful_s:.1f}s committed step time / {gp.wall_s:.1f}s wall)", fontsize=12)
+                 f"({gp.useful_s:.1f}s committed step time / {gp.wall_s:.1f}s wall)"
+                 + ("" if cost is None else f"  —  {_usd(cost.total_usd)}".replace("$", r"\$")), fontsize=12)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     summary = {"name": data.name, "status": status, "steps": steps, "target_steps": target,
                "markers": drawn, "marker_kinds": {k.value: sum(e.kind is k for e in markers) for k in kinds},
                "rolled_back_points": len(lost), "sessions": len(spans), **gp.to_dict()}
+    if cost is not None:
+        summary.update(cost_usd=cost.total_usd, usd_per_1k_tokens=cost.usd_per_1k_tokens,
+                       cost_parts_usd=cost.parts_usd, cost_seconds=cost.seconds,
+                       unpriced_nodes=list(cost.unpriced_nodes))
     diagnosed = [e for e in data.events if isinstance(e, ev.HangDiagnosed)]
     if diagnosed:
         summary["hang_diagnosis"] = f"step {diagnosed[-1].step}: {diagnosed[-1].verdict}"
     return buf.getvalue(), summary
+
+
+# Colours of the cost categories (rayflex.telemetry.cost.CATEGORIES), useful work first.
+COST_COLOURS = {"training": "tab:green", "stragglers": "tab:gray", "checkpoint_stalls": "tab:olive",
+                "setup": "gold", "recovery": "tab:purple", "capacity_wait": "tab:orange",
+                "recomputed": "tab:red", "uncommitted": "tab:pink"}
+
+
+def _usd(v: Optional[float]) -> str:
+    return "n/a" if v is None else f"${v:,.2f}" if v >= 1 else f"${v:.4f}"
+
+
+def _draw_cost(ax, cost) -> None:
+    """One bar, the run's dollars split by category, each part labelled with its share."""
+    left = 0.0
+    for category in CATEGORIES:
+        part = cost.parts_usd[category]
+        if part <= 0:
+            continue
+        ax.barh([0], [part], left=left, color=COST_COLOURS[category], label=category.replace("_", " "))
+        if part >= 0.06 * cost.total_usd:
+            ax.text(left + part / 2, 0, f"{part / cost.total_usd:.0%}", ha="center", va="center", fontsize=8)
+        left += part
+    ax.set_yticks([])
+    ax.set_xlim(0, max(cost.total_usd, 1e-9))
+    per_1k = "" if cost.usd_per_1k_tokens is None else f", {_usd(cost.usd_per_1k_tokens)} per 1k tokens"
+    title = f"cost: {_usd(cost.total_usd)}{per_1k}, {cost.node_hours:.3g} node-hours"
+    ax.set_title(title.replace("$", r"\$"), fontsize=9, loc="left")  # not matplotlib's math mode
+    ax.set_xlabel("dollars")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def _cost_html(summary: dict) -> str:
+    """The cost section: dollars and seconds per category, with their shares."""
+    parts, seconds, total = summary.get("cost_parts_usd"), summary.get("cost_seconds"), summary.get("cost_usd")
+    if not parts:
+        return ""
+    rows = "".join(f"<tr><td>{html.escape(c)}</td><td>{_usd(parts[c])}</td><td>{parts[c] / total:.1%}</td>"
+                   f"<td>{seconds[c]:.1f}</td></tr>" for c in CATEGORIES if total and seconds.get(c))
+    unpriced = summary.get("unpriced_nodes")
+    note = (f"<p>Held without a price (charged nothing): {html.escape(', '.join(unpriced))}.</p>"
+            if unpriced else "")
+    return (f"<h2>Cost</h2><p>{_usd(total)} in all, {_usd(summary.get('usd_per_1k_tokens'))} per 1k tokens "
+            f"trained: every node the run held, at its price per hour, over the seconds below.</p>{note}"
+            f"<table class=\"cost\"><tr><th>where the money went</th><th>dollars</th><th>share</th>"
+            f"<th>seconds</th></tr>{rows}</table>\n")
 
 
 def _html(png: bytes, summary: dict, events: list[ev.Event]) -> str:
@@ -256,7 +318,7 @@ td,th{{border:1px solid #ccc;padding:2px 6px;text-align:left}}</style></head>
 <img alt="loss, throughput, world size and events of run {html.escape(summary['name'])}"
      src="data:image/png;base64,{b64}">
 <h2>Summary</h2><ul>{facts}</ul>
-{_diagnoses_html(events)}<h2>Events</h2><table><tr><th>t (s)</th><th>kind</th><th>step</th><th>detail</th></tr>
+{_cost_html(summary)}{_diagnoses_html(events)}<h2>Events</h2><table><tr><th>t (s)</th><th>kind</th><th>step</th><th>detail</th></tr>
 {rows}
 </table></body></html>
 """

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Optional, Union
 
+from rayflex.config import PRICE_LABEL, node_price
 from rayflex.errors import ConfigError
 from rayflex.planning.capacity.memory import GB, Runtime, fmt_bytes
 from rayflex.planning.topology import Topology
@@ -70,9 +71,14 @@ class ClusterDescription:
     @classmethod
     def uniform(cls, *, nodes: int, devices_per_node: int, device: DeviceSpec, nodes_per_rack: int = 0,
                 racks_per_zone: int = 0, memory_margin: float = 0.10, runtime: Runtime | None = None,
-                bandwidth_gbps: Mapping[str, float] | None = None) -> "ClusterDescription":
-        """``nodes`` identical nodes; ``nodes_per_rack`` share a fast domain (0: each node alone)."""
+                bandwidth_gbps: Mapping[str, float] | None = None,
+                price_per_hour: Optional[float] = None) -> "ClusterDescription":
+        """``nodes`` identical nodes; ``nodes_per_rack`` share a fast domain (0: each node alone);
+        ``price_per_hour``: what each node costs (its ``rayflex.io/price-per-hour`` label)."""
         spec: dict = {"nodes": [_node(i, devices_per_node, nodes_per_rack, racks_per_zone) for i in range(nodes)]}
+        if price_per_hour is not None:
+            for node in spec["nodes"]:
+                node["labels"][PRICE_LABEL] = str(float(price_per_hour))
         if bandwidth_gbps:
             spec["bandwidth_gbps"] = dict(bandwidth_gbps)
         return cls(topology=Topology.from_dict(spec), device=device, memory_margin=memory_margin,
@@ -95,10 +101,10 @@ class ClusterDescription:
         margin = float(d.get("memory_margin", 0.10))
         if "uniform" in d:
             u = dict(d["uniform"])
-            unknown = set(u) - {"nodes", "devices_per_node", "nodes_per_rack", "racks_per_zone"}
+            unknown = set(u) - {"nodes", "devices_per_node", "nodes_per_rack", "racks_per_zone", "price_per_hour"}
             if unknown:
                 raise ConfigError("cluster.uniform", f"unknown keys {sorted(unknown)}",
-                                  "use nodes, devices_per_node, nodes_per_rack, racks_per_zone")
+                                  "use nodes, devices_per_node, nodes_per_rack, racks_per_zone, price_per_hour")
             return cls.uniform(device=device, memory_margin=margin, runtime=runtime,
                                bandwidth_gbps=d.get("bandwidth_gbps"), **u)
         topo = {k: d[k] for k in ("nodes", "bandwidth_gbps", "bandwidth_bytes_per_s") if k in d}
@@ -123,6 +129,20 @@ class ClusterDescription:
         """One node with ``workers`` CPU slots sharing this host's memory."""
         return cls(topology=Topology.from_dict({"nodes": [{"id": "local", "slots": workers}]}),
                    device=DeviceSpec.local_cpu(workers), runtime=Runtime.cpu())
+
+    def hourly_cost(self, world_size: int) -> Optional[tuple[float, int]]:
+        """(dollars per hour, nodes) of the first nodes that hold ``world_size`` ranks (the
+        planner fills nodes in order), by their ``rayflex.io/price-per-hour`` labels; None
+        when one of them has no price."""
+        total, used, left = 0.0, 0, world_size
+        for node in self.topology.usable().nodes:
+            if left <= 0:
+                break
+            price = node_price(node.labels, {})
+            if price is None:
+                return None
+            total, used, left = total + price, used + 1, left - node.slots
+        return (total, used) if left <= 0 else None
 
     def describe(self) -> str:
         n = len(self.topology.usable().nodes)
