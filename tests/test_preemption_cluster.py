@@ -24,10 +24,10 @@ STEPS = 120
 DRAIN_STEPS = 72
 
 
-def _trainer(dataset_uri, tmp_path, name, *, every=100, steps=STEPS, **elastic):
+def _trainer(dataset_uri, tmp_path, name, *, every=100, steps=STEPS, prices=None, **elastic):
     return rf.Trainer(model=small_gpt(n_layers=2), data=rf.DataConfig(uri=dataset_uri, seq_len=32, global_batch=12),
                       run=rf.RunConfig(name=name, storage=f"file://{tmp_path}/runs", steps=steps),
-                      scaling=rf.ScalingConfig(num_workers=2, min_workers=1),
+                      scaling=rf.ScalingConfig(num_workers=2, min_workers=1, price_per_hour=prices or {}),
                       checkpoint=rf.CheckpointConfig(every_steps=every, keep=2),
                       elastic=rf.ElasticConfig(**elastic))
 
@@ -119,12 +119,33 @@ def test_drain_notice_triggers_emergency_checkpoint(three_nodes, dataset_uri, tm
     import ray
 
     head = ray.get_runtime_context().get_node_id()
-    trainer = _trainer(dataset_uri, tmp_path, "drain", steps=DRAIN_STEPS)
+    trainer = _trainer(dataset_uri, tmp_path, "drain", steps=DRAIN_STEPS, prices={"*": 3600.0})
     handle = trainer.submit()
     node = _worker_node(wait_until_running(handle, 4), head)
     noticed_at = time.time()
     result, deadline = preempt_and_wait(three_nodes, node, 10, handle, timeout_s=240)
-    _assert_emergency(run_events(tmp_path, "drain"), node, result, trainer, noticed_at, deadline)
+    events = run_events(tmp_path, "drain")
+    _assert_emergency(events, node, result, trainer, noticed_at, deadline)
+    _assert_cost_is_node_seconds(json.loads((tmp_path / "runs" / "drain" / "result.json").read_text())["cost"],
+                                 events, dollars_per_node_s=1.0)
+
+
+def _assert_cost_is_node_seconds(cost, events, dollars_per_node_s):
+    """The run's cost by category sums to what its nodes cost while it held them: each
+    placement's nodes from its start (the session's, for the first) to the next placement's
+    start, or their loss, or the run's end."""
+    t0 = next(e["time"] for e in events if e["kind"] == "run_started")
+    end = next(e["time"] for e in events if e["kind"] == "run_finished")
+    plans = [e for e in events if e["kind"] == "plan_chosen"]
+    starts = [t0] + [e["time"] - e["setup_s"] for e in events if e["kind"] == "workers_started"][1:]
+    lost = {e["node_id"]: e["time"] for e in events if e["kind"] == "node_lost"}
+    node_s = sum(min(until, lost.get(n, end)) - since
+                 for plan, since, until in zip(plans, starts, starts[1:] + [end]) for n in set(plan["rank_to_node"]))
+    assert len(plans) == 2, "a preemption and a restart"
+    assert cost["total_usd"] == pytest.approx(sum(cost["parts_usd"].values()))
+    assert cost["total_usd"] == pytest.approx(node_s * dollars_per_node_s, rel=1e-6)
+    parts = cost["parts_usd"]
+    assert parts["training"] > 0 and parts["setup"] > 0 and parts["recovery"] > 0 and parts["recomputed"] == 0, parts
 
 
 class _FakeAWSMetadata(BaseHTTPRequestHandler):
