@@ -407,6 +407,11 @@ class ElasticConfig:
                                                "use 'aws' (spot/instance-action) or 'gcp' (instance/preempted)"))
     notice_file: Optional[str] = setting(None, text("use a path an operator writes a notice to, or None",
                                                     optional=True))
+    # A node a straggler was named on, and still slow STRAGGLER_CONFIRM_S later, is left out
+    # (a restart without it) when the time it would cost the rest of the run exceeds the
+    # restart's (docs/guides/failures.md); False: stragglers are only named.
+    evict_stragglers: bool = setting(True, flag("use True to restart without a slow node when that pays, "
+                                                "False to only name stragglers"))
     # Safety margin on top of (a step + an estimated checkpoint) before a notice's deadline.
     emergency_margin_s: float = setting(2.0, number(ge=0, unit="seconds", fix="use a number of seconds, e.g. 2"))
     # When a restart needs worker processes that are not up yet (a dead one's replacement,

@@ -137,6 +137,11 @@ _KNOBS: dict[str, Knob] = {
     # (0: the first steps only).
     "ACTIVATION_PROBE_EVERY": Knob(100, minimum=0, kind=int),
     "CAPACITY_CHECK_S": Knob(2.0),
+    # A straggler is acted on (rayflex.control.stragglers) only once it has stayed slow this
+    # long after it was named (a node slow for a while and then not is named, never
+    # evicted), and, while kept, weighed again this often.
+    "STRAGGLER_CONFIRM_S": Knob(10.0),
+    "STRAGGLER_RECHECK_S": Knob(30.0),
     "RUNDIR_FLUSH_S": Knob(1.0),
     "RESOURCE_POLL_S": Knob(1.0),
     # How long survivors of a fault that killed no peer may take to commit a checkpoint

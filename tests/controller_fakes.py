@@ -268,9 +268,12 @@ class FakeGroup:
         records, checkpoints = [], []
         if finished_now is not None:
             pp_index, dp_index = self.plan.coords(rank)
-            records.append(StepRecord(step=finished_now, loss=5.0 / finished_now, step_time_s=0.1, lr=1e-3,
+            # A slow node's ranks arrive last at the step's sync: the others wait for them.
+            late = max((self.cluster.slow_nodes.get(n, 0.0) for n in self.node_of.values()), default=0.0)
+            wait = 0.0 if self.cluster.slow_nodes.get(self.node_of[rank]) else late
+            records.append(StepRecord(step=finished_now, loss=5.0 / finished_now, step_time_s=0.1 + late, lr=1e-3,
                                       grad_norm=1.0, time=now, samples=self.plan.per_rank_batch,
-                                      pp_index=pp_index, dp_index=dp_index))
+                                      pp_index=pp_index, dp_index=dp_index, sync_wait_s=wait))
             every = self.cluster.every_steps
             if rank == 0 and isinstance(every, int) and every and finished_now % every == 0:
                 checkpoints.append(self._commit(finished_now, "periodic"))
@@ -361,6 +364,7 @@ class FakeCluster:
         self.hang_at_step: Optional[int] = None
         self.flight: Optional[Callable] = None
         self.frozen_nodes: set[str] = set()  # up in the cluster's view; run nothing (freeze_node)
+        self.slow_nodes: dict[str, float] = {}  # node -> seconds its ranks arrive late at each step (slow_node)
         self.probed: list[tuple[str, ...]] = []
 
     # the controller's view
@@ -463,6 +467,13 @@ def notice(node: str, seconds_left: float):
     def act(group):
         group.cluster.notices.append(Notice(node_id=node, deadline=group.cluster.clock.time() + seconds_left,
                                             source="test"))
+    return act
+
+
+def slow_node(node: str, late_s: float):
+    """From now on ``node``'s ranks finish each step ``late_s`` after the others (0: healed)."""
+    def act(group):
+        group.cluster.slow_nodes[node] = late_s
     return act
 
 

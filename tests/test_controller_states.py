@@ -22,7 +22,7 @@ from rayflex.telemetry import events as ev
 from rayflex.errors import SetupFailed
 
 from controller_fakes import (FakeClock, FakeCluster, add_node, freeze_node, freeze_rank, kill_rank, lose_node, notice,
-                              raise_in_rank)
+                              raise_in_rank, slow_node)
 
 START = [(S.INITIALIZING, S.PLACING), (S.PLACING, S.RUNNING)]
 RESTART = [(S.RUNNING, S.RESTARTING), (S.RESTARTING, S.PLACING), (S.PLACING, S.RUNNING)]
@@ -975,3 +975,37 @@ def test_live_recovery_off_asks_no_survivor_for_its_state(tmp_path):
     c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, kill_rank(1))])
     assert not _recovery(c) and cluster.live_restores[1] is None
     assert _timeline(c).of(ev.Restarted)[0].from_step == 2
+
+
+def _straggler_run(tmp_path, script, steps=400):
+    """4 ranks on 2 of 3 two-slot nodes, one step per 0.2 s poll; ``script`` slows one."""
+    spec = _spec(tmp_path, workers=4, min_workers=2, steps=steps, every=50)
+    return _run(spec, {"a": 2, "b": 2, "c": 2}, script=script)
+
+
+def test_a_node_that_stays_slow_is_left_out_when_that_pays(tmp_path):
+    c, cluster, result = _straggler_run(tmp_path, [(10, slow_node("b", 0.5))])
+    detected = _timeline(c).of(ev.StragglerDetected)
+    assert detected and {e.node_id for e in detected} == {"b"}
+    (decided,) = _timeline(c).of(ev.StragglerDecided)
+    assert decided.action == "evict_node" and decided.node_id == "b" and decided.gain_s > 0, decided
+    # Weighed once it had stayed slow STRAGGLER_CONFIRM_S after it was named, on its numbers:
+    assert decided.time - detected[0].time >= knob("STRAGGLER_CONFIRM_S")
+    assert decided.slow_step_s == pytest.approx(0.6) and decided.healthy_step_s == pytest.approx(0.1)
+    assert decided.to_world == 4 and decided.after_step_s == pytest.approx(0.1)  # a and c have 4 slots
+    (restart,) = _timeline(c).of(ev.Restarted)
+    assert restart.lost_steps == 0 and "straggler" in restart.reason and restart.world_size == 4
+    assert "b" not in _timeline(c).of(ev.PlanChosen)[-1].rank_to_node
+    assert result["status"] == "finished" and result["steps_completed"] == 400
+    assert result["failures"] == 0 and c.ctx.policies.failure.failures == 0, "an eviction charges no failure"
+
+
+def test_a_node_slow_for_a_while_is_named_but_not_left_out(tmp_path):
+    # Named ~20 s (100 polls) after it slowed; healed before the policy weighs it 10 s later.
+    c, cluster, result = _straggler_run(tmp_path, [(10, slow_node("b", 0.5)), (125, slow_node("b", 0.0))])
+    assert {e.node_id for e in _timeline(c).of(ev.StragglerDetected)} == {"b"}
+    decided = _timeline(c).of(ev.StragglerDecided)
+    assert decided and all(d.action == "keep" for d in decided), decided
+    assert "not worth a restart" in decided[0].reason and decided[0].slow_step_s == pytest.approx(0.1)
+    assert not _timeline(c).of(ev.Restarted) and result["status"] == "finished"
+

@@ -4,6 +4,8 @@ few steps on a shared CPU, or one that costs the run next to nothing, is not."""
 
 import random
 
+import pytest
+
 from rayflex.faults.detector import FaultDetector
 from rayflex.telemetry import events as ev
 
@@ -76,3 +78,47 @@ def test_a_slow_step_run_is_judged_on_at_least_ten_steps():
 def test_a_rank_that_costs_the_run_less_than_a_twentieth_of_the_step_is_not_named():
     # The others wait 6 ms of a 200 ms step for it: 3% of the run, not worth an event.
     assert _feed(_detector(), [_waits(3, wait_s=0.006)] * 300) == []
+
+
+# ----------------------------------------------------------------- acting on one
+def _policy(workers=4, min_workers=2):
+    import rayflex as rf
+    from rayflex.faults.policy import StragglerPolicy
+    from rayflex.models.summary import ModelSummary
+
+    model = ModelSummary(name="m", num_blocks=4, hidden_size=8, init_seed=1, block_params=(10, 10, 10, 10))
+    spec = rf.TrainSpec(model=model, data=rf.DataConfig(uri="file:///nowhere", seq_len=8, global_batch=8),
+                        run=rf.RunConfig(name="r", storage="file:///tmp/nowhere", steps=100),
+                        scaling=rf.ScalingConfig(num_workers=workers, min_workers=min_workers))
+    return StragglerPolicy(spec)
+
+
+def _decide(policy, **kw):
+    args = dict(node_id="b", ranks=[2, 3], world=4, usable_slots=2, remaining_steps=1000, slow_step_s=0.6,
+                wait_s=0.4, restart_s=30.0)
+    return policy.decide(**{**args, **kw})
+
+
+def test_leaving_a_slow_node_is_chosen_when_the_rest_of_the_run_pays_for_the_restart():
+    # Kept: 1000 steps x 0.6 s = 600 s; without b: 30 s + 1000 x (0.2 s x 4/2 ranks) = 430 s.
+    d = _decide(_policy())
+    assert d.evict and d.to_world == 2 and d.healthy_step_s == pytest.approx(0.2)
+    assert d.after_step_s == pytest.approx(0.4) and d.gain_s == pytest.approx(170.0)
+    assert "saves 170.0s" in d.reason
+
+
+def test_a_slow_node_is_kept_when_too_little_of_the_run_is_left_to_pay_for_a_restart():
+    # 100 steps x (0.6 - 0.4) s = 20 s saved < the 30 s restart.
+    d = _decide(_policy(), remaining_steps=100)
+    assert d.action == "keep" and d.gain_s == pytest.approx(-10.0) and "not worth a restart" in d.reason
+
+
+def test_a_node_that_is_no_longer_slow_is_kept():
+    d = _decide(_policy(), slow_step_s=0.2, wait_s=0.0)  # the recent steps: healed
+    assert d.action == "keep" and d.gain_s < 0
+
+
+def test_the_only_node_or_one_whose_loss_leaves_no_valid_size_is_kept():
+    d = _decide(_policy(min_workers=4), usable_slots=2)
+    assert d.action == "keep" and d.to_world is None and "min_workers=4" in d.reason
+    assert _decide(_policy(), usable_slots=0).action == "keep"  # the run's only node

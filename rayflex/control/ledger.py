@@ -224,9 +224,9 @@ class StepLedger:
                 "grad_norm": r0.grad_norm, "world_size": plan.world_size, "ranks_reported": len(recs),
                 "time": max(r.time for r in recs.values()),
                 "data_wait_s": max(r.data_wait_s for r in recs.values()),
-                # How long the ranks typically waited for the last one at the step's sync: a
-                # straggler's cost once one is named (rayflex.telemetry.cost).
-                "sync_wait_s": statistics.median(r.sync_wait_s for r in recs.values())}
+                # The longest any rank waited at the step's sync for the last to arrive: what
+                # a straggler costs a step once one is named (rayflex.telemetry.cost).
+                "sync_wait_s": max(r.sync_wait_s for r in recs.values())}
         stages = range(plan.pp)
         line["activation_peak_bytes"] = [max(r.activation_peak_bytes for r in recs.values() if r.pp_index == s)
                                          for s in stages]

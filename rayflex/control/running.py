@@ -7,7 +7,7 @@ the ranks train.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rayflex.constants import knob
@@ -15,6 +15,7 @@ from rayflex.control.diagnosing import investigate
 from rayflex.control.lost_nodes import name_vanished_nodes
 from rayflex.control.notices import handle_notices, preemption_fault
 from rayflex.control.states import Attempt, Finished, Placing, Restarting, Running, Stopped
+from rayflex.control.stragglers import consider_stragglers, eviction_fault
 from rayflex.control.survivors import collect_survivors
 from rayflex.control.warming import growth_target
 from rayflex.group.standby import Readiness
@@ -30,6 +31,8 @@ class AttemptLoop:
     stop_sent: bool = False
     grow_to: Optional[int] = None
     preempting: Any = None  # the Notice an emergency checkpoint is under way for
+    evicting: Any = None  # the StragglerDecision the attempt is stopping for
+    straggler_checked: dict = field(default_factory=dict)  # node -> when the policy last weighed it
     alive_nodes: frozenset = frozenset()
     last_nodes: float = 0.0
     last_notice: float = 0.0
@@ -80,8 +83,9 @@ def _cycle(ctx, loop: AttemptLoop):
     states = {st.state for st in result.statuses.values()}
     if len(result.statuses) == attempt.plan.world_size and states <= {WorkerState.DONE, WorkerState.STOPPED}:
         return _attempt_over(ctx, loop, states, now)
-    if ctx.cadence is not None and not loop.stop_sent and loop.preempting is None:
+    if ctx.cadence is not None and not loop.stop_sent and loop.preempting is None and loop.evicting is None:
         ctx.cadence.tick(ctx, attempt.group)
+    consider_stragglers(ctx, loop, now)
     _watch_capacity(ctx, loop, now)
     return None
 
@@ -93,6 +97,8 @@ def _attempt_over(ctx, loop: AttemptLoop, states: set, now: float):
     group = loop.attempt.group
     if loop.preempting is not None:
         return Restarting(attempt=loop.attempt, fault=preemption_fault(ctx, group, loop.preempting), fault_time=now)
+    if loop.evicting is not None:
+        return Restarting(attempt=loop.attempt, fault=eviction_fault(group, loop.evicting), fault_time=now)
     if loop.grow_to is not None and not ctx.stop_requested.is_set():
         reason = f"capacity returned: growing from {loop.attempt.plan.world_size} to {loop.grow_to} workers"
         survivors = collect_survivors(ctx, loop.attempt, set())
@@ -105,7 +111,7 @@ def _attempt_over(ctx, loop: AttemptLoop, states: set, now: float):
 def _watch_capacity(ctx, loop: AttemptLoop, now: float) -> None:
     """Grow when capacity returns: warm the newcomers, then stop at a step boundary once
     they are all up (the stop leaves a checkpoint; the restart reuses every worker)."""
-    if loop.stop_sent or loop.preempting is not None:
+    if loop.stop_sent or loop.preempting is not None or loop.evicting is not None:
         return
     if (loop.grow_to is None and now - loop.last_capacity > knob("CAPACITY_CHECK_S")
             and loop.attempt.plan.world_size < ctx.spec.scaling.max_size):

@@ -77,6 +77,8 @@ class FaultDetector:
         self._share = straggler_share
         self._first_step_at: Optional[float] = None
         self._reported_stragglers: set[int] = set()
+        self._named_at: dict[int, float] = {}
+        self._recent: deque = deque(maxlen=10)  # (step time, rank -> sync wait) of the last steps
 
     # ----------------------------------------------------------------- inputs
     def note_step(self, step: int, step_time_s: float, sync_waits: dict[int, float]) -> list[ev.Event]:
@@ -84,7 +86,17 @@ class FaultDetector:
         self.last_progress = self._clock()
         self.last_step = step
         self.step_times.append(step_time_s)
+        self._recent.append((step_time_s, dict(sync_waits)))
         return self._stragglers(step, step_time_s, sync_waits)
+
+    def slowdown(self, ranks) -> tuple[float, float]:
+        """(step time, how long the other ranks waited at the step's sync for ``ranks``):
+        medians over the attempt's last steps; (0, 0) before any."""
+        if not self._recent:
+            return 0.0, 0.0
+        waits = [statistics.median(w for r, w in waits.items() if r not in ranks) if set(waits) - set(ranks)
+                 else 0.0 for _, waits in self._recent]
+        return statistics.median(t for t, _ in self._recent), statistics.median(waits)
 
     def hang_timeout_s(self) -> float:
         floor = knob("HANG_TIMEOUT_FLOOR_S")
@@ -158,6 +170,11 @@ class FaultDetector:
         return fault
 
     # ----------------------------------------------------------------- stragglers
+    @property
+    def stragglers(self) -> dict[int, float]:
+        """Ranks named stragglers in this attempt -> when (the detector's clock)."""
+        return dict(self._named_at)
+
     def _stragglers(self, step: int, step_time_s: float, sync_waits: dict[int, float]) -> list[ev.Event]:
         if len(sync_waits) < 3:
             return []
@@ -178,6 +195,7 @@ class FaultDetector:
             if (watched_long_enough and len(seen) >= STRAGGLER_MIN_STEPS and slow >= self._share * len(seen)
                     and rank not in self._reported_stragglers):
                 self._reported_stragglers.add(rank)
+                self._named_at[rank] = now
                 out.append(ev.StragglerDetected(step=step, rank=rank, node_id=self.node_of.get(rank, ""),
                                                 ratio=median / max(w, 1e-6)))
         return out

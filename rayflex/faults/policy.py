@@ -6,7 +6,8 @@ usable), :class:`WaitForResources` or :class:`Fail` with the reason. Failures an
 preemptions have separate budgets, and a failure that repeats at the same step with no
 committed progress in between (a poison batch, a bug) fails the run instead of looping.
 ``ElasticPolicy.grow_to`` says when a run should scale back up because capacity returned;
-``NoticePolicy.decide`` whether a spot notice leaves time for an emergency checkpoint.
+``NoticePolicy.decide`` whether a spot notice leaves time for an emergency checkpoint;
+``StragglerPolicy.decide`` whether restarting without a slow node pays for itself.
 The controller receives them as one :class:`Policies`.
 """
 
@@ -71,7 +72,9 @@ class FailurePolicy:
         """``diagnosis``: a hang's verdict (``faults.diagnosis.Diagnosis``); a program-level
         one (a collective mismatch) that hangs the same step again is a bug, not bad luck."""
         cfg = self.spec.elastic
-        if kind == "preemption":
+        if kind == "straggler":  # a restart the straggler policy chose: no budget is charged
+            pass
+        elif kind == "preemption":
             self.preemptions += 1
             if self.preemptions > cfg.max_preemptions:
                 return Fail(f"preemption budget exhausted ({self.preemptions} > max_preemptions="
@@ -152,17 +155,80 @@ class NoticePolicy:
 
 
 @dataclass(frozen=True)
+class StragglerDecision:
+    """Whether to restart without a node a straggler was named on (``"evict_node"``) or
+    keep it (``"keep"``), with the numbers behind the choice: over the ``remaining_steps``,
+    keeping it costs ``slow_step_s`` a step; without it a step takes ``after_step_s`` (the
+    step without the others' wait, ``healthy_step_s``, at ``to_world`` ranks instead of
+    ``world``) after a restart of ``restart_s``; ``gain_s`` is what evicting saves."""
+
+    action: str
+    reason: str
+    node_id: str
+    ranks: tuple
+    world: int
+    to_world: Optional[int]
+    remaining_steps: int
+    slow_step_s: float
+    healthy_step_s: float
+    after_step_s: Optional[float]
+    restart_s: float
+    gain_s: float
+
+    @property
+    def evict(self) -> bool:
+        return self.action == "evict_node"
+
+
+class StragglerPolicy:
+    """Act on a straggler only when it pays: the time a slow node will cost the rest of the
+    run must exceed a restart without it (the restart, and every remaining step at the
+    size the cluster has without it). Evidence is the recent steps, not the step that named
+    it: a node that was slow for a while and is not now costs nothing more. A node is never
+    left when no valid world size remains without it (the run's only node)."""
+
+    def __init__(self, spec: TrainSpec):
+        self.spec = spec
+
+    def decide(self, *, node_id: str, ranks: list, world: int, usable_slots: int, remaining_steps: int,
+               slow_step_s: float, wait_s: float, restart_s: float) -> StragglerDecision:
+        """``usable_slots``: the slots the cluster has for the run without the node;
+        ``wait_s``: how long the other ranks wait for the node's at each step."""
+        healthy = max(slow_step_s - wait_s, 1e-9)
+        to_world = best_world_size(self.spec, usable_slots)
+        after = healthy * world / to_world if to_world else None
+        gain = remaining_steps * (slow_step_s - after) - restart_s if after is not None else 0.0
+        base = dict(node_id=node_id, ranks=tuple(ranks), world=world, to_world=to_world,
+                    remaining_steps=remaining_steps, slow_step_s=slow_step_s, healthy_step_s=healthy,
+                    after_step_s=after, restart_s=restart_s, gain_s=gain)
+        if to_world is None:  # e.g. it is the run's only node
+            return StragglerDecision("keep", f"without it the cluster has {usable_slots} usable slot(s), too few "
+                                     f"for any valid world size (min_workers={self.spec.scaling.min_size})", **base)
+        if gain <= 0:
+            return StragglerDecision("keep", (
+                f"not worth a restart: {remaining_steps} steps x {slow_step_s:.3f}s slowed = "
+                f"{remaining_steps * slow_step_s:.1f}s, vs {restart_s:.1f}s restart + {remaining_steps} x "
+                f"{after:.3f}s at {to_world} ranks = {restart_s + remaining_steps * after:.1f}s"), **base)
+        return StragglerDecision("evict_node", (
+            f"restarting without it saves {gain:.1f}s: {remaining_steps} steps x {slow_step_s:.3f}s slowed = "
+            f"{remaining_steps * slow_step_s:.1f}s, vs {restart_s:.1f}s restart + {remaining_steps} x "
+            f"{after:.3f}s at {to_world} ranks"), **base)
+
+
+@dataclass(frozen=True)
 class Policies:
     """The decisions a run's controller asks for, injected (``Controller(policies=...)``;
-    the tests queue decisions through it): failures, growth, spot notices."""
+    the tests queue decisions through it): failures, growth, spot notices, stragglers."""
 
     failure: FailurePolicy
     elastic: ElasticPolicy
     notice: NoticePolicy
+    straggler: Optional[StragglerPolicy] = None  # None: stragglers are named, never acted on
 
     @classmethod
     def for_spec(cls, spec: TrainSpec) -> "Policies":
-        return cls(failure=FailurePolicy(spec), elastic=ElasticPolicy(spec), notice=NoticePolicy())
+        return cls(failure=FailurePolicy(spec), elastic=ElasticPolicy(spec), notice=NoticePolicy(),
+                   straggler=StragglerPolicy(spec) if spec.elastic.evict_stragglers else None)
 
 
 def _last_line(text: str) -> str:

@@ -19,7 +19,8 @@ sum to the total:
 - ``training``: steps of the final history that a checkpoint covers (or of a finished run),
   and the training loop's time between them;
 - ``stragglers``: the part of those steps the other ranks spent waiting for a rank named
-  slow (``straggler_detected``), from that event to the end of its attempt;
+  slow (``straggler_detected``), from that event to the end of its attempt (the step's
+  ``sync_wait_s``: the longest wait at its sync);
 - ``checkpoint_stalls``: the time saves blocked training (``blocked_s``);
 - ``setup``: a session's start to its first step (placing, starting processes, restoring)
   and its last step to its end (the final save, teardown);

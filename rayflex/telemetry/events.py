@@ -38,6 +38,7 @@ class EventKind(enum.StrEnum):
     HANG_DETECTED = "hang_detected"
     HANG_DIAGNOSED = "hang_diagnosed"
     STRAGGLER_DETECTED = "straggler_detected"
+    STRAGGLER_DECIDED = "straggler_decided"
     PREEMPTION_NOTICE = "preemption_notice"
     RESTARTED = "restarted"
     CAPACITY_WAITED = "capacity_waited"
@@ -266,6 +267,28 @@ class StragglerDetected(Event):
     rank: int = -1
     node_id: str = ""
     ratio: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerDecided(Event):
+    """What the straggler policy chose for a node a straggler was named on: ``action``
+    ``"evict_node"`` (restart without it) or ``"keep"``, why, and its numbers (seconds):
+    over ``remaining_steps``, ``slow_step_s`` a step as now vs ``restart_s`` plus
+    ``after_step_s`` a step at ``to_world`` ranks; ``gain_s`` what evicting saves."""
+
+    kind: ClassVar[EventKind] = EventKind.STRAGGLER_DECIDED
+    node_id: str = ""
+    ranks: list = field(default_factory=list)
+    action: str = ""
+    reason: str = ""
+    world: int = 0
+    to_world: Optional[int] = None
+    remaining_steps: int = 0
+    slow_step_s: float = 0.0
+    healthy_step_s: float = 0.0
+    after_step_s: Optional[float] = None
+    restart_s: float = 0.0
+    gain_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -457,7 +457,9 @@ class TrainWorker:
                 # The end of a run and a graceful stop both leave a checkpoint of the last
                 # step, so a resubmitted run loses nothing; a 0-step run exists to save its
                 # initial weights.
-                emergency = self._stop_reason == "preemption"
+                # A stop the controller asked for to restart (a spot notice, a straggler's
+                # eviction) saves even with periodic checkpoints off: the restart resumes there.
+                emergency = self._stop_reason in ("preemption", "straggler")
                 if (self.spec.checkpoint.every_steps or emergency or end_step == 0) \
                         and self._last_saved_step != self._step:
                     self._save(self._step, "final" if self._step >= end_step else
@@ -646,7 +648,7 @@ class TrainWorker:
 
     def request_stop(self, reason: str = "stop", leaving_nodes: Optional[list[str]] = None) -> None:
         """Stop at the next step boundary (agreed by every rank), leaving a checkpoint there
-        (``reason="preemption"``: even if periodic checkpoints are off; ``leaving_nodes``:
+        (``reason="preemption"`` or ``"straggler"``: even if periodic checkpoints are off; ``leaving_nodes``:
         the nodes the notices named, whose ranks hand their uploads to memory replicas
         elsewhere)."""
         replicas = getattr(getattr(self, "checkpointer", None), "replicas", None)
