@@ -137,6 +137,9 @@ _KNOBS: dict[str, Knob] = {
     # (0: the first steps only).
     "ACTIVATION_PROBE_EVERY": Knob(100, minimum=0, kind=int),
     "CAPACITY_CHECK_S": Knob(2.0),
+    # How far back the straggler signal looks (faults.detector): a rank is named when it was
+    # last in 80% of the steps of this window.
+    "STRAGGLER_WINDOW_S": Knob(20.0),
     # A straggler is acted on (rayflex.control.stragglers) only once it has stayed slow this
     # long after it was named (a node slow for a while and then not is named, never
     # evicted), and, while kept, weighed again this often.

@@ -11,12 +11,12 @@ signals, each turned into a typed event:
   before the attempt's first step is measured) while the actors still answer (a
   collective that never completes) — the event names the ranks whose phase is not
   ``collective`` (the ones the others wait for) and every rank's phase;
-* **straggler** — a rank the others keep waiting for: its wait at the end-of-step
-  all-reduce is far below the others' (the last to arrive waits least) in at least
-  ``straggler_share`` of the steps of the last ``straggler_window_s`` seconds (and of at
-  least ``STRAGGLER_MIN_STEPS`` steps), and the others' wait is a noticeable part of the
-  step (``STRAGGLER_MIN_COST`` of it: a rank that costs the run less is not worth
-  naming). It compares each rank with the other ranks of the same steps, over a window of
+* **straggler** — a rank the others keep waiting for: its wait for its peers in the step
+  (inside its collectives and at the end-of-step all-reduce, ``sync_wait_s``) is below the
+  ranks' median by ``STRAGGLER_MIN_COST`` of the step or more (the last to arrive waits
+  least; a rank that costs the others less is not worth naming) in at least
+  ``straggler_share`` of the steps of the last ``straggler_window_s`` seconds
+  (``STRAGGLER_WINDOW_S``; and of at least ``STRAGGLER_MIN_STEPS`` steps). It needs 3 ranks. It compares each rank with the other ranks of the same steps, over a window of
   time: a rank descheduled for a few steps in a row on a shared CPU — the demo's 4 ranks
   on 2 cores named rank 0 after 5 such steps (ratio 5.7) when one streak was enough — is
   noise, not a slow rank.
@@ -34,8 +34,8 @@ from rayflex.constants import knob
 from rayflex.telemetry import events as ev
 from rayflex.worker.status import WorkerState
 
-# The others' median wait for the last rank, as a share of the step, below which a slow
-# rank is not named: it costs the run less than this.
+# How much less than the ranks' median a rank must wait in a step, as a share of the step,
+# for the step to count against it: a rank that costs the others less is not named.
 STRAGGLER_MIN_COST = 0.05
 # The fewest steps a straggler window must hold (slow steps: the window grows to hold them).
 STRAGGLER_MIN_STEPS = 10
@@ -60,8 +60,8 @@ class Fault:
 
 
 class FaultDetector:
-    def __init__(self, world_size: int, node_of: dict[int, str], *, straggler_ratio: float = 3.0,
-                 straggler_window_s: float = 20.0, straggler_share: float = 0.8,
+    def __init__(self, world_size: int, node_of: dict[int, str], *,
+                 straggler_window_s: Optional[float] = None, straggler_share: float = 0.8,
                  clock: Callable[[], float] = time.time):
         self.world_size = world_size
         self.node_of = dict(node_of)
@@ -71,9 +71,8 @@ class FaultDetector:
         self.last_step = -1
         self._last_check: Optional[float] = None  # when check() last ran: the cycle is measured
         self.step_times: deque = deque(maxlen=50)
-        self.straggler_ratio = straggler_ratio
         self._slow_steps: dict[int, deque] = {}  # rank -> (when, slow) per step, oldest first
-        self._window_s = straggler_window_s
+        self._window_s = knob("STRAGGLER_WINDOW_S") if straggler_window_s is None else straggler_window_s
         self._share = straggler_share
         self._first_step_at: Optional[float] = None
         self._reported_stragglers: set[int] = set()
@@ -183,12 +182,13 @@ class FaultDetector:
             self._first_step_at = now
         watched_long_enough = now - self._first_step_at >= self._window_s
         median = statistics.median(sync_waits.values())
-        costly = median > 0.005 and median >= STRAGGLER_MIN_COST * step_time_s
+        worth = max(0.005, STRAGGLER_MIN_COST * step_time_s)
         out = []
         for rank, w in sync_waits.items():
-            # The last rank to arrive waits ~0 while the others wait for it.
+            # The last rank to arrive waits least while the others wait for it: by how much
+            # less (what it cost the others this step) decides.
             seen = self._slow_steps.setdefault(rank, deque())
-            seen.append((now, costly and w * self.straggler_ratio < median))
+            seen.append((now, median - w >= worth))
             while len(seen) > STRAGGLER_MIN_STEPS and now - seen[0][0] > self._window_s:
                 seen.popleft()
             slow = sum(1 for _, s in seen if s)

@@ -1,4 +1,4 @@
-"""Per-step instrumentation of a rank: live activation bytes and pipeline wait time.
+"""Per-step instrumentation of a rank: live activation bytes, pipeline and collective waits.
 
 * Activations: a ``saved_tensors_hooks`` pair counts the bytes autograd keeps for backward
   (what a pipeline schedule's memory profile is about), deduplicated by storage, with the
@@ -6,6 +6,8 @@
 * Pipeline waits: every blocking wait of torch's pipeline schedules goes through
   ``schedules._wait_batch_p2p``; wrapping it once per process gives the seconds a rank
   spent waiting for its neighbours (the bubble, measured) next to its compute time.
+* Collective waits: every ``Work.wait`` (FSDP's all-gathers and reduce-scatters), timed the
+  same way: how long a rank waited for its peers in a step.
 """
 
 from __future__ import annotations
@@ -96,6 +98,46 @@ def _install_wait_timer() -> None:
 
         schedules._wait_batch_p2p = timed_wait
         _patched = True
+
+
+_collectives_patched = False
+
+
+def _install_collective_timer() -> None:
+    """Time every wait on a collective's Work in this process (FSDP2 waits on its
+    all-gathers and reduce-scatters; pipeline p2p too), per thread."""
+    global _collectives_patched
+    with _patch_lock:
+        if _collectives_patched:
+            return
+        from torch._C._distributed_c10d import Work
+
+        original = Work.wait
+
+        def timed_wait(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _tls.collective_s = getattr(_tls, "collective_s", 0.0) + time.perf_counter() - t0
+
+        Work.wait = timed_wait
+        _collectives_patched = True
+
+
+@contextmanager
+def collective_wait_timer():
+    """Yields a dict whose ``wait_s`` is the time this thread blocked waiting on collectives
+    (``Work.wait``). A rank the others wait for arrives last at each collective and waits
+    least: the straggler signal (faults.detector). On a GPU, a wait returns once the stream
+    waits, so this measures the host's side only."""
+    _install_collective_timer()
+    _tls.collective_s = 0.0
+    out = {"wait_s": 0.0}
+    try:
+        yield out
+    finally:
+        out["wait_s"] = _tls.collective_s
 
 
 @contextmanager

@@ -27,7 +27,7 @@ from rayflex.data.dataset import Prefetcher, open_dataset
 from rayflex.data.sampler import SAMPLE_ORDER
 from rayflex.worker.process_groups import open_process_groups, process_group_layout
 from rayflex.worker.rendezvous import RendezvousPort, rendezvous_store
-from rayflex.worker.instrument import ActivationCounter, pipeline_wait_timer
+from rayflex.worker.instrument import ActivationCounter, collective_wait_timer, pipeline_wait_timer
 from rayflex.mesh.plan import MeshPlan
 from rayflex.worker import flight_recorder
 from rayflex.worker.collective_faults import collective_fault_for, committed
@@ -424,13 +424,16 @@ class TrainWorker:
                 self._note_step_start(step)
                 with committed(self.collective_fault, step, self._role_of,
                                on_fire=lambda message: _log_injected_failure(self.rank, step, message)):
-                    loss_sum, grad_norm, probe = self._train_step(step)
+                    with collective_wait_timer() as comm:
+                        loss_sum, grad_norm, probe = self._train_step(step)
                     self._set_phase("collective")
                     # The step's last collective comes before its update: a rank that fails
                     # in a collective of step s has not applied s, and a survivor's state is
                     # always that of a finished step (live recovery reads it).
                     agreed = self._agree(loss_sum)
-                probe["sync_wait_s"] = agreed.wait_s
+                # How long this rank waited for its peers in the step: inside its collectives
+                # (a slow rank holds the others up there) and at the closing agreement.
+                probe["sync_wait_s"] = comm["wait_s"] + agreed.wait_s
                 loss = agreed.loss
                 stop_agreed = agreed.stop
                 self._updating = step
