@@ -58,7 +58,7 @@ def _pace(metrics: list[dict], after: float) -> list[tuple[float, float]]:
     return [(m["time"], m["tokens_per_s"]) for m in later[SKIP_AFTER:]]
 
 
-def one_run(system: str, round_: int, args, uri: str, root: str, healthy_tps: dict) -> dict:
+def one_run(system: str, round_: int, args, uri: str, root: str) -> dict:
     from rayflex.testing.throttle import cpu_throttled
 
     name = f"{system}-{round_}"
@@ -82,9 +82,7 @@ def one_run(system: str, round_: int, args, uri: str, root: str, healthy_tps: di
     decided = [e for e in events if e["kind"] == "straggler_decided"]
     restarts = [e for e in events if e["kind"] == "restarted"]
     if system == "healthy":
-        pace = _pace(metrics, 0.0)
-        out["tokens_per_s"] = statistics.median(t for _, t in pace)
-        healthy_tps[round_] = out["tokens_per_s"]
+        out["tokens_per_s"] = statistics.median(t for _, t in _pace(metrics, 0.0))
         return out
     out.update(named_ranks=[e["rank"] for e in named], actions=[e["action"] for e in decided],
                restarts=len(restarts),
@@ -97,15 +95,21 @@ def one_run(system: str, round_: int, args, uri: str, root: str, healthy_tps: di
         first = next(m["time"] for m in metrics if m["time"] > restarts[0]["time"])
         out["first_step_after_decision_s"] = first - evicted["time"]
         out["tokens_per_s_after"] = statistics.median(t for _, t in after) if after else None
-        base = healthy_tps.get(round_) or healthy_tps.get(round_ - 1)
-        if base and out["tokens_per_s_after"]:
-            out["after_vs_healthy"] = out["tokens_per_s_after"] / base
-            # the first 5 steps in a row at >= 90% of the healthy pace
-            for i in range(len(after) - 4):
-                if all(t >= 0.9 * base for _, t in after[i:i + 5]):
-                    out["back_to_90pct_after_decision_s"] = after[i][0] - evicted["time"]
-                    break
+        out["pace_after_decision"] = [(t - evicted["time"], tps) for t, tps in after]
     return out
+
+
+def against_healthy(slow: dict, healthy: dict) -> None:
+    """The evicted run's pace against the same round's healthy run: the ratio of tokens/s,
+    and the seconds from the decision until 5 steps in a row ran at >= 90% of it."""
+    base, pace = healthy.get("tokens_per_s"), slow.get("pace_after_decision")
+    if not base or not pace:
+        return
+    slow["after_vs_healthy"] = slow["tokens_per_s_after"] / base
+    for i in range(len(pace) - 4):
+        if all(tps >= 0.9 * base for _, tps in pace[i:i + 5]):
+            slow["back_to_90pct_after_decision_s"] = pace[i][0]
+            break
 
 
 def _spread(xs: list) -> dict:
@@ -133,11 +137,12 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="rayflex-stragglers-")
     uri = write_synthetic_dataset(f"file://{root}/tokens", num_samples=4096, seq_len=32, vocab_size=128,
                                   num_shards=3, seed=7)
-    healthy_tps: dict = {}
     t0 = time.time()
     with loopback_cluster([{"num_cpus": 1}, {"num_cpus": 1}, {"num_cpus": 1}]):
-        runs = alternate(list(SYSTEMS), args.rounds, lambda s, r: one_run(s, r, args, uri, root, healthy_tps))
+        runs = alternate(list(SYSTEMS), args.rounds, lambda s, r: one_run(s, r, args, uri, root))
     slow, brief = runs["slow_node"], runs["brief"]
+    for s, h in zip(slow, runs["healthy"]):
+        against_healthy(s, h)
     emit({"benchmark": "stragglers", "machine": machine(), "args": vars(args), "wall_s": time.time() - t0,
           "summary": {
               "slow_node_named_after_s": _spread([r.get("named_after_s") for r in slow]),

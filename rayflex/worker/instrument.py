@@ -80,6 +80,28 @@ class _Saved:
         self.tensor = tensor
 
 
+def _timing(original, attr: str):
+    """``original`` wrapped to add the seconds each call blocks to this thread's ``attr``."""
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            setattr(_tls, attr, getattr(_tls, attr, 0.0) + time.perf_counter() - t0)
+    return timed
+
+
+@contextmanager
+def _accumulated(attr: str):
+    """Yields a dict whose ``wait_s`` is what this thread added to ``attr`` inside the block."""
+    setattr(_tls, attr, 0.0)
+    out = {"wait_s": 0.0}
+    try:
+        yield out
+    finally:
+        out["wait_s"] = getattr(_tls, attr)
+
+
 def _install_wait_timer() -> None:
     global _patched
     with _patch_lock:
@@ -87,16 +109,7 @@ def _install_wait_timer() -> None:
             return
         from torch.distributed.pipelining import schedules
 
-        original = schedules._wait_batch_p2p
-
-        def timed_wait(work):
-            t0 = time.perf_counter()
-            try:
-                return original(work)
-            finally:
-                _tls.wait_s = getattr(_tls, "wait_s", 0.0) + time.perf_counter() - t0
-
-        schedules._wait_batch_p2p = timed_wait
+        schedules._wait_batch_p2p = _timing(schedules._wait_batch_p2p, "wait_s")
         _patched = True
 
 
@@ -112,44 +125,23 @@ def _install_collective_timer() -> None:
             return
         from torch._C._distributed_c10d import Work
 
-        original = Work.wait
-
-        def timed_wait(self, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                _tls.collective_s = getattr(_tls, "collective_s", 0.0) + time.perf_counter() - t0
-
-        Work.wait = timed_wait
+        Work.wait = _timing(Work.wait, "collective_s")
         _collectives_patched = True
 
 
-@contextmanager
 def collective_wait_timer():
-    """Yields a dict whose ``wait_s`` is the time this thread blocked waiting on collectives
-    (``Work.wait``). A rank the others wait for arrives last at each collective and waits
-    least: the straggler signal (faults.detector). On a GPU, a wait returns once the stream
-    waits, so this measures the host's side only."""
+    """A context yielding a dict whose ``wait_s`` is the time this thread blocked waiting on
+    collectives (``Work.wait``). A rank the others wait for arrives last at each collective
+    and waits least: the straggler signal (faults.detector). On a GPU, a wait returns once
+    the stream waits, so this measures the host's side only."""
     _install_collective_timer()
-    _tls.collective_s = 0.0
-    out = {"wait_s": 0.0}
-    try:
-        yield out
-    finally:
-        out["wait_s"] = _tls.collective_s
+    return _accumulated("collective_s")
 
 
-@contextmanager
 def pipeline_wait_timer(pipelined: bool = True):
-    """Yields a dict whose ``wait_s`` is the time this thread blocked on pipeline p2p
-    (0 without a pipeline: torch's pipelining package, ~1 s of CPU to import, is then
-    never loaded)."""
+    """A context yielding a dict whose ``wait_s`` is the time this thread blocked on
+    pipeline p2p (0 without a pipeline: torch's pipelining package, ~1 s of CPU to import,
+    is then never loaded)."""
     if pipelined:
         _install_wait_timer()
-    _tls.wait_s = 0.0
-    out = {"wait_s": 0.0}
-    try:
-        yield out
-    finally:
-        out["wait_s"] = _tls.wait_s
+    return _accumulated("wait_s")
