@@ -121,11 +121,6 @@ def _held_rate(evs: list[ev.Event], spans: list[tuple[float, float]]) -> tuple[_
     return _Rate(changes), node_s / 3600.0, unpriced
 
 
-def _step_span(line: dict) -> tuple[float, float]:
-    end = float(line["time"])
-    return end - float(line.get("step_time_s") or 0.0), end
-
-
 def cost_breakdown(metrics: Iterable[dict], events: Events, *, now: Optional[float] = None) -> Optional[Cost]:
     """The run's cost by category; None when no node it held has a price."""
     metrics, evs = list(metrics or []), sorted((e for e in ev.as_events(events or []) if e.time is not None),
@@ -134,92 +129,120 @@ def cost_breakdown(metrics: Iterable[dict], events: Events, *, now: Optional[flo
         return None
     spans = sessions(metrics, evs, now)
     rate, node_hours, unpriced = _held_rate(evs, spans)
-    history, lost = final_history(metrics, evs)
-    committed_step = goodput_breakdown(metrics, evs, now=now).committed_step
-    lost_ids = {id(m) for m in lost}
-    # Steps after a straggler was named, until its attempt ended: the others' wait counts.
-    straggling: list[tuple[float, float]] = []
-    named = None
+    _, lost = final_history(metrics, evs)
+    kinds = _StepKinds(lost, goodput_breakdown(metrics, evs, now=now).committed_step, _straggling(evs))
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    dollars = dict.fromkeys(CATEGORIES, 0.0)
+    for start, end in spans:
+        lines = sorted((m for m in metrics if m.get("time") is not None and start <= m["time"] <= end),
+                       key=lambda m: m["time"])
+        inside = [e for e in evs if start <= e.time <= end]
+        for a, b, category in _partition(start, end, kinds.intervals(lines, start), _between_steps(inside, lines),
+                                         [e.time for e in inside if isinstance(e, (ev.WorkersStarted, ev.Restarted))]):
+            seconds[category] += b - a
+            dollars[category] += rate.integral(a, b)
+    return Cost(total_usd=sum(dollars.values()), parts_usd=dollars, seconds=seconds, node_hours=node_hours,
+                tokens=kinds.tokens, unpriced_nodes=tuple(sorted(unpriced)))
+
+
+def _straggling(evs: list[ev.Event]) -> list[tuple[float, float]]:
+    """Spans from a straggler's naming to the end of its attempt: the others' wait counts."""
+    spans, named = [], None
     for e in evs:
         if isinstance(e, ev.StragglerDetected) and named is None:
             named = e.time
         elif isinstance(e, (ev.WorkersStarted, *TERMINAL_EVENTS)) and named is not None:
-            straggling.append((named, e.time))
+            spans.append((named, e.time))
             named = None
-    if named is not None:
-        straggling.append((named, float("inf")))
+    return spans + ([(named, float("inf"))] if named is not None else [])
 
-    seconds = dict.fromkeys(CATEGORIES, 0.0)
-    dollars = dict.fromkeys(CATEGORIES, 0.0)
 
-    def charge(category: str, a: float, b: float) -> None:
-        if b > a:
-            seconds[category] += b - a
-            dollars[category] += rate.integral(a, b)
+class _StepKinds:
+    """What each step's seconds were: training (less a named straggler's wait), recomputed
+    (rolled back by a restart) or uncommitted; counts the training steps' tokens."""
 
-    tokens = 0
-    for start, end in spans:
-        lines = sorted((m for m in metrics if m.get("time") is not None and start <= m["time"] <= end),
-                       key=lambda m: m["time"])
-        covered: list[tuple[float, float, str]] = []
-        prev_end = start
+    def __init__(self, lost: list[dict], committed_step: Optional[int], straggling: list[tuple[float, float]]):
+        self.lost = {id(m) for m in lost}
+        self.committed_step, self.straggling = committed_step, straggling
+        self.tokens = 0
+
+    def intervals(self, lines: list[dict], start: float) -> list[tuple[float, float, str]]:
+        out, prev_end = [], start
         for m in lines:
-            a, b = _step_span(m)
-            a = max(a, prev_end)  # steps never overlap; clip a clock's jitter
-            if id(m) in lost_ids:
-                category = "recomputed"
-            elif committed_step is not None and m["step"] > committed_step:
-                category = "uncommitted"
+            end = float(m["time"])
+            a, b = max(end - float(m.get("step_time_s") or 0.0), prev_end), end  # never overlapping
+            prev_end = max(prev_end, end)
+            if id(m) in self.lost:
+                out.append((a, b, "recomputed"))
+            elif self.committed_step is not None and m["step"] > self.committed_step:
+                out.append((a, b, "uncommitted"))
             else:
-                category = "training"
-                tokens += int(round((m.get("tokens_per_s") or 0.0) * (m.get("step_time_s") or 0.0)))
-                if any(s <= m["time"] <= e for s, e in straggling):
-                    wait = min(float(m.get("sync_wait_s") or 0.0), b - a)
-                    covered.append((b - wait, b, "stragglers"))
-                    b -= wait
-            covered.append((a, b, category))
-            prev_end = max(prev_end, _step_span(m)[1])
-        # Between steps: a save's blocked time, a wait for capacity, else by position.
-        placed = [(e.time - e.waited_s, e.time, "capacity_wait") for e in evs
-                  if isinstance(e, ev.CapacityWaited) and start <= e.time <= end]
-        for e in evs:
-            if isinstance(e, (ev.CheckpointCommitted, ev.CheckpointFailed)) and start <= e.time <= end and e.step:
-                step_end = next((m["time"] for m in reversed(lines) if m["step"] == e.step and m["time"] <= e.time),
-                                None)
-                blocked = getattr(e, "blocked_s", 0.0) or 0.0
-                if step_end is not None and blocked > 0:
-                    placed.append((step_end, step_end + blocked, "checkpoint_stalls"))
-        covered.sort()
-        step_ends = [b for _, b, _ in covered]
-        gaps, t = [], start
-        for a, b, _ in covered:
-            if a > t:
-                gaps.append((t, a))
-            t = max(t, b)
-        if end > t:
-            gaps.append((t, end))
-        restarts = [e.time for e in evs if isinstance(e, (ev.WorkersStarted, ev.Restarted)) and start <= e.time <= end]
-        for a, b, category in covered:
-            charge(category, a, b)
-        for ga, gb in gaps:
-            t = ga
-            for pa, pb, category in sorted(placed):
-                pa, pb = max(pa, t), min(pb, gb)
-                if pb > pa:
-                    charge(_gap_category(ga, gb, step_ends, restarts, start, end), t, pa)
-                    charge(category, pa, pb)
-                    t = pb
-            charge(_gap_category(ga, gb, step_ends, restarts, start, end), t, gb)
-    total = sum(dollars.values())
-    return Cost(total_usd=total, parts_usd=dollars, seconds=seconds, node_hours=node_hours, tokens=tokens,
-                unpriced_nodes=tuple(sorted(unpriced)))
+                self.tokens += int(round((m.get("tokens_per_s") or 0.0) * (m.get("step_time_s") or 0.0)))
+                wait = 0.0
+                if any(s <= end <= e for s, e in self.straggling):
+                    wait = min(float(m.get("sync_wait_s") or 0.0), max(0.0, b - a))
+                    out.append((b - wait, b, "stragglers"))
+                out.append((a, b - wait, "training"))
+        return out
 
 
-def _gap_category(a: float, b: float, step_ends: list, restarts: list, start: float, end: float) -> str:
-    """A gap between steps: before the session's first step or after its last, setup; with a
-    restart in it, recovery; else the training loop's own time between steps."""
-    if not step_ends or a <= start and b <= min(step_ends) or a >= max(step_ends):
-        return "setup"
-    if any(a <= t <= b for t in restarts):
-        return "recovery"
-    return "training"
+def _between_steps(inside: list[ev.Event], lines: list[dict]) -> list[tuple[float, float, str]]:
+    """What fills the time between steps when something does: a save blocking training right
+    after its step, a restart's wait for capacity."""
+    step_end = {m["step"]: m["time"] for m in lines}  # a step trained again: its newest end
+    out = [(e.time - e.waited_s, e.time, "capacity_wait") for e in inside if isinstance(e, ev.CapacityWaited)]
+    for e in inside:
+        if isinstance(e, (ev.CheckpointCommitted, ev.CheckpointFailed)) and e.step in step_end:
+            blocked = getattr(e, "blocked_s", 0.0) or 0.0
+            if blocked > 0 and step_end[e.step] <= e.time:
+                out.append((step_end[e.step], step_end[e.step] + blocked, "checkpoint_stalls"))
+    return sorted(out)
+
+
+def _partition(start: float, end: float, steps: list, between: list, restarts: list[float]):
+    """Every second of [start, end] once: the steps' intervals, then the gaps between them,
+    filled by ``between`` (sorted) where it says and by position elsewhere: before the
+    session's first step or after its last, setup; with a restart in it, recovery; else the
+    training loop's own time between steps."""
+    steps = sorted((a, b, c) for a, b, c in steps if b > a)
+    yield from steps
+    if not steps:
+        yield from _filled(start, end, "setup", between)
+        return
+    first, last = steps[0][1], max(b for _, b, _ in steps)
+    restarts = sorted(restarts)
+    t, gaps = start, []
+    for a, b, _ in steps:
+        if a > t:
+            gaps.append((t, a))
+        t = max(t, b)
+    if end > t:
+        gaps.append((t, end))
+    j = 0
+    for ga, gb in gaps:
+        if ga <= start and gb <= first or ga >= last:
+            where = "setup"
+        else:
+            i = bisect.bisect_left(restarts, ga)
+            where = "recovery" if i < len(restarts) and restarts[i] <= gb else "training"
+        # Gaps come in time order: a span that ended before this one's start is done with.
+        while j < len(between) and between[j][1] <= ga:
+            j += 1
+        k = j
+        while k < len(between) and between[k][0] < gb:
+            k += 1
+        yield from _filled(ga, gb, where, between[j:k])
+
+
+def _filled(ga: float, gb: float, where: str, between: list):
+    """[ga, gb] as ``between``'s spans where they overlap it, ``where`` elsewhere."""
+    t = ga
+    for pa, pb, category in between:
+        pa, pb = max(pa, t), min(pb, gb)
+        if pb > pa:
+            if pa > t:
+                yield t, pa, where
+            yield pa, pb, category
+            t = pb
+    if gb > t:
+        yield t, gb, where
