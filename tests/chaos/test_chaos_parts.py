@@ -88,6 +88,12 @@ def test_samples_invariant_catches_a_skip_and_a_repeat():
     assert not inv.samples_exact(good[:-1], sampler, 10)[0]  # a step never ran
 
 
+def test_a_straggler_in_a_chaos_run_is_a_false_positive():
+    assert inv.no_straggler_without_a_slow_node([ev.WorkerDied(time=1.0, rank=1)])[0]
+    ok, why = inv.no_straggler_without_a_slow_node([ev.StragglerDetected(time=1.0, step=40, rank=2, node_id="b")])
+    assert not ok and "straggler_detected" in why and "rank=2" in why
+
+
 # The chaos knobs (0.1 s polls) on a host that steps in 0.1 s: 0.6 s of slack.
 TIMING = DetectionTiming(poll_s=0.1, notice_poll_s=0.5, nodes_refresh_s=0.5, heartbeat_s=3.0, step_s=0.1)
 

@@ -239,6 +239,8 @@ def run_chaos(cfg: ChaosConfig) -> dict:
         timing = DetectionTiming.of_run(cfg.heartbeat_timeout_s, result.metrics)  # the knobs are still set here
         ok, rows = inv.faults_accounted(faults, timeline.events, timing)
         checks["faults_accounted"] = {"ok": ok, "detail": rows, "timing": {**asdict(timing), "slack_s": timing.slack_s}}
+        ok, detail = inv.no_straggler_without_a_slow_node(timeline.events)
+        checks["no_false_straggler"] = {"ok": ok, "detail": detail}
         report["world_sizes"] = [e.world_size for e in timeline.of(ev.PlanChosen)]
         report["restarts"] = len(timeline.of(ev.Restarted))
         # Where each restart after a failure took its state from (the survivors' memory or a checkpoint).
