@@ -21,7 +21,6 @@ import torch
 
 _tls = threading.local()
 _patch_lock = threading.Lock()
-_patched = False
 
 
 class ActivationCounter:
@@ -102,31 +101,16 @@ def _accumulated(attr: str):
         out["wait_s"] = getattr(_tls, attr)
 
 
-def _install_wait_timer() -> None:
-    global _patched
+_patched: set = set()  # what _patch_once has wrapped in this process
+
+
+def _patch_once(owner, attr: str, counter: str) -> None:
+    """Wrap ``owner.attr`` (once per process) to add the seconds each call blocks to this
+    thread's ``counter``."""
     with _patch_lock:
-        if _patched:
-            return
-        from torch.distributed.pipelining import schedules
-
-        schedules._wait_batch_p2p = _timing(schedules._wait_batch_p2p, "wait_s")
-        _patched = True
-
-
-_collectives_patched = False
-
-
-def _install_collective_timer() -> None:
-    """Time every wait on a collective's Work in this process (FSDP2 waits on its
-    all-gathers and reduce-scatters; pipeline p2p too), per thread."""
-    global _collectives_patched
-    with _patch_lock:
-        if _collectives_patched:
-            return
-        from torch._C._distributed_c10d import Work
-
-        Work.wait = _timing(Work.wait, "collective_s")
-        _collectives_patched = True
+        if (owner, attr) not in _patched:
+            setattr(owner, attr, _timing(getattr(owner, attr), counter))
+            _patched.add((owner, attr))
 
 
 def collective_wait_timer():
@@ -134,7 +118,9 @@ def collective_wait_timer():
     collectives (``Work.wait``). A rank the others wait for arrives last at each collective
     and waits least: the straggler signal (faults.detector). On a GPU, a wait returns once
     the stream waits, so this measures the host's side only."""
-    _install_collective_timer()
+    from torch._C._distributed_c10d import Work  # every wait on a collective (FSDP2, pipeline p2p)
+
+    _patch_once(Work, "wait", "collective_s")
     return _accumulated("collective_s")
 
 
@@ -143,5 +129,7 @@ def pipeline_wait_timer(pipelined: bool = True):
     pipeline p2p (0 without a pipeline: torch's pipelining package, ~1 s of CPU to import,
     is then never loaded)."""
     if pipelined:
-        _install_wait_timer()
+        from torch.distributed.pipelining import schedules
+
+        _patch_once(schedules, "_wait_batch_p2p", "wait_s")
     return _accumulated("wait_s")

@@ -47,7 +47,8 @@ class StepRecord:
     dp_index: int = 0
     tp_index: int = 0
     sample_indices: Optional[list] = None
-    # Seconds blocked in the end-of-step all-reduce: the last rank to arrive waits least.
+    # Seconds this rank waited for its peers in the step (inside its collectives and at the
+    # end-of-step all-reduce): the last rank to arrive waits least.
     sync_wait_s: float = 0.0
     # Seconds the step waited for its rows (0-ish when the prefetcher had them cached).
     data_wait_s: float = 0.0
