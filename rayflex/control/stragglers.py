@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict
-from typing import Optional
-
 from rayflex.constants import knob
 from rayflex.faults.detector import Fault
 from rayflex.telemetry import events as ev
@@ -61,7 +59,7 @@ def restart_estimate_s(ctx) -> float:
     return ctx.ledger.emergency_save_estimate_s() + setup
 
 
-def eviction_fault(group, decision) -> Optional[Fault]:
+def eviction_fault(group, decision) -> Fault:
     """The attempt stopped for an eviction: the node's ranks are replaced elsewhere."""
     ranks = {r for r, n in group.node_of.items() if n == decision.node_id}
     return Fault(bad_ranks=ranks, kind="straggler",

@@ -16,7 +16,8 @@ signals, each turned into a typed event:
   ranks' median by ``STRAGGLER_MIN_COST`` of the step or more (the last to arrive waits
   least; a rank that costs the others less is not worth naming) in at least
   ``straggler_share`` of the steps of the last ``straggler_window_s`` seconds
-  (``STRAGGLER_WINDOW_S``; and of at least ``STRAGGLER_MIN_STEPS`` steps). It needs 3 ranks. It compares each rank with the other ranks of the same steps, over a window of
+  (``STRAGGLER_WINDOW_S``; and of at least ``STRAGGLER_MIN_STEPS`` steps). It needs 3
+  ranks, and compares each rank with the other ranks of the same steps over a window of
   time: a rank descheduled for a few steps in a row on a shared CPU — the demo's 4 ranks
   on 2 cores named rank 0 after 5 such steps (ratio 5.7) when one streak was enough — is
   noise, not a slow rank.
@@ -75,7 +76,6 @@ class FaultDetector:
         self._window_s = knob("STRAGGLER_WINDOW_S") if straggler_window_s is None else straggler_window_s
         self._share = straggler_share
         self._first_step_at: Optional[float] = None
-        self._reported_stragglers: set[int] = set()
         self._named_at: dict[int, float] = {}
         self._recent: deque = deque(maxlen=10)  # (step time, rank -> sync wait) of the last steps
 
@@ -193,8 +193,7 @@ class FaultDetector:
                 seen.popleft()
             slow = sum(1 for _, s in seen if s)
             if (watched_long_enough and len(seen) >= STRAGGLER_MIN_STEPS and slow >= self._share * len(seen)
-                    and rank not in self._reported_stragglers):
-                self._reported_stragglers.add(rank)
+                    and rank not in self._named_at):
                 self._named_at[rank] = now
                 out.append(ev.StragglerDetected(step=step, rank=rank, node_id=self.node_of.get(rank, ""),
                                                 ratio=median / max(w, 1e-6)))
