@@ -152,3 +152,14 @@ def test_rayflex_plan_prices_the_chosen_mesh_by_the_cluster_files_node_prices(tm
     assert cost["usd_per_1k_tokens"] == pytest.approx(8 * 31.2 / 3600 * step_s / (tokens / 1000))
     assert main(["plan", "--model", "7b", "--cluster", str(cluster)]) == 0
     assert "cost: $249.60 an hour for the 8 nodes it fills" in capsys.readouterr().out
+
+
+def test_a_cluster_files_price_that_is_not_a_number_is_refused_naming_it(tmp_path, capsys):
+    from rayflex.cli.main import main
+
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("device: {name: H100-80GB, memory_gb: 80, tflops: 989, mfu: 0.4}\n"
+                       "uniform: {nodes: 8, devices_per_node: 8, price_per_hour: cheap}\n")
+    assert main(["plan", "--model", "7b", "--cluster", str(cluster)]) != 0
+    err = capsys.readouterr().err
+    assert "cluster.uniform.price_per_hour: must be dollars per node-hour >= 0, got 'cheap'" in err

@@ -105,6 +105,10 @@ class ClusterDescription:
             if unknown:
                 raise ConfigError("cluster.uniform", f"unknown keys {sorted(unknown)}",
                                   "use nodes, devices_per_node, nodes_per_rack, racks_per_zone, price_per_hour")
+            price = u.get("price_per_hour")
+            if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float)) or price < 0):
+                raise ConfigError("cluster.uniform.price_per_hour", f"must be dollars per node-hour >= 0, got {price!r}",
+                                  "write e.g. price_per_hour: 31.2, or leave it out (no cost is printed)")
             return cls.uniform(device=device, memory_margin=margin, runtime=runtime,
                                bandwidth_gbps=d.get("bandwidth_gbps"), **u)
         topo = {k: d[k] for k in ("nodes", "bandwidth_gbps", "bandwidth_bytes_per_s") if k in d}
