@@ -1,6 +1,6 @@
 """rayflex: elastic FSDP2 + pipeline-parallel training on Ray, built for spot clusters."""
 
-from rayflex.config import (CheckpointConfig, DataConfig, ElasticConfig, MemoryConfig, OptimizerConfig,
+from rayflex.config import (CheckpointConfig, CommConfig, DataConfig, ElasticConfig, MemoryConfig, OptimizerConfig,
                             ParallelConfig, PrecisionConfig, RunConfig, ScalingConfig, TrainSpec)
 from rayflex.errors import (CheckpointError, ConfigError, PlacementError, RayflexError, RunFailed,
                             StorageError, WorkerError)
@@ -16,7 +16,7 @@ def export_hf(source, out_dir, **options):
 
 
 __all__ = [
-    "CheckpointConfig", "CheckpointError", "ConfigError", "DataConfig", "ElasticConfig", "MemoryConfig",
+    "CheckpointConfig", "CheckpointError", "CommConfig", "ConfigError", "DataConfig", "ElasticConfig", "MemoryConfig",
     "OptimizerConfig", "ParallelConfig", "PlacementError", "PrecisionConfig", "RayflexError", "Result",
     "RunConfig", "RunFailed", "RunHandle", "ScalingConfig", "StorageError", "Trainer", "export_hf", "TrainSpec", "WorkerError",
 ]

@@ -448,7 +448,8 @@ OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
 
 @dataclass(kw_only=True, frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warm-up and cosine decay to ``min_lr_ratio * lr``.
+    """AdamW (or plain SGD: ``algorithm="sgd"``) with linear warm-up and cosine decay to
+    ``min_lr_ratio * lr``.
 
     ``implementation`` picks torch's AdamW kernel, as torchtitan's optimizer config does:
     ``"fused"`` (the default: one kernel over all parameters, on CPU as on GPU), ``"foreach"``
@@ -468,6 +469,8 @@ class OptimizerConfig:
     grad_clip: Optional[float] = setting(1.0, number(gt=0, fix="use e.g. 1.0, or None to disable clipping",
                                                      optional=True))
     implementation: str = setting("fused", one_of(OPTIMIZER_IMPLEMENTATIONS, "AdamW implementation"))
+    # "sgd": plain SGD (no momentum; betas unused), e.g. as DiLoCo's inner optimizer in a check.
+    algorithm: str = setting("adamw", one_of(("adamw", "sgd"), "optimizer algorithm"))
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -478,6 +481,9 @@ class OptimizerConfig:
         import torch
 
         kernel = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+        if self.algorithm == "sgd":
+            return torch.optim.SGD(params, lr=self.lr, weight_decay=self.weight_decay,
+                                   foreach=self.implementation != "for-loop")
         return torch.optim.AdamW(params, lr=self.lr, betas=tuple(self.betas), weight_decay=self.weight_decay,
                                  **kernel[self.implementation])
 
@@ -533,6 +539,61 @@ class PrecisionConfig:
     def mixed(self) -> bool:
         """Whether anything runs below fp32 (False: the fp32 reference behaviour)."""
         return (self.param_dtype, self.reduce_dtype) != ("fp32", "fp32")
+
+
+REPLICATE_MODES = ("allreduce", "int8", "diloco")
+PSEUDO_GRAD_WIRES = ("fp32", "bf16", "int8")
+
+
+@dataclass(kw_only=True, frozen=True)
+class CommConfig:
+    """How the replicas of an HSDP mesh (``ParallelConfig.dp_shard``: FSDP shards inside a
+    replica, the replicas sit across the slow tier) stay in step. docs/guides/slow-links.md
+    says which to pick.
+
+    ``replicate``:
+    * ``"allreduce"``: every step FSDP2 all-reduces the gradient shards over the replicas in
+      ``PrecisionConfig.reduce_dtype`` (fp32 or bf16): exact data parallelism.
+    * ``"int8"``: every step the gradient shards cross in int8 (``block`` values share one
+      scale) with error feedback: what a step's rounding loses is added to the next step's
+      gradient, so nothing is dropped. A quarter of fp32's bytes.
+    * ``"diloco"``: the replicas train apart for ``inner_steps`` steps, then average how far
+      each moved (the pseudo-gradient, sent as ``pseudo_grad``) and take an outer Nesterov
+      step (``outer_lr``, ``outer_momentum``); ``fragments`` > 1 synchronises the model a
+      fragment at a time at staggered steps (streaming DiLoCo). ``inner_steps`` times fewer
+      bytes than ``"allreduce"``. Each replica keeps its own inner optimizer state; a save
+      synchronises every fragment first and holds one replica's inner state.
+    """
+
+    replicate: str = setting("allreduce", one_of(REPLICATE_MODES, "replicate mode"))
+    block: int = setting(256, whole(1, "use e.g. 256 values per int8 scale"))
+    inner_steps: int = setting(32, whole(1, "use e.g. 32 (DiLoCo's H; 1 synchronises every step)"))
+    outer_lr: float = setting(0.7, number(gt=0, fix="use e.g. 0.7 (1.0 with outer_momentum=0 averages the replicas)"))
+    outer_momentum: float = setting(0.9, number(ge=0, le=0.999, fix="use e.g. 0.9, or 0 for plain SGD"))
+    fragments: int = setting(1, whole(1, "use 1, or e.g. 4 for streaming DiLoCo"))
+    pseudo_grad: str = setting("fp32", one_of(PSEUDO_GRAD_WIRES, "pseudo-gradient wire dtype"))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        c = "CommConfig"
+        if self.replicate != "diloco":
+            for name, default in (("inner_steps", 32), ("outer_lr", 0.7), ("outer_momentum", 0.9), ("fragments", 1),
+                                  ("pseudo_grad", "fp32")):
+                if getattr(self, name) != default:
+                    raise ConfigError(f"{c}.{name}", f"{name} is a DiLoCo setting and replicate={self.replicate!r}",
+                                      f"set replicate='diloco', or leave {name} at its default ({default!r})")
+        elif self.fragments > self.inner_steps:
+            raise ConfigError(f"{c}.fragments", f"{self.fragments} fragments cannot each have their own step "
+                              f"among inner_steps={self.inner_steps}",
+                              f"use at most {self.inner_steps} fragments, or more inner_steps")
+        if self.block % 16 or self.block > 65536:
+            raise ConfigError(f"{c}.block", f"block={self.block} must be a multiple of 16 and at most 65536",
+                              "use e.g. 256")
+
+    @property
+    def custom(self) -> bool:
+        """Whether rayflex, not FSDP2, crosses the replicate dimension."""
+        return self.replicate != "allreduce"
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -765,11 +826,13 @@ class TrainSpec:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
 
     def __post_init__(self) -> None:
         for name, cls in (("data", DataConfig), ("run", RunConfig), ("scaling", ScalingConfig),
                           ("parallel", ParallelConfig), ("checkpoint", CheckpointConfig),
-                          ("elastic", ElasticConfig), ("precision", PrecisionConfig), ("memory", MemoryConfig)):
+                          ("elastic", ElasticConfig), ("precision", PrecisionConfig), ("memory", MemoryConfig),
+                          ("comm", CommConfig)):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"Trainer.{name}", f"expected a {cls.__name__}, got "
                                   f"{type(getattr(self, name)).__name__}", f"pass {cls.__name__}(...)")
@@ -788,6 +851,11 @@ class TrainSpec:
                                   "set layout='auto', or pick 'none', 'full' or 'every_k' yourself")
         if self.precision.float8:
             check_float8(self.precision, self.scaling, self.parallel)
+        if self.comm.custom and self.parallel.dp_shard is None and not self.parallel.is_auto:
+            raise ConfigError("CommConfig.replicate", f"replicate={self.comm.replicate!r} changes how the replicas "
+                              "of an HSDP mesh meet, and ParallelConfig.dp_shard is None (FSDP over every dp rank: "
+                              "no replicas)", "set ParallelConfig(dp_shard=<ranks per fast-tier group>), e.g. the "
+                              "GPUs of a node, or use replicate='allreduce'")
         if self.run.steps == 0 and not (self.checkpoint.resume or self.checkpoint.every_steps):
             raise ConfigError("RunConfig.steps", "steps=0 only saves the initial weights as the step-0 "
                               "checkpoint, and checkpoints are off (resume=False, every_steps=0)",

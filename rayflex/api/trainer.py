@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from rayflex.config import (CheckpointConfig, DataConfig, ElasticConfig, MemoryConfig, ParallelConfig,
+from rayflex.config import (CheckpointConfig, CommConfig, DataConfig, ElasticConfig, MemoryConfig, ParallelConfig,
                             PrecisionConfig, RunConfig, ScalingConfig, TrainSpec)
 from rayflex.local_ray import ensure_ray
 from rayflex.errors import (CheckpointError, PlacementError, RayflexError, RunFailed, StorageError,
@@ -178,11 +178,11 @@ class Trainer:
     def __init__(self, *, model, data: DataConfig, run: RunConfig, scaling: ScalingConfig | None = None,
                  parallel: ParallelConfig | None = None, checkpoint: CheckpointConfig | None = None,
                  elastic: ElasticConfig | None = None, precision: PrecisionConfig | None = None,
-                 memory: MemoryConfig | None = None):
+                 memory: MemoryConfig | None = None, comm: CommConfig | None = None):
         self.spec = TrainSpec(model=model, data=data, run=run, scaling=scaling or ScalingConfig(),
                               parallel=parallel or ParallelConfig(), checkpoint=checkpoint or CheckpointConfig(),
                               elastic=elastic or ElasticConfig(), precision=precision or PrecisionConfig(),
-                              memory=memory or MemoryConfig())
+                              memory=memory or MemoryConfig(), comm=comm or CommConfig())
 
     @classmethod
     def from_spec(cls, spec: TrainSpec) -> "Trainer":

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 EXTRA_FILE = "rayflex_state.json"
 # The optimizer's hyper-parameters (lr, betas, eps, ...): one entry per parameter under it.
 HPARAMS_KEY = "optim_hparams"
+OUTER_KEY = "outer_momentum"  # TrainState.outer's section
 
 
 @dataclass(kw_only=True)
@@ -64,6 +65,9 @@ class TrainState:
     # The metrics of the steps up to the save (rank 0's), kept with it: a restart that finds
     # no live rank that reported them writes their lines from here.
     recent_steps: Optional[Callable[[], list[dict]]] = None
+    # Tensors beside the model's and optimizer's (DiLoCo's outer momentum, keyed by parameter
+    # FQN and sharded like the parameter, so DCP reshards it as it does them).
+    outer: dict = field(default_factory=dict)
 
     def tensor_state(self, *, packed: bool = True) -> dict[str, Any]:
         """What DCP saves and loads: the model and optimizer state dicts (flattened), and —
@@ -84,11 +88,12 @@ class TrainState:
         for module, opt in zip(self.modules, self.optimizers):
             model.update(get_model_state_dict(module))
             optim.update(get_optimizer_state_dict(module, opt, options=opts))
+        outer = {OUTER_KEY: dict(self.outer)} if self.outer else {}
         if not packed:
-            return {"model": model, "optim": optim}
+            return {"model": model, "optim": optim, **outer}
         for key in [key for key, value in optim.items() if _is_hparam(key, value)]:
             del optim[key]
-        return {"model": model, "optim": optim, HPARAMS_KEY: pack_hparams(self.hparam_groups(), optim)}
+        return {"model": model, "optim": optim, HPARAMS_KEY: pack_hparams(self.hparam_groups(), optim), **outer}
 
     def identity(self) -> tuple:
         """Changes when a tensor the checkpoint reads is re-created (an optimizer that
@@ -157,6 +162,19 @@ class TrainState:
         torch.set_rng_state(torch.load(io.BytesIO(base64.b64decode(extra["torch_rng"]))))
         if extra.get("cuda_rng") and torch.cuda.is_available():
             torch.cuda.set_rng_state(torch.load(io.BytesIO(base64.b64decode(extra["cuda_rng"]))))
+
+
+def without_unsaved_outer(tensors: dict, saved) -> dict:
+    """``tensors`` less the outer-loop state a checkpoint does not hold (a run that turns
+    DiLoCo on resumes a checkpoint saved without it: its momentum starts at zero)."""
+    outer = tensors.get(OUTER_KEY)
+    if outer:
+        kept = {k: v for k, v in outer.items() if f"{OUTER_KEY}.{k}" in saved}
+        if len(kept) < len(outer):
+            log.info("the checkpoint holds no outer-loop state for %d parameters: it starts from zero",
+                     len(outer) - len(kept))
+        tensors = {**tensors, OUTER_KEY: kept} if kept else {k: v for k, v in tensors.items() if k != OUTER_KEY}
+    return tensors
 
 
 class HostStaging:
@@ -510,7 +528,8 @@ class AsyncCheckpointer:
         else:
             reader = CheckpointReader(path, **fsspec_kwargs(path))
         # Checkpoints written before the hyper-parameters were packed hold one entry each.
-        tensors = state.tensor_state(packed=packed_hparams(reader.read_metadata().state_dict_metadata))
+        saved = reader.read_metadata().state_dict_metadata
+        tensors = without_unsaved_outer(state.tensor_state(packed=packed_hparams(saved)), saved)
         t_load = time.perf_counter()
         dcp.load(tensors, storage_reader=reader, process_group=self.group)
         info["load_s"] = time.perf_counter() - t_load

@@ -9,6 +9,7 @@ straggler signal). Rank 0's checkpoint reports become commit/failure events.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import threading
 from typing import Any, Optional
@@ -17,6 +18,24 @@ from rayflex.config import CheckpointConfig, DataConfig
 from rayflex.constants import knob
 from rayflex.telemetry import events as ev
 
+
+
+def replicate_tier(recs) -> dict:
+    """The metrics line's view of the replicate tier (``CommConfig``), where it was crossed:
+    bytes every rank sent over it, DiLoCo fragments synchronised, and the norm of what int8
+    rounding still owes over all ranks."""
+    recs = list(recs)
+    out: dict = {}
+    sent = sum(r.replicate_bytes for r in recs)
+    if sent:
+        out["replicate_bytes"] = sent
+    synced = max((r.outer_synced for r in recs), default=0)
+    if synced:
+        out["outer_synced"] = synced
+    owed = [r.residual_norm for r in recs if r.residual_norm is not None]
+    if owed:
+        out["residual_norm"] = math.sqrt(sum(n * n for n in owed))
+    return out
 
 class StepLedger:
     def __init__(self, data: DataConfig, checkpoint: CheckpointConfig, recorder):
@@ -227,6 +246,7 @@ class StepLedger:
                 # The longest any rank waited at the step's sync for the last to arrive: what
                 # a straggler costs a step once one is named (rayflex.telemetry.cost).
                 "sync_wait_s": max(r.sync_wait_s for r in recs.values())}
+        line.update(replicate_tier(recs.values()))
         stages = range(plan.pp)
         line["activation_peak_bytes"] = [max(r.activation_peak_bytes for r in recs.values() if r.pp_index == s)
                                          for s in stages]

@@ -21,6 +21,10 @@ def worth_asking(ctx, plan: MeshPlan, lost: set[int]) -> tuple[bool, Optional[ev
     (False, None): live recovery is off."""
     if not ctx.spec.elastic.live_recovery:
         return False, None
+    if ctx.spec.comm.replicate == "diloco":
+        return False, _event(ctx, live_recovery.FromCheckpoint(
+            reason="DiLoCo's replicas hold different weights between syncs: a survivor's shard is its own "
+                   "replica's, not the model's (the checkpoint holds a synchronised one)"))
     missing = live_recovery.lost_shard(plan, set(range(plan.world_size)) - lost)
     if missing is None:
         return True, None

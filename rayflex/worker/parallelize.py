@@ -31,10 +31,12 @@ def build_device_mesh(plan: MeshPlan, device_type: str):
     return init_device_mesh(device_type, plan.shape, mesh_dim_names=MESH_DIMS)
 
 
-def data_parallel_mesh(mesh, plan: MeshPlan):
+def data_parallel_mesh(mesh, plan: MeshPlan, replicas_by_fsdp: bool = True):
     """The mesh ``fully_shard`` takes: 2-D ``(dp_replicate, dp_shard)`` for HSDP (FSDP2
-    replicates over the first dim and shards over the second), else the 1-D shard dim."""
-    if plan.dp_replicate > 1:
+    replicates over the first dim and shards over the second), else the 1-D shard dim.
+    ``replicas_by_fsdp=False``: the 1-D shard dim whatever the replicas, which rayflex then
+    keeps in step itself (``CommConfig.replicate``: int8 gradients or DiLoCo)."""
+    if plan.dp_replicate > 1 and replicas_by_fsdp:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
 

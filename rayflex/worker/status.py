@@ -52,6 +52,11 @@ class StepRecord:
     sync_wait_s: float = 0.0
     # Seconds the step waited for its rows (0-ish when the prefetcher had them cached).
     data_wait_s: float = 0.0
+    # The replicate tier (CommConfig): bytes this rank sent over it in the step, DiLoCo
+    # fragments synchronised after it, what int8 rounding still owes (None: no int8).
+    replicate_bytes: int = 0
+    outer_synced: int = 0
+    residual_norm: Optional[float] = None
 
 
 # Steps whose metrics a checkpoint carries (rank 0's): more than a poll interval's worth of

@@ -31,12 +31,13 @@ from rayflex.worker.instrument import ActivationCounter, collective_wait_timer, 
 from rayflex.mesh.plan import MeshPlan
 from rayflex.worker import flight_recorder
 from rayflex.worker.collective_faults import collective_fault_for, committed
+from rayflex.worker.slow_tier.tier import SlowTier
 from rayflex.worker.status import (RECENT_STEPS, FlightRecord, Leaving, StepRecord, WorkerState, WorkerStatus,
                                    recent_step)
 from rayflex.worker.meta_init import build_sharded_stages
 from rayflex.worker.float8 import check_device as check_float8_device
-from rayflex.worker.parallelize import (build_device_mesh, build_schedule, clip_grads_, data_parallel_mesh,
-                                        shard_stage, tp_grad_summed_params)
+from rayflex.worker.parallelize import (DTYPES, build_device_mesh, build_schedule, clip_grads_,
+                                        data_parallel_mesh, shard_stage, tp_grad_summed_params)
 from rayflex.config import TrainSpec
 from rayflex.checkpoint.save_timing import DEFERRABLE_REQUESTS, save_timing
 from rayflex.constants import fault_log_path, injected_failure_steps, knob, node_ip
@@ -271,7 +272,7 @@ class TrainWorker:
         self.ckpt_group = self.groups.checkpoint
         t_pg = time.time()
         self.mesh = build_device_mesh(self.plan, self.device.type)
-        self.dp_mesh = data_parallel_mesh(self.mesh, self.plan)
+        self.dp_mesh = data_parallel_mesh(self.mesh, self.plan, replicas_by_fsdp=not self.spec.comm.custom)
         self.tp_mesh = self.mesh["tp"] if self.plan.tp > 1 else None
         self._group_labels = self._label_groups()
         pipelined = self.plan.pp > 1
@@ -299,6 +300,8 @@ class TrainWorker:
         # No LR scheduler object: each step sets its learning rate from (step, run.steps)
         # (_train_step), so a restore cannot bring back a stale one.
         self.optimizers = [opt.build(m.parameters()) for _, m in self.stages]
+        self.slow_tier = SlowTier(self.spec.comm, self.plan, self.mesh, self.stages,
+                                  reduce_dtype=DTYPES[self.spec.precision.reduce_dtype])
         self.schedule = (build_schedule(self.plan, self.stages, self.mesh["pp"].get_group(), self.device,
                                         self.spec.model.loss_fn) if pipelined else None)
         data = self.spec.data
@@ -357,6 +360,8 @@ class TrainWorker:
                 self._save_at_start = "live_recovery"
         elif restored is not None:
             self._step = self._last_saved_step = restored["step"]
+        if restored is not None:
+            self.slow_tier.after_restore()
         self._set_phase("idle")
         t_end = time.time()
         return {"rank": self.rank, "setup_s": t_end - t0, "step": self._step, "restored": restored,
@@ -391,7 +396,8 @@ class TrainWorker:
                           sample_order=SAMPLE_ORDER, recent_steps=lambda: list(self._recent),
                           config={"run": self.spec.run.name, "world_size": self.plan.world_size,
                                   "pp": self.plan.pp, "dp": self.plan.dp, "tp": self.plan.tp,
-                                  "dp_replicate": self.plan.dp_replicate})
+                                  "dp_replicate": self.plan.dp_replicate},
+                          outer=self.slow_tier.checkpoint_state())
 
     # ----------------------------------------------------------------- loop
     def start(self, end_step: int) -> int:
@@ -441,7 +447,8 @@ class TrainWorker:
                 dt = time.perf_counter() - t0
                 record = StepRecord(step=step, loss=loss, step_time_s=dt, lr=self._lr_of_step(step),
                                     grad_norm=grad_norm, time=time.time(), samples=self.spec.data.global_batch,
-                                    pp_index=self.pp_index, dp_index=self.dp_index, tp_index=self.tp_index, **probe)
+                                    pp_index=self.pp_index, dp_index=self.dp_index, tp_index=self.tp_index, **probe,
+                                    **self.slow_tier.step_metrics())
                 with self._lock:
                     self._step = step
                     self._records.append(record)
@@ -528,6 +535,7 @@ class TrainWorker:
             for group in o.param_groups:
                 group["lr"] = lr
             o.step()
+        self.slow_tier.after_update(step)  # DiLoCo's outer step, when one is due
 
     def _clip_grads(self) -> float:
         """The global grad norm (clipping to ``grad_clip`` if set). The norm is a host
@@ -618,6 +626,7 @@ class TrainWorker:
         if self.checkpointer is None:
             return
         self._last_saved_step = step
+        self.slow_tier.before_save(step)  # DiLoCo: a checkpoint holds one synchronised model
         self._set_phase("checkpoint")
         info = self.checkpointer.save(self._stateful(), step=step, reason=reason, due_step=due_step)
         self._note_checkpoint(info)
@@ -785,7 +794,7 @@ class TrainWorker:
         FSDP and DTensor hold the process groups, whose sockets close only when freed."""
         import gc
 
-        for name in ("stages", "params", "_tp_summed", "optimizers", "schedule", "mesh", "dp_mesh", "tp_mesh",
+        for name in ("stages", "params", "_tp_summed", "optimizers", "slow_tier", "schedule", "mesh", "dp_mesh", "tp_mesh",
                      "_gloo", "groups", "ckpt_group"):
             self.__dict__.pop(name, None)
         self._close_checkpointer()

@@ -1,0 +1,71 @@
+"""What a rank does about the replicate dimension, as ``CommConfig`` says; built at setup
+once the stages are sharded, asked by the training loop at four points (after the update,
+before a save, after a restore, for the step's metrics)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from rayflex.config import CommConfig
+from rayflex.mesh.plan import MeshPlan
+from rayflex.worker.slow_tier.diloco import DiLoCo, local_tensor
+from rayflex.worker.slow_tier.hooks import reduce_gradients_over_replicas
+from rayflex.worker.slow_tier.reduce import ReplicateReducer, ring_bytes
+
+
+class SlowTier:
+    """``replicate="allreduce"``: FSDP2 crosses the tier itself (bytes reported from the ring's
+    arithmetic); ``"int8"``: a hook per FSDP module averages gradients through an int8
+    :class:`ReplicateReducer`; ``"diloco"``: the :class:`DiLoCo` outer loop."""
+
+    def __init__(self, comm: CommConfig, plan: MeshPlan, mesh, stages: list[tuple[int, nn.Module]],
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
+        self.mode = comm.replicate
+        group = mesh["dp_replicate"].get_group() if plan.dp_replicate > 1 else None
+        self.reducer: Optional[ReplicateReducer] = None
+        self.diloco: Optional[DiLoCo] = None
+        self._native_bytes = 0
+        self._synced = 0
+        if self.mode == "int8":
+            self.reducer = ReplicateReducer(group, "int8", comm.block)
+            reduce_gradients_over_replicas(stages, self.reducer)
+        elif self.mode == "diloco":
+            self.reducer = ReplicateReducer(group, comm.pseudo_grad, comm.block)
+            named = [(name, p) for _, m in stages for name, p in m.named_parameters()]
+            self.diloco = DiLoCo(named, self.reducer, inner_steps=comm.inner_steps, lr=comm.outer_lr,
+                                 momentum=comm.outer_momentum, fragments=comm.fragments)
+        else:
+            numel = sum(local_tensor(p).numel() for _, m in stages for p in m.parameters())
+            element = torch.empty((), dtype=reduce_dtype).element_size()
+            self._native_bytes = ring_bytes(numel, element, plan.dp_replicate)
+
+    def after_update(self, step: int) -> None:
+        """DiLoCo: synchronise the fragments due at ``step`` (collective)."""
+        if self.diloco is not None:
+            self._synced += self.diloco.sync(step)
+
+    def before_save(self, step: int) -> None:
+        """DiLoCo: synchronise every fragment, so the checkpoint holds one model (collective)."""
+        if self.diloco is not None:
+            self._synced += self.diloco.sync_all(step)
+
+    def after_restore(self) -> None:
+        if self.diloco is not None:
+            self.diloco.reset_anchor()
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """Tensors a checkpoint keeps besides the model and optimizer (DiLoCo's momentum)."""
+        return self.diloco.state() if self.diloco is not None else {}
+
+    def step_metrics(self) -> dict:
+        """This rank's share of the step's metrics line: the bytes it sent over the replicate
+        tier, the fragments synchronised (DiLoCo), what int8 rounding still owes."""
+        out: dict = {"replicate_bytes": self.reducer.take_bytes() if self.reducer is not None else self._native_bytes}
+        if self.diloco is not None:
+            out["outer_synced"], self._synced = self._synced, 0
+        if self.reducer is not None and self.reducer.wire == "int8":
+            out["residual_norm"] = self.reducer.residual_norm()
+        return out

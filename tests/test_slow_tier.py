@@ -1,0 +1,300 @@
+"""Crossing the slow tier (``CommConfig``): int8 quantization with error feedback, the
+replicate-group reducer, DiLoCo's outer step, and runs of four ranks that show what a user
+sees — an int8 HSDP run trains as one process does within the rounding it carries, DiLoCo
+with one inner step and an outer SGD of lr 1 *is* data parallelism, and a DiLoCo run saved
+at two replica groups resumes at three and at one with its outer momentum and its data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import SEQ_LEN
+from spawn_ranks import JobPorts, run_ranks
+
+from rayflex.worker.slow_tier.diloco import DiLoCo, fragment_ranges, sync_offset
+from rayflex.worker.slow_tier.quantize import LEVELS, ErrorFeedback, dequantize, quantize
+from rayflex.worker.slow_tier.reduce import ReplicateReducer, ring_bytes
+
+TIMEOUT_S = 600  # a guard against a pool that never ends, not a bound
+GLOBAL_BATCH = 12  # divisible by every dp below: 1, 2, 3, 4
+BLOCK = 64
+
+
+# ----------------------------------------------------------------- quantization
+
+def test_a_block_round_trips_within_half_a_step_of_its_own_scale():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4 * BLOCK, generator=g)
+    x[BLOCK:2 * BLOCK] *= 1000  # an outlier block costs its own precision only
+    x[3 * BLOCK:] = 0
+    q, scales = quantize(x, BLOCK)
+    assert q.dtype == torch.int8 and q.numel() == x.numel() and scales.numel() == 4
+    back = dequantize(q, scales)
+    err = (back - x).abs().view(4, BLOCK).amax(dim=1)
+    step = x.view(4, BLOCK).abs().amax(dim=1) / LEVELS
+    assert torch.all(err <= step / 2 + 1e-6), (err, step)
+    assert torch.equal(back[3 * BLOCK:], torch.zeros(BLOCK))  # an all-zero block stays exactly zero
+    assert err[0] < 0.02 and err[2] < 0.02  # the outlier did not spill into its neighbours
+
+
+def test_error_feedback_delays_what_rounding_drops_and_never_loses_it():
+    g = torch.Generator().manual_seed(1)
+    feedback = ErrorFeedback()
+    sent_total = torch.zeros(BLOCK)
+    wanted_total = torch.zeros(BLOCK)
+    for _ in range(50):
+        x = torch.randn(BLOCK, generator=g) * 1e-3
+        x[0] = 1.0  # every block's scale is set by it: the small values round to 0 or one step
+        wanted = feedback.compensate("grad", x)
+        q, scales = quantize(wanted, BLOCK)
+        sent = dequantize(q, scales)
+        feedback.keep("grad", wanted, sent)
+        sent_total += sent
+        wanted_total += x
+    # What was sent over 50 steps is what was wanted, short by one residual (< half a step each).
+    assert torch.allclose(sent_total + feedback._residual["grad"], wanted_total, atol=1e-5)
+    assert feedback.norm() <= math.sqrt(BLOCK) * (1.0 / LEVELS) / 2 + 1e-6
+    # Without feedback the small values (1e-3 < half a step of 1/127) would all have rounded to 0.
+    assert (sent_total[1:] != 0).any()
+
+
+# ----------------------------------------------------------------- the replicate reducer (3 ranks)
+
+def _reduce_job(rank: int, world: int, port: int, wire: str, n: int, rounds: int) -> dict:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        x = torch.randn(n, generator=torch.Generator().manual_seed(100 + rank))
+        reducer = ReplicateReducer(dist.group.WORLD, wire, block=BLOCK)
+        outs, sent = [], []
+        for _ in range(rounds):
+            buf = x.clone()
+            reducer.mean_(buf, "g")
+            outs.append(buf)
+            sent.append(reducer.take_bytes())
+        # Plain lists: a tensor would travel as shared memory its process takes away on exit.
+        return {"x": x.tolist(), "outs": [o.tolist() for o in outs], "sent": sent,
+                "residual": reducer.residual_norm()}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("wire", ["fp32", "int8"])
+def test_the_replicate_mean_in_int8_costs_a_quarter_of_the_bytes_and_its_error_feedback_converges(wire):
+    n, rounds = 10_000, 16  # no multiple of 3 x 64: the chunks are padded (by 1.8%)
+    got = run_ranks(_reduce_job, 3, wire, n, rounds, timeout_s=120)
+    xs = {r: torch.tensor(got[r]["x"]) for r in range(3)}
+    true = torch.stack(list(xs.values())).mean(dim=0)
+    outs = {r: [torch.tensor(o) for o in got[r]["outs"]] for r in range(3)}
+    for k in range(rounds):  # every rank ends each round with the same mean
+        assert all(torch.equal(outs[0][k], outs[r][k]) for r in (1, 2))
+    fp32_bytes = ring_bytes(n, 4, 3)
+    if wire == "fp32":
+        assert torch.allclose(outs[0][0], true, atol=1e-6)
+        assert got[0]["sent"] == [fp32_bytes] * rounds and got[0]["residual"] == 0.0
+        return
+    first = (outs[0][0] - true).abs().max()
+    half_step = max(float(x.abs().max()) for x in xs.values()) / LEVELS / 2
+    assert 0 < first <= 2 * half_step  # one rounding on the way in, one on the way out
+    # Fed back, the rounding of one round is paid in the next: the mean of the rounds
+    # approaches the true mean as 1/rounds.
+    average = torch.stack(outs[0]).mean(dim=0)
+    assert (average - true).abs().max() <= first / 4
+    assert 0 < got[0]["residual"] < 2 * math.sqrt(n) * half_step
+    assert all(s == got[0]["sent"][0] for s in got[0]["sent"])
+    # A quarter, less the scales (4 bytes per 64 values here) and the padding.
+    assert fp32_bytes / got[0]["sent"][0] >= 3.5, (fp32_bytes, got[0]["sent"][0])
+
+
+# ----------------------------------------------------------------- DiLoCo's arithmetic
+
+def test_fragments_split_the_parameters_evenly_and_sync_at_staggered_steps():
+    assert fragment_ranges([10, 10, 10, 10], 2) == [range(0, 2), range(2, 4)]
+    assert fragment_ranges([5, 5], 4) == [range(0, 1), range(1, 2)]  # no more fragments than parameters
+    assert fragment_ranges([1, 100, 1], 1) == [range(0, 3)]
+    assert [sync_offset(f, 4, 8) for f in range(4)] == [2, 4, 6, 0]
+    assert [sync_offset(f, 1, 8) for f in range(1)] == [0]
+
+
+def test_one_replica_takes_nesterov_outer_steps_on_how_far_it_moved():
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    outer = DiLoCo([("w", p)], ReplicateReducer(None), inner_steps=2, lr=0.5, momentum=0.9)
+    with torch.no_grad():
+        p -= torch.tensor([0.2, 0.4])  # the inner steps moved it
+    assert outer.sync(1) == 0 and outer.sync(2) == 1 and outer.sync(2) == 0  # due at 2, once
+    delta = torch.tensor([0.2, 0.4])
+    m = delta  # momentum from zero
+    expected = torch.tensor([1.0, 2.0]) - 0.5 * (delta + 0.9 * m)
+    assert torch.allclose(p.detach(), expected) and torch.allclose(outer.state()["w"], m)
+    with torch.no_grad():
+        p -= torch.tensor([0.1, 0.1])
+    delta2 = torch.tensor([0.1, 0.1])
+    m2 = 0.9 * m + delta2
+    assert outer.sync_all(3) == 1
+    assert torch.allclose(p.detach(), expected - 0.5 * (delta2 + 0.9 * m2))
+
+
+# ----------------------------------------------------------------- runs of four ranks
+
+def _spec(data_uri: str, storage: str, name: str, *, world: int, dp_shard=None, comm=None, steps: int = 4,
+          every: int = 0, resume: bool = False, sgd: bool = False):
+    import rayflex as rf
+    from rayflex.models import GPTConfig, gpt
+
+    optimizer = (rf.OptimizerConfig(lr=0.05, algorithm="sgd", grad_clip=None) if sgd
+                 else rf.OptimizerConfig(lr=1e-2, grad_clip=1.0))
+    return rf.TrainSpec(model=gpt(GPTConfig(vocab_size=128, seq_len=SEQ_LEN, d_model=32, n_layers=2, n_heads=4)),
+                        data=rf.DataConfig(uri=data_uri, seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH,
+                                           log_samples=True),
+                        run=rf.RunConfig(name=name, storage=storage, steps=steps, optimizer=optimizer),
+                        scaling=rf.ScalingConfig(num_workers=world), parallel=rf.ParallelConfig(dp_shard=dp_shard),
+                        comm=comm or rf.CommConfig(),
+                        checkpoint=rf.CheckpointConfig(every_steps=every, resume=resume, async_save=False))
+
+
+def _diloco(**kw):
+    import rayflex as rf
+
+    return rf.CommConfig(replicate="diloco", **kw)
+
+
+def _jobs() -> dict:
+    """name -> (ranks, dp_shard, comm, end_step, run name, every, resume, sgd)"""
+    import rayflex as rf
+
+    return {
+        "int8": (4, 2, rf.CommConfig(replicate="int8", block=BLOCK), 4, "int8", 0, False, False),
+        "diloco_h1": (4, 2, _diloco(inner_steps=1, outer_lr=1.0, outer_momentum=0.0), 4, "h1", 0, False, True),
+        "streaming": (4, 2, _diloco(inner_steps=2, fragments=2), 4, "streaming", 0, False, False),
+        "diloco_whole": (4, 2, _diloco(inner_steps=2), 4, "whole", 0, False, False),
+        "diloco_save": (4, 2, _diloco(inner_steps=2), 2, "ckpt", 2, False, False),
+        "resume_r2": (4, 2, _diloco(inner_steps=2), 4, "ckpt", 0, True, False),
+        "resume_r3": (3, 1, _diloco(inner_steps=2), 4, "ckpt", 0, True, False),
+        "resume_r1": (2, 2, _diloco(inner_steps=2), 4, "ckpt", 0, True, False),
+    }
+
+
+def _momentum_norm(worker) -> float:
+    """The whole outer momentum's norm (a collective over each parameter's mesh)."""
+    total = 0.0
+    for m in worker.slow_tier.checkpoint_state().values():
+        total += float(m.full_tensor().float().square().sum())
+    return math.sqrt(total)
+
+
+def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, names: list, ports) -> dict:
+    from rayflex.constants import set_node_ip
+    from rayflex.mesh.plan import plan_mesh
+    from rayflex.worker.train_worker import TrainWorker
+
+    set_node_ip("127.0.0.1")
+    out = {}
+    for name in names:
+        size, dp_shard, comm, end_step, run_name, every, resume, sgd = _jobs()[name]
+        if rank >= size:
+            continue
+        spec = _spec(data_uri, storage, run_name, world=size, dp_shard=dp_shard, comm=comm, every=every,
+                     resume=resume, sgd=sgd)
+        plan = plan_mesh(spec.model, spec.parallel, spec.data, size)
+        worker = TrainWorker(rank, spec, plan)
+        info = worker.setup("127.0.0.1", ports.port(rank, size, name), restore=resume)
+        restored_norm = _momentum_norm(worker) if comm.replicate == "diloco" else None
+        worker.start(end_step)
+        finished = worker.join(TIMEOUT_S - 30)
+        status = worker.poll()
+        assert finished and status.error is None, (name, status.error)
+        out[name] = {"losses": [r.loss for r in status.records], "steps": [r.step for r in status.records],
+                     "rows": {r.step: list(r.sample_indices) for r in status.records},
+                     "bytes": [r.replicate_bytes for r in status.records],
+                     "synced": [r.outer_synced for r in status.records],
+                     "residual": [r.residual_norm for r in status.records],
+                     "restored": (info["restored"] or {}).get("step"), "mesh": plan.describe(),
+                     "restored_momentum": restored_norm,
+                     "momentum": _momentum_norm(worker) if comm.replicate == "diloco" else None}
+        assert worker.release(10, 0) == "left"
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(dataset_uri, tmp_path_factory):
+    from rayflex.testing.reference import single_process_train
+
+    storage = f"file://{tmp_path_factory.mktemp('slow_tier')}"
+    names = list(_jobs())
+    got = run_ranks(_run_jobs, 4, dataset_uri, storage, names, JobPorts(4), timeout_s=TIMEOUT_S)
+    reference = {sgd: single_process_train(_spec(dataset_uri, storage, "reference", world=1, sgd=sgd), 4)[0]
+                 for sgd in (False, True)}
+    return got, reference
+
+
+def _rows(got: dict, name: str) -> dict:
+    """step -> the rows every rank of the job read at it."""
+    rows: dict = {}
+    for runs in got.values():
+        for step, indices in runs.get(name, {}).get("rows", {}).items():
+            rows.setdefault(step, []).extend(indices)
+    return {step: sorted(r) for step, r in rows.items()}
+
+
+@pytest.mark.multiproc
+def test_int8_gradients_train_as_one_process_does_within_what_rounding_carries(runs):
+    got, reference = runs
+    for rank, job in got.items():
+        run = job["int8"]
+        assert run["mesh"] == "pp=1 x dp=4 (2x2 hsdp)"
+        # int8 steps of 1/127 of a block's largest gradient, fed back each step: four steps of
+        # AdamW move the loss by a few 1e-4 at most (fp32 HSDP matches to 1e-5: test_3d_parallel).
+        assert run["losses"] == pytest.approx(reference[False], abs=2e-3), (rank, run["losses"], reference[False])
+        assert all(r is not None and r > 0 for r in run["residual"])
+        assert all(b > 0 for b in run["bytes"])
+
+
+@pytest.mark.multiproc
+def test_diloco_with_one_inner_step_and_outer_sgd_of_lr_1_is_data_parallelism(runs):
+    got, reference = runs
+    for rank, job in got.items():
+        run = job["diloco_h1"]
+        assert run["steps"] == [1, 2, 3, 4] and run["synced"] == [1, 1, 1, 1]
+        assert run["losses"] == pytest.approx(reference[True], abs=1e-5), (rank, run["losses"], reference[True])
+
+
+@pytest.mark.multiproc
+def test_a_diloco_run_resumes_at_two_three_and_one_replica_groups_with_its_outer_state_and_data(runs):
+    got, _ = runs
+    whole = got[0]["diloco_whole"]
+    assert whole["synced"] == [0, 1, 0, 1]  # H=2
+    # Streaming: two fragments over H=2, one synchronised at odd steps, the other at even ones.
+    streaming = got[0]["streaming"]
+    assert streaming["synced"] == [1, 1, 1, 1]
+    assert streaming["losses"][:1] == pytest.approx(whole["losses"][:1], abs=1e-6)  # apart only after a sync
+    assert streaming["losses"] == pytest.approx(whole["losses"], rel=0.05)
+    # Bytes over the slow tier: a sync sends the pseudo-gradient, a step between sends none.
+    assert whole["bytes"][0] == 0 and whole["bytes"][1] > 0
+    assert streaming["bytes"][0] > 0 and sum(streaming["bytes"]) == pytest.approx(sum(whole["bytes"]), rel=0.1)
+    saved = got[0]["diloco_save"]
+    assert saved["losses"] == pytest.approx(whole["losses"][:2], abs=1e-6)
+    assert saved["momentum"] > 0
+    expected_rows = _rows(got, "diloco_whole")
+    for name, mesh in (("resume_r2", "pp=1 x dp=4 (2x2 hsdp)"), ("resume_r3", "pp=1 x dp=3 (3x1 hsdp)"),
+                       ("resume_r1", "pp=1 x dp=2")):
+        run = got[0][name]
+        assert run["mesh"] == mesh and run["restored"] == 2 and run["steps"] == [3, 4], (name, run)
+        # The outer momentum came back whole, resharded over the new mesh.
+        assert run["restored_momentum"] == pytest.approx(saved["momentum"], rel=1e-6), name
+        # Each step read the rows the never-stopped run read at it, whatever the replica count.
+        assert {s: r for s, r in _rows(got, name).items()} == {s: expected_rows[s] for s in (3, 4)}, name
+    # At the same size the first resumed step is the never-stopped run's (the saved model is
+    # the synchronised anchor); after it the replicas' inner AdamW states tell: a checkpoint
+    # holds one replica's, so the other replica's first moments restart from it (docs say so).
+    resumed = got[0]["resume_r2"]["losses"]
+    assert resumed[0] == pytest.approx(whole["losses"][2], abs=1e-6)
+    assert resumed[1] == pytest.approx(whole["losses"][3], rel=1e-2)
