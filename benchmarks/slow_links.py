@@ -1,0 +1,215 @@
+"""Training across a slow tier on the link bed: how each way of crossing it pays.
+
+    sudo python benchmarks/slow_links.py [--rounds 3] [--steps 96] [--scale 1e-3]
+        [--topology examples/topologies/bed_two_regions.yaml] [--options hsdp_fp32,diloco_h8,...]
+        [--out benchmarks/results/slow_links.json]
+
+Four ranks on four one-slot nodes in two regions of the link bed (``rayflex.testing.linkbed``;
+every pair of nodes shaped to its tier x ``--scale``): fast links inside a region, a slow
+one between them. Every option trains the same model on the same data for ``--steps``
+steps of the same global batch, so after step ``s`` every option has seen the same tokens:
+
+* ``fsdp``: FSDP over all four ranks (every all-gather and reduce-scatter crosses regions);
+* ``hsdp_fp32`` / ``hsdp_bf16``: FSDP inside each region, the replica all-reduce across them
+  in fp32 / bf16 (``PrecisionConfig.reduce_dtype``);
+* ``hsdp_int8``: the replica reduction in int8 with error feedback (``CommConfig(replicate="int8")``);
+* ``diloco_h8`` / ``diloco_h32``: DiLoCo, the regions training apart for 8 / 32 steps;
+* ``streaming_h32``: DiLoCo H=32 in 4 fragments synchronised in turn;
+* ``diloco_h32_int8``: DiLoCo H=32 with the pseudo-gradient sent in int8.
+
+Options alternate within each round. Per run: tokens/s over the steps after the warm-up
+(tokens / the sum of their step times: a DiLoCo sync step is slow, the others fast), the
+bytes tc counted per tier over those steps and per token, the run's own count of bytes
+over the replicate tier, and the loss per step (the loss after the same tokens: the mean
+of the last ``LOSS_WINDOW`` steps). Once per round HSDP fp32 also runs with every link at
+the topology's own speed (effectively free): ``1 - free / shaped`` is the share of its
+step the slow tier costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOPOLOGY = ROOT / "examples" / "topologies" / "bed_two_regions.yaml"
+OPTIONS = {
+    "fsdp": ({}, {}, {}),
+    "hsdp_fp32": ({"dp_shard": 2}, {}, {}),
+    "hsdp_bf16": ({"dp_shard": 2}, {}, {"reduce_dtype": "bf16"}),
+    "hsdp_int8": ({"dp_shard": 2}, {"replicate": "int8"}, {}),
+    "diloco_h8": ({"dp_shard": 2}, {"replicate": "diloco", "inner_steps": 8}, {}),
+    "diloco_h32": ({"dp_shard": 2}, {"replicate": "diloco", "inner_steps": 32}, {}),
+    "streaming_h32": ({"dp_shard": 2}, {"replicate": "diloco", "inner_steps": 32, "fragments": 4}, {}),
+    "diloco_h32_int8": ({"dp_shard": 2}, {"replicate": "diloco", "inner_steps": 32, "pseudo_grad": "int8"}, {}),
+}
+BASELINE = "hsdp_fp32"
+WARM_STEPS = 4
+LOSS_WINDOW = 16
+SEQ_LEN = 32
+GLOBAL_BATCH = 8
+SLOW_TIER = "cross_zone"
+
+log = logging.getLogger("slow_links")
+
+
+def _trainer(root: str, name: str, option: str, steps: int):
+    import rayflex as rf
+    from rayflex.models import GPTConfig, gpt
+
+    parallel, comm, precision = OPTIONS[option]
+    return rf.Trainer(model=gpt(GPTConfig(vocab_size=128, seq_len=SEQ_LEN, d_model=64, n_layers=4, n_heads=2)),
+                      data=rf.DataConfig(uri=f"file://{root}/tokens", seq_len=SEQ_LEN, global_batch=GLOBAL_BATCH),
+                      run=rf.RunConfig(name=name, storage=f"file://{root}/runs", steps=steps,
+                                       optimizer=rf.OptimizerConfig(lr=1e-2, warmup_steps=4)),
+                      scaling=rf.ScalingConfig(num_workers=4),
+                      parallel=rf.ParallelConfig(**parallel), comm=rf.CommConfig(**comm),
+                      precision=rf.PrecisionConfig(**precision),
+                      checkpoint=rf.CheckpointConfig(every_steps=0, resume=False))
+
+
+def _run(bed, root: str, option: str, steps: int, tag: str) -> dict:
+    from rayflex.testing.linkbed.links import subtract
+
+    name = f"{option}-{tag}"
+    handle = _trainer(root, name, option, steps).submit()
+    deadline = time.time() + 900
+    while not handle.done() and handle.status()["step"] < WARM_STEPS:
+        assert time.time() < deadline, handle.status()
+        time.sleep(0.05)
+    first, before = handle.status()["step"], bed.counters()
+    result = handle.wait(timeout_s=900)
+    traffic = subtract(bed.counters(), before)
+    metrics = sorted(handle.metrics(), key=lambda m: m["step"])
+    counted = [m for m in metrics if m["step"] > first]
+    tokens = sum(m.get("tokens_per_s", 0) * m["step_time_s"] for m in counted)
+    seconds = sum(m["step_time_s"] for m in counted)
+    return {"option": option, "status": result.status, "steps": len(metrics),
+            "tokens_per_s": tokens / seconds, "measured_steps": len(counted),
+            "bytes_per_token": {k: v / tokens for k, v in traffic["by_tier"].items()},
+            "replicate_bytes_per_token": sum(m.get("replicate_bytes", 0) for m in counted) / tokens,
+            "losses": [m["loss"] for m in metrics],
+            "final_loss": statistics.fmean(m["loss"] for m in metrics[-LOSS_WINDOW:]),
+            "outer_syncs": sum(m.get("outer_synced", 0) for m in metrics)}
+
+
+def measure_on_bed(bed) -> dict:
+    """Runs in the bed's process (``--call``)."""
+    from rayflex.data.dataset import write_synthetic_dataset
+
+    root = os.environ["MEASURE_DIR"]
+    steps, rounds = int(os.environ["MEASURE_STEPS"]), int(os.environ["MEASURE_ROUNDS"])
+    options = os.environ["MEASURE_OPTIONS"].split(",")
+    write_synthetic_dataset(f"file://{root}/tokens", num_samples=4096, seq_len=SEQ_LEN, vocab_size=128,
+                            num_shards=2, seed=7)
+    shaped = bed.plan.scale
+    rows, free = [], []
+    for rnd in range(rounds):
+        bed.rescale(1.0)
+        free.append({"round": rnd, **_run(bed, root, BASELINE, steps, f"free{rnd}")})
+        bed.rescale(shaped)
+        for i in range(len(options)):
+            option = options[(i + rnd) % len(options)]
+            rows.append({"round": rnd, **_run(bed, root, option, steps, f"r{rnd}")})
+            log.warning("round %d %s: %.0f tokens/s, final loss %.3f", rnd, option, rows[-1]["tokens_per_s"],
+                        rows[-1]["final_loss"])
+    return {"rows": rows, "free": free, "scale": shaped}
+
+
+def _spread(values: list) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarise(bed: dict, options: list, steps: int) -> dict:
+    rows = bed["result"]["rows"]
+    by = {o: [r for r in rows if r["option"] == o] for o in options}
+    out: dict = {}
+    for option, runs in by.items():
+        out[option] = {
+            "tokens_per_s": _spread([r["tokens_per_s"] for r in runs]),
+            "slow_tier_bytes_per_token": _spread([r["bytes_per_token"].get(SLOW_TIER, 0.0) for r in runs]),
+            "replicate_bytes_per_token": _spread([r["replicate_bytes_per_token"] for r in runs]),
+            "final_loss": _spread([r["final_loss"] for r in runs]),
+            "outer_syncs": runs[0]["outer_syncs"],
+            "losses_round0": runs[0]["losses"],
+        }
+    base = out.get(BASELINE)
+    if base is not None:
+        for option, cell in out.items():
+            rounds_ratio = []
+            for rnd in sorted({r["round"] for r in rows}):
+                mine = [r for r in by[option] if r["round"] == rnd]
+                theirs = [r for r in by[BASELINE] if r["round"] == rnd]
+                if mine and theirs:
+                    rounds_ratio.append(mine[0]["tokens_per_s"] / theirs[0]["tokens_per_s"])
+            cell["tokens_per_s_over_hsdp_fp32_by_round"] = _spread(rounds_ratio)
+            bpt = cell["slow_tier_bytes_per_token"]["median"]
+            cell["slow_tier_bytes_fewer_than_hsdp_fp32"] = (base["slow_tier_bytes_per_token"]["median"] / bpt
+                                                            if bpt else None)
+            cell["final_loss_over_hsdp_fp32"] = cell["final_loss"]["median"] / base["final_loss"]["median"]
+        free = [r["tokens_per_s"] for r in bed["result"]["free"]]
+        shaped = [r["tokens_per_s"] for r in by[BASELINE]]
+        # The share of HSDP fp32's step the slow tier costs (same rounds, free links vs shaped).
+        out["hsdp_fp32_slow_tier_share"] = _spread([1 - s / f for s, f in zip(shaped, free)])
+        out["hsdp_fp32_free_links_tokens_per_s"] = _spread(free)
+    cells = {o: c for o, c in out.items() if o in options and o != BASELINE}
+    if base is not None and cells:
+        best = max(cells, key=lambda o: cells[o]["tokens_per_s_over_hsdp_fp32_by_round"]["median"])
+        out["goals"] = {
+            "best_option": best,
+            "best_tokens_per_s_over_hsdp_fp32": cells[best]["tokens_per_s_over_hsdp_fp32_by_round"]["median"],
+            "best_at_least_3x": cells[best]["tokens_per_s_over_hsdp_fp32_by_round"]["median"] >= 3,
+            "best_slow_tier_bytes_fewer": cells[best]["slow_tier_bytes_fewer_than_hsdp_fp32"],
+            "best_bytes_at_least_8x_fewer": (cells[best]["slow_tier_bytes_fewer_than_hsdp_fp32"] or 0) >= 8,
+            "best_final_loss_over_hsdp_fp32": cells[best]["final_loss_over_hsdp_fp32"],
+            "best_loss_within_2pct": cells[best]["final_loss_over_hsdp_fp32"] <= 1.02,
+            "tokens_compared": steps * GLOBAL_BATCH * SEQ_LEN,
+        }
+    return out
+
+
+def main(argv=None) -> None:
+    from common import emit, machine
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=96)
+    parser.add_argument("--scale", type=float, default=1e-3)
+    parser.add_argument("--topology", default=str(TOPOLOGY))
+    parser.add_argument("--options", default=",".join(OPTIONS))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+    options = args.options.split(",")
+    unknown = [o for o in options if o not in OPTIONS]
+    if unknown:
+        raise SystemExit(f"unknown options {unknown}: choose from {', '.join(OPTIONS)}")
+    if BASELINE not in options:
+        options.insert(0, BASELINE)
+    with tempfile.TemporaryDirectory(prefix="rayflex-slow-links-") as tmp:
+        raw = os.path.join(tmp, "bed.json")
+        env = {**os.environ, "MEASURE_DIR": tmp, "MEASURE_STEPS": str(args.steps),
+               "MEASURE_ROUNDS": str(args.rounds), "MEASURE_OPTIONS": ",".join(options),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))}
+        t0 = time.time()
+        subprocess.run([sys.executable, "-m", "rayflex.testing.linkbed", "--topology", args.topology,
+                        "--scale", str(args.scale), "--out", raw, "--call", "slow_links:measure_on_bed"],
+                       env=env, check=True)
+        bed = json.loads(Path(raw).read_text())
+    emit({"benchmark": "slow_links", "machine": machine(), "command": " ".join(["python", *sys.argv]),
+          "rounds": args.rounds, "steps": args.steps, "scale": args.scale,
+          "topology": os.path.relpath(args.topology, ROOT), "wall_s": round(time.time() - t0, 1),
+          "summary": summarise(bed, options, args.steps), "runs": bed["result"]["rows"],
+          "free_links": bed["result"]["free"], "traffic_total": bed["traffic"]["by_tier"]}, args.out)
+
+
+if __name__ == "__main__":
+    main()
