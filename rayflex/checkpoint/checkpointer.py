@@ -68,6 +68,9 @@ class TrainState:
     # Tensors beside the model's and optimizer's (DiLoCo's outer momentum, keyed by parameter
     # FQN and sharded like the parameter, so DCP reshards it as it does them).
     outer: dict = field(default_factory=dict)
+    # The section the optimizer state goes under: "optim", or DiLoCo's replica r > 0's own
+    # (``replica_optim_key``: its inner state differs from the first replica's).
+    optim_key: str = "optim"
 
     def tensor_state(self, *, packed: bool = True) -> dict[str, Any]:
         """What DCP saves and loads: the model and optimizer state dicts (flattened), and —
@@ -90,10 +93,11 @@ class TrainState:
             optim.update(get_optimizer_state_dict(module, opt, options=opts))
         outer = {OUTER_KEY: dict(self.outer)} if self.outer else {}
         if not packed:
-            return {"model": model, "optim": optim, **outer}
+            return {"model": model, self.optim_key: optim, **outer}
         for key in [key for key, value in optim.items() if _is_hparam(key, value)]:
             del optim[key]
-        return {"model": model, "optim": optim, HPARAMS_KEY: pack_hparams(self.hparam_groups(), optim), **outer}
+        return {"model": model, self.optim_key: optim, HPARAMS_KEY: pack_hparams(self.hparam_groups(), optim),
+                **outer}
 
     def identity(self) -> tuple:
         """Changes when a tensor the checkpoint reads is re-created (an optimizer that
@@ -126,7 +130,7 @@ class TrainState:
 
         # Each stage takes its own keys out of the merged dicts (keys are global FQNs).
         opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
-        optim = dict(state["optim"])
+        optim = dict(state[self.optim_key])
         for fqn, pairs in state.get(HPARAMS_KEY, {}).items():
             optim.update((f"{_PG}{fqn}.{name}", value) for name, value in pairs)
         for module, opt in zip(self.modules, self.optimizers):
@@ -162,6 +166,12 @@ class TrainState:
         torch.set_rng_state(torch.load(io.BytesIO(base64.b64decode(extra["torch_rng"]))))
         if extra.get("cuda_rng") and torch.cuda.is_available():
             torch.cuda.set_rng_state(torch.load(io.BytesIO(base64.b64decode(extra["cuda_rng"]))))
+
+
+def replica_optim_key(replica: int) -> str:
+    """The optimizer section of a replica that keeps its own inner state (DiLoCo); the
+    first replica's is the plain "optim" a run without replicas reads."""
+    return "optim" if replica == 0 else f"optim_replica{replica}"
 
 
 def without_unsaved_outer(tensors: dict, saved) -> dict:
@@ -229,6 +239,7 @@ class HostStaging:
 
         self._staged = _walk(live, host_copy)
         self._hparam_groups = state.hparam_groups()
+        self._optim_key = state.optim_key
 
     def matches(self, state: TrainState) -> bool:
         """Still the same parameter and optimizer-state tensors (nothing was re-created)?"""
@@ -241,7 +252,7 @@ class HostStaging:
             # The copies were queued on the training thread's current stream, behind the
             # optimizer step that wrote the tensors; they must land before training resumes.
             torch.cuda.current_stream().synchronize()
-        self._staged[HPARAMS_KEY] = pack_hparams(self._hparam_groups, self._staged["optim"])
+        self._staged[HPARAMS_KEY] = pack_hparams(self._hparam_groups, self._staged[self._optim_key])
         return self._staged
 
     def close(self) -> None:
@@ -529,6 +540,8 @@ class AsyncCheckpointer:
             reader = CheckpointReader(path, **fsspec_kwargs(path))
         # Checkpoints written before the hyper-parameters were packed hold one entry each.
         saved = reader.read_metadata().state_dict_metadata
+        if not any(key.startswith(state.optim_key + ".") for key in saved):
+            state.optim_key = "optim"  # a replica the checkpoint kept no state of its own for takes the first's
         tensors = without_unsaved_outer(state.tensor_state(packed=packed_hparams(saved)), saved)
         t_load = time.perf_counter()
         dcp.load(tensors, storage_reader=reader, process_group=self.group)

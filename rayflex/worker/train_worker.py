@@ -389,7 +389,7 @@ class TrainWorker:
         return self.spec.run.optimizer.lr_of_step(step, self.spec.run.steps)
 
     def _stateful(self):
-        from rayflex.checkpoint.checkpointer import TrainState
+        from rayflex.checkpoint.checkpointer import TrainState, replica_optim_key
 
         return TrainState(modules=[m for _, m in self.stages], optimizers=self.optimizers,
                           get_step=lambda: self._step, total_steps=self.spec.run.steps,
@@ -397,7 +397,8 @@ class TrainWorker:
                           config={"run": self.spec.run.name, "world_size": self.plan.world_size,
                                   "pp": self.plan.pp, "dp": self.plan.dp, "tp": self.plan.tp,
                                   "dp_replicate": self.plan.dp_replicate},
-                          outer=self.slow_tier.checkpoint_state())
+                          outer=self.slow_tier.checkpoint_state(),
+                          optim_key=replica_optim_key(self.slow_tier.own_optimizer_replica(self.plan, self.rank)))
 
     # ----------------------------------------------------------------- loop
     def start(self, end_step: int) -> int:

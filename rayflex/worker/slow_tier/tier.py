@@ -60,6 +60,11 @@ class SlowTier:
         """Tensors a checkpoint keeps besides the model and optimizer (DiLoCo's momentum)."""
         return self.diloco.state() if self.diloco is not None else {}
 
+    def own_optimizer_replica(self, plan: MeshPlan, rank: int) -> int:
+        """The replica whose optimizer state ``rank`` saves: its own under DiLoCo (replicas
+        step apart, so their inner states differ), else 0 (every replica's is the same)."""
+        return plan.mesh_coords(rank).dp_replicate if self.diloco is not None else 0
+
     def step_metrics(self) -> dict:
         """This rank's share of the step's metrics line: the bytes it sent over the replicate
         tier, the fragments synchronised (DiLoCo), what int8 rounding still owes."""
