@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 EXTRA_FILE = "rayflex_state.json"
 # The optimizer's hyper-parameters (lr, betas, eps, ...): one entry per parameter under it.
 HPARAMS_KEY = "optim_hparams"
-OUTER_KEY = "outer_momentum"  # TrainState.outer's section
 
 
 @dataclass(kw_only=True)
@@ -65,12 +64,31 @@ class TrainState:
     # The metrics of the steps up to the save (rank 0's), kept with it: a restart that finds
     # no live rank that reported them writes their lines from here.
     recent_steps: Optional[Callable[[], list[dict]]] = None
-    # Tensors beside the model's and optimizer's (DiLoCo's outer momentum, keyed by parameter
-    # FQN and sharded like the parameter, so DCP reshards it as it does them).
+    # Sections of tensors beside the model's and optimizer's ({section: {parameter FQN:
+    # tensor}}, each sharded like its parameter, so DCP reshards it as it does them):
+    # DiLoCo's outer momentum and anchor. A section a checkpoint lacks is left as it is.
     outer: dict = field(default_factory=dict)
-    # The section the optimizer state goes under: "optim", or DiLoCo's replica r > 0's own
-    # (``replica_optim_key``: its inner state differs from the first replica's).
-    optim_key: str = "optim"
+    # Replicas that train apart (DiLoCo) each keep their own model and optimizer state:
+    # replica r > 0 saves them under ``model_replica<r>`` / ``optim_replica<r>``, replica 0
+    # under the plain names any run reads. ``replicas``: how many there are.
+    replica: int = 0
+    replicas: int = 1
+
+    def section(self, name: str) -> str:
+        """Where this rank's ``"model"`` or ``"optim"`` goes (:attr:`replica`)."""
+        return name if self.replica == 0 else f"{name}_replica{self.replica}"
+
+    def fit_to(self, saved) -> bool:
+        """Read a checkpoint whose entries are ``saved`` (its .metadata keys): True when it
+        was written by another number of apart-training replicas, and every replica then
+        reads the first's model and optimizer (the caller puts the replicas' common point,
+        the anchor, in place of the model)."""
+        written = 1 + max((int(key.split(".", 1)[0][len("model_replica"):]) for key in saved
+                           if key.startswith("model_replica")), default=0)
+        if written == self.replicas:
+            return False
+        self.replica = 0
+        return True
 
     def tensor_state(self, *, packed: bool = True) -> dict[str, Any]:
         """What DCP saves and loads: the model and optimizer state dicts (flattened), and —
@@ -91,13 +109,13 @@ class TrainState:
         for module, opt in zip(self.modules, self.optimizers):
             model.update(get_model_state_dict(module))
             optim.update(get_optimizer_state_dict(module, opt, options=opts))
-        outer = {OUTER_KEY: dict(self.outer)} if self.outer else {}
+        outer = {name: dict(tensors) for name, tensors in self.outer.items()}
+        mine = {self.section("model"): model}
         if not packed:
-            return {"model": model, self.optim_key: optim, **outer}
+            return {**mine, self.section("optim"): optim, **outer}
         for key in [key for key, value in optim.items() if _is_hparam(key, value)]:
             del optim[key]
-        return {"model": model, self.optim_key: optim, HPARAMS_KEY: pack_hparams(self.hparam_groups(), optim),
-                **outer}
+        return {**mine, self.section("optim"): optim, HPARAMS_KEY: pack_hparams(self.hparam_groups(), optim), **outer}
 
     def identity(self) -> tuple:
         """Changes when a tensor the checkpoint reads is re-created (an optimizer that
@@ -130,11 +148,12 @@ class TrainState:
 
         # Each stage takes its own keys out of the merged dicts (keys are global FQNs).
         opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
-        optim = dict(state[self.optim_key])
+        optim = dict(state[self.section("optim")])
+        model = state[self.section("model")]
         for fqn, pairs in state.get(HPARAMS_KEY, {}).items():
             optim.update((f"{_PG}{fqn}.{name}", value) for name, value in pairs)
         for module, opt in zip(self.modules, self.optimizers):
-            set_model_state_dict(module, state["model"], options=StateDictOptions(strict=False))
+            set_model_state_dict(module, model, options=StateDictOptions(strict=False))
             set_optimizer_state_dict(module, opt, optim, options=opts)
 
     def extra_state(self) -> dict[str, Any]:
@@ -168,23 +187,19 @@ class TrainState:
             torch.cuda.set_rng_state(torch.load(io.BytesIO(base64.b64decode(extra["cuda_rng"]))))
 
 
-def replica_optim_key(replica: int) -> str:
-    """The optimizer section of a replica that keeps its own inner state (DiLoCo); the
-    first replica's is the plain "optim" a run without replicas reads."""
-    return "optim" if replica == 0 else f"optim_replica{replica}"
-
-
-def without_unsaved_outer(tensors: dict, saved) -> dict:
-    """``tensors`` less the outer-loop state a checkpoint does not hold (a run that turns
-    DiLoCo on resumes a checkpoint saved without it: its momentum starts at zero)."""
-    outer = tensors.get(OUTER_KEY)
-    if outer:
-        kept = {k: v for k, v in outer.items() if f"{OUTER_KEY}.{k}" in saved}
-        if len(kept) < len(outer):
-            log.info("the checkpoint holds no outer-loop state for %d parameters: it starts from zero",
-                     len(outer) - len(kept))
-        tensors = {**tensors, OUTER_KEY: kept} if kept else {k: v for k, v in tensors.items() if k != OUTER_KEY}
-    return tensors
+def without_unsaved(tensors: dict, sections, saved) -> dict:
+    """``tensors`` less the entries of ``sections`` (``TrainState.outer``'s) a checkpoint
+    does not hold: a run that turns DiLoCo on resumes a checkpoint saved without it."""
+    out = dict(tensors)
+    for name in sections:
+        kept = {k: v for k, v in out[name].items() if f"{name}.{k}" in saved}
+        if len(kept) < len(out[name]):
+            log.info("the checkpoint holds no %s for %d parameters: left as it is", name, len(out[name]) - len(kept))
+        if kept:
+            out[name] = kept
+        else:
+            del out[name]
+    return out
 
 
 class HostStaging:
@@ -239,7 +254,7 @@ class HostStaging:
 
         self._staged = _walk(live, host_copy)
         self._hparam_groups = state.hparam_groups()
-        self._optim_key = state.optim_key
+        self._optim_key = state.section("optim")
 
     def matches(self, state: TrainState) -> bool:
         """Still the same parameter and optimizer-state tensors (nothing was re-created)?"""
@@ -540,9 +555,9 @@ class AsyncCheckpointer:
             reader = CheckpointReader(path, **fsspec_kwargs(path))
         # Checkpoints written before the hyper-parameters were packed hold one entry each.
         saved = reader.read_metadata().state_dict_metadata
-        if not any(key.startswith(state.optim_key + ".") for key in saved):
-            state.optim_key = "optim"  # a replica the checkpoint kept no state of its own for takes the first's
-        tensors = without_unsaved_outer(state.tensor_state(packed=packed_hparams(saved)), saved)
+        info["replicas_changed"] = state.fit_to(saved)
+        tensors = without_unsaved(state.tensor_state(packed=packed_hparams(saved)), state.outer, saved)
+        info["loaded_sections"] = sorted(tensors)
         t_load = time.perf_counter()
         dcp.load(tensors, storage_reader=reader, process_group=self.group)
         info["load_s"] = time.perf_counter() - t_load

@@ -361,7 +361,7 @@ class TrainWorker:
         elif restored is not None:
             self._step = self._last_saved_step = restored["step"]
         if restored is not None:
-            self.slow_tier.after_restore()
+            self.slow_tier.after_restore(restored)
         self._set_phase("idle")
         t_end = time.time()
         return {"rank": self.rank, "setup_s": t_end - t0, "step": self._step, "restored": restored,
@@ -389,16 +389,16 @@ class TrainWorker:
         return self.spec.run.optimizer.lr_of_step(step, self.spec.run.steps)
 
     def _stateful(self):
-        from rayflex.checkpoint.checkpointer import TrainState, replica_optim_key
+        from rayflex.checkpoint.checkpointer import TrainState
 
+        replica, replicas = self.slow_tier.own_state(self.plan, self.rank)
         return TrainState(modules=[m for _, m in self.stages], optimizers=self.optimizers,
                           get_step=lambda: self._step, total_steps=self.spec.run.steps,
                           sample_order=SAMPLE_ORDER, recent_steps=lambda: list(self._recent),
                           config={"run": self.spec.run.name, "world_size": self.plan.world_size,
                                   "pp": self.plan.pp, "dp": self.plan.dp, "tp": self.plan.tp,
                                   "dp_replicate": self.plan.dp_replicate},
-                          outer=self.slow_tier.checkpoint_state(),
-                          optim_key=replica_optim_key(self.slow_tier.own_optimizer_replica(self.plan, self.rank)))
+                          outer=self.slow_tier.checkpoint_state(), replica=replica, replicas=replicas)
 
     # ----------------------------------------------------------------- loop
     def start(self, end_step: int) -> int:
@@ -627,7 +627,8 @@ class TrainWorker:
         if self.checkpointer is None:
             return
         self._last_saved_step = step
-        self.slow_tier.before_save(step)  # DiLoCo: a checkpoint holds one synchronised model
+        if step == self.spec.run.steps:
+            self.slow_tier.finish(step)  # DiLoCo: the run's last checkpoint is one synchronised model
         self._set_phase("checkpoint")
         info = self.checkpointer.save(self._stateful(), step=step, reason=reason, due_step=due_step)
         self._note_checkpoint(info)

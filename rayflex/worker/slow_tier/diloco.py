@@ -9,10 +9,13 @@ replica continues from the new anchor. With ``fragments`` > 1 (streaming DiLoCo)
 parameters are cut into that many pieces of about equal size, synchronised at staggered
 steps, so the slow tier carries a fragment at a time.
 
-The outer momentum is sharded like the parameters (a DTensor each, ``zeros_like`` the
-parameter), so a checkpoint saves and reshards it as it does the parameters. A save
-synchronises every fragment first: what a checkpoint holds is one model, and the anchor
-is the saved parameters themselves.
+The outer state — the momentum and the anchor (each fragment's parameters at its last
+sync) — is sharded like the parameters (a DTensor each), so a checkpoint saves and
+reshards it as it does them. A save does not synchronise: each replica saves its own
+model and inner optimizer state beside the shared outer state, so a run resumed at the
+same number of replicas continues exactly where it stopped, mid-round or not; resumed at
+another number, every replica starts from the anchor (the progress since each
+fragment's last sync is what is given up, never the data position).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import torch
 from torch import nn
 
 from rayflex.worker.slow_tier.reduce import ReplicateReducer
+
+
+MOMENTUM, ANCHOR = "outer_momentum", "outer_anchor"  # their checkpoint sections
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -67,13 +73,22 @@ class DiLoCo:
         self.fragments = fragment_ranges([local_tensor(p).numel() for p in self.params], fragments)
         with torch.no_grad():
             self.momentum = [torch.zeros_like(p.detach()) for p in self.params]
-        self.reset_anchor()
+            self.anchor_tensors = [p.detach().clone() for p in self.params]
+        self.anchor = [local_tensor(a) for a in self.anchor_tensors]
         self._synced_at: dict[int, int] = {}  # fragment -> the step it last synchronised at
 
+    @torch.no_grad()
     def reset_anchor(self) -> None:
-        """The parameters as they are become the replicas' common point (after a restore:
-        a checkpoint's parameters are synchronised ones)."""
-        self.anchor = [local_tensor(p).detach().clone() for p in self.params]
+        """The parameters as they are become the replicas' common point (a restore from a
+        checkpoint saved without DiLoCo)."""
+        for a, p in zip(self.anchor, self.params):
+            a.copy_(local_tensor(p))
+
+    @torch.no_grad()
+    def start_from_anchor(self) -> None:
+        """Every replica continues from the anchor (a restore at another replica count)."""
+        for a, p in zip(self.anchor, self.params):
+            local_tensor(p).copy_(a)
 
     def due(self, step: int) -> list[int]:
         n = len(self.fragments)
@@ -109,6 +124,6 @@ class DiLoCo:
             self.anchor[i].sub_(update, alpha=self.lr)
             t.copy_(self.anchor[i])
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """The outer optimizer's state for a checkpoint: the momentum, keyed by parameter."""
-        return dict(zip(self.names, self.momentum))
+    def state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The outer state for a checkpoint, by section: momentum and anchor, keyed by parameter."""
+        return {MOMENTUM: dict(zip(self.names, self.momentum)), ANCHOR: dict(zip(self.names, self.anchor_tensors))}

@@ -1,6 +1,6 @@
 """What a rank does about the replicate dimension, as ``CommConfig`` says; built at setup
-once the stages are sharded, asked by the training loop at four points (after the update,
-before a save, after a restore, for the step's metrics)."""
+once the stages are sharded, asked by the training loop after each update, at the run's
+last step, after a restore, for what a checkpoint keeps and for the step's metrics."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from rayflex.config import CommConfig
 from rayflex.mesh.plan import MeshPlan
-from rayflex.worker.slow_tier.diloco import DiLoCo, local_tensor
+from rayflex.worker.slow_tier.diloco import ANCHOR, DiLoCo, local_tensor
 from rayflex.worker.slow_tier.hooks import reduce_gradients_over_replicas
 from rayflex.worker.slow_tier.reduce import ReplicateReducer, ring_bytes
 
@@ -47,23 +47,33 @@ class SlowTier:
         if self.diloco is not None:
             self._synced += self.diloco.sync(step)
 
-    def before_save(self, step: int) -> None:
-        """DiLoCo: synchronise every fragment, so the checkpoint holds one model (collective)."""
+    def finish(self, step: int) -> None:
+        """DiLoCo at the run's last step: synchronise every fragment, so the final
+        checkpoint (what is exported and evaluated) is one model (collective)."""
         if self.diloco is not None:
             self._synced += self.diloco.sync_all(step)
 
-    def after_restore(self) -> None:
-        if self.diloco is not None:
+    def after_restore(self, restored: dict) -> None:
+        """DiLoCo after a restore (``TrainWorker.setup``'s ``restored``): from the anchor when
+        the checkpoint had another number of replicas; the restored model becomes the anchor
+        when the checkpoint had none."""
+        if self.diloco is None:
+            return
+        if ANCHOR not in restored.get("loaded_sections", ()):
             self.diloco.reset_anchor()
+        elif restored.get("replicas_changed"):
+            self.diloco.start_from_anchor()
 
-    def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """Tensors a checkpoint keeps besides the model and optimizer (DiLoCo's momentum)."""
+    def checkpoint_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Sections a checkpoint keeps besides the model and optimizer (DiLoCo's outer state)."""
         return self.diloco.state() if self.diloco is not None else {}
 
-    def own_optimizer_replica(self, plan: MeshPlan, rank: int) -> int:
-        """The replica whose optimizer state ``rank`` saves: its own under DiLoCo (replicas
-        step apart, so their inner states differ), else 0 (every replica's is the same)."""
-        return plan.mesh_coords(rank).dp_replicate if self.diloco is not None else 0
+    def own_state(self, plan: MeshPlan, rank: int) -> tuple[int, int]:
+        """(replica, replicas) whose model and optimizer state ``rank`` saves as its own:
+        under DiLoCo each replica's (they step apart), else one shared by all."""
+        if self.diloco is None:
+            return 0, 1
+        return plan.mesh_coords(rank).dp_replicate, plan.dp_replicate
 
     def step_metrics(self) -> dict:
         """This rank's share of the step's metrics line: the bytes it sent over the replicate
