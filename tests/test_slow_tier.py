@@ -303,3 +303,38 @@ def test_a_diloco_run_resumes_at_two_three_and_one_replica_groups_with_its_outer
     # replica's model of step 3, so the run goes on from another point than the never-stopped one.
     for name in ("resume_r3", "resume_r1"):
         assert got[0][name]["losses"] != pytest.approx(whole["losses"][3:], abs=1e-6), name
+
+
+# ----------------------------------------------------------------- the planner's advice
+
+def test_the_advice_is_the_least_approximate_option_that_keeps_the_step_compute_bound():
+    from rayflex.planning.capacity.replicate_tier import advise, describe
+
+    assert advise(1.0, 0.1).comm == {} and "compute-bound as it is" in describe(advise(1.0, 0.1))
+    assert advise(1.0, 0.3).precision == {"reduce_dtype": "bf16"}  # 0.15 s <= 20% of 1 s
+    assert advise(1.0, 0.7).comm == {"replicate": "int8"}  # bf16 0.35 s is too much, int8 0.18 s is not
+    diloco = advise(0.1, 1.0)  # fp32 ten times the compute: a round of at least 50 steps
+    assert diloco.comm == {"replicate": "diloco", "inner_steps": 64} and diloco.compute_bound
+    assert "CommConfig(replicate='diloco', inner_steps=64)" in describe(diloco)
+    hopeless = advise(0.01, 100.0)
+    assert not hopeless.compute_bound and hopeless.comm["inner_steps"] == 256
+    assert "still communication-bound" in describe(hopeless)
+
+
+def test_rayflex_plan_says_which_way_across_a_slow_replicate_tier_keeps_the_step_compute_bound():
+    from rayflex.planning.capacity.memory import preset
+    from rayflex.planning.capacity.search import ClusterDescription, DeviceSpec, search
+
+    def advice(**tiers) -> tuple:
+        cluster = ClusterDescription.uniform(nodes=8, devices_per_node=8, device=DeviceSpec.h100_80gb(),
+                                             nodes_per_rack=4, **tiers)
+        result = search(preset("7b"), cluster, global_batch=128, tp=[8])
+        assert result.best.layout.dp_replicate > 1  # HSDP: a shard group per rack or zone
+        text = result.to_dict()["explanation"]
+        return result.best, next(s for s in text.splitlines() if s.startswith("Replicate tier:"))
+
+    best, line = advice()  # two racks of one zone: the replicas' all-reduce is cheap
+    assert "compute-bound as it is" in line and f"{best.compute_s:.3f} s compute" in line, line
+    # Two zones 5 Gb/s apart: only DiLoCo brings the replicas' share under a fifth of the compute.
+    _, line = advice(racks_per_zone=1, bandwidth_gbps={"cross_zone": 5})
+    assert "CommConfig(replicate='diloco', inner_steps=" in line and "keeps the step compute-bound" in line, line

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from rayflex.planning.capacity.memory import fmt_bytes
+from rayflex.planning.capacity.replicate_tier import advise, describe
 from rayflex.planning.capacity.step_time import layout_profile, rank_compute_params, rank_tp_allreduces
 from rayflex.planning.topology import LinkTier
 
@@ -22,6 +23,7 @@ def explain(result: "SearchResult") -> str:
     lines = [_choice(result)] + _ac(result) + _failures(result) + [_memory(result), _step(result)]
     if best.comm is not None:
         lines.append(_tiers(best))
+    lines += _replicate_tier(best)
     lines += _by_tp(result)
     lines += _by_shard(result)
     others = [c for c in result.best_per_shape() if c is not best]
@@ -45,6 +47,7 @@ def summary(result: "SearchResult") -> str:
     lines = ["why:"] + _ac(result) + _failures(result) + _by_tp(result) + _by_shard(result)
     if best.comm is not None:
         lines.append(_tiers(best))
+    lines += _replicate_tier(best)
     others = [c for c in result.best_per_shape() if not c.fits]
     if others:
         low = min(others, key=lambda c: c.peak_bytes)
@@ -192,6 +195,13 @@ def _comm_words(c: "Candidate") -> str:
     if c.layout.pp > 1:
         terms.append(f"pipeline {sum(ev.p2p_s):.3f} s")
     return " + ".join(terms) + ", placement cost model"
+
+
+def _replicate_tier(c: "Candidate") -> list[str]:
+    """Under an HSDP choice: which CommConfig keeps the replicas' tier off the step's critical path."""
+    if c.comm is None or c.layout.dp_replicate < 2:
+        return []
+    return [describe(advise(c.compute_s, sum(c.comm.replica_s)))]
 
 
 def _tiers(c: "Candidate") -> str:

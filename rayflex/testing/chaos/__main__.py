@@ -1,5 +1,5 @@
 """python -m rayflex.chaos [--mode sequential|overlap] [--seed N ...] [--faults 12] [--steps-per-fault 40]
-[--memory-replicas N]:
+[--memory-replicas N] [--dp-shard N [--diloco H]]:
 prints the JSON report (``python -m rayflex.testing.chaos`` is the same command)."""
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dp-shard", type=int, default=None,
                     help="ParallelConfig.dp_shard (e.g. 2 with 4 workers: HSDP 2 x 2, so a lost rank's shard has a "
                          "live replica and restarts recover from the survivors' memory)")
+    ap.add_argument("--diloco", type=int, default=None, metavar="H",
+                    help="CommConfig(replicate='diloco', inner_steps=H): the replicas (needs --dp-shard) train apart "
+                         "and meet every H steps")
     ap.add_argument("--workers", type=int, default=None, help="ChaosConfig.workers (default: its own)")
     ap.add_argument("--workdir", default="")
     ap.add_argument("--out", help="also write the JSON report here (Ray's log lines share stdout)")
@@ -40,6 +43,8 @@ def main(argv=None) -> int:
         reports.append(run_chaos(ChaosConfig(seed=seed, faults=args.faults, steps_per_fault=args.steps_per_fault,
                                              workdir=workdir, mode=args.mode,
                                              parallel=rf.ParallelConfig(dp_shard=args.dp_shard),
+                                             comm=(rf.CommConfig(replicate="diloco", inner_steps=args.diloco)
+                                                   if args.diloco else None),
                                              memory_replicas=args.memory_replicas,
                                              **({"workers": args.workers} if args.workers else {}))))
         print(f"seed {seed}: {'PASSED' if reports[-1]['passed'] else 'FAILED'} in {reports[-1]['wall_s']:.0f}s",

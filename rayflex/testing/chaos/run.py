@@ -54,6 +54,10 @@ class ChaosConfig:
     # with 4 workers is HSDP, whose restarts recover from the survivors' memory when every
     # shard survived (the invariants are the same).
     parallel: Optional[Any] = None
+    # The run's CommConfig (None: the default). ``CommConfig(replicate="diloco")`` with
+    # ``ParallelConfig(dp_shard=...)``: replicas that train apart, whose restarts read the
+    # checkpoint (each replica's own model and inner state; the invariants are the same).
+    comm: Optional[Any] = None
     timing: FaultTiming = field(default_factory=FaultTiming)
     workdir: str = ""
     timeout_s: float = 1800.0
@@ -115,6 +119,7 @@ def _trainer(cfg: ChaosConfig, data_uri: str, storage: str, name: str):
         data=rf.DataConfig(uri=data_uri, seq_len=32, global_batch=12, log_samples=True),
         run=rf.RunConfig(name=name, storage=storage, steps=cfg.steps),
         parallel=cfg.parallel or rf.ParallelConfig(),
+        comm=cfg.comm or rf.CommConfig(),
         scaling=rf.ScalingConfig(num_workers=cfg.workers, min_workers=2),
         checkpoint=rf.CheckpointConfig(every_steps=cfg.checkpoint_every, keep=4, memory_replicas=cfg.memory_replicas),
         elastic=rf.ElasticConfig(max_failures=4 * cfg.faults, max_preemptions=2 * cfg.faults,
