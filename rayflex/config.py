@@ -792,25 +792,37 @@ def apply_override(obj: Any, dotted: str, raw: str) -> Any:
     ``raw`` is parsed as a Python literal when possible (``4``, ``1e-3``, ``None``,
     ``'gpipe'``), else kept as a string. Unknown fields raise ConfigError listing the known.
     """
+    return apply_overrides(obj, {dotted: raw})
+
+
+def apply_overrides(obj: Any, items: Mapping[str, str]) -> Any:
+    """:func:`apply_override` for several keys at once: each config object is rebuilt once
+    with all of its new fields, so fields checked together (``comm.replicate=diloco`` and
+    ``comm.inner_steps=8``) may come in any order."""
     import ast
 
-    head, _, rest = dotted.partition(".")
     if not dataclasses.is_dataclass(obj):
-        raise ConfigError(dotted, "cannot set a field on a non-config value", "check the key")
+        raise ConfigError(", ".join(items), "cannot set a field on a non-config value", "check the key")
     names = [f.name for f in dataclasses.fields(obj)]
-    if head not in names:
-        raise ConfigError(f"{type(obj).__name__}.{head}", "no such field",
-                          f"use one of {', '.join(names)}")
-    current = getattr(obj, head)
-    if rest:
-        return dataclasses.replace(obj, **{head: apply_override(current, rest, raw)})
-    try:
-        value = ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        value = raw
-    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    return dataclasses.replace(obj, **{head: value})
+    leaves: dict[str, Any] = {}
+    nested: dict[str, dict[str, str]] = {}
+    for dotted, raw in items.items():
+        head, _, rest = dotted.partition(".")
+        if head not in names:
+            raise ConfigError(f"{type(obj).__name__}.{head}", "no such field", f"use one of {', '.join(names)}")
+        if rest:
+            nested.setdefault(head, {})[rest] = raw
+            continue
+        current = getattr(obj, head)
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        leaves[head] = value
+    changes = {head: apply_overrides(getattr(obj, head), sub) for head, sub in nested.items()}
+    return dataclasses.replace(obj, **leaves, **changes)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -868,11 +880,9 @@ class TrainSpec:
     def with_overrides(self, overrides: dict[str, str]) -> "TrainSpec":
         """Apply ``section.field=value`` overrides (``parallel.pp=2``, ``parallel.pp=auto``);
         re-validates."""
-        spec = self
-        for key, raw in overrides.items():
+        for key in overrides:
             section, _, rest = key.partition(".")
             if section == "model" or not rest:
                 raise ConfigError(key, "cannot override this key from the command line",
                                   "use section.field, e.g. run.steps=20 or parallel.pp=2")
-            spec = apply_override(spec, key, raw)
-        return dataclasses.replace(spec)  # re-runs __post_init__ checks
+        return apply_overrides(self, overrides)  # every section rebuilt once, its checks re-run

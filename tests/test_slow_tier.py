@@ -338,3 +338,17 @@ def test_rayflex_plan_says_which_way_across_a_slow_replicate_tier_keeps_the_step
     # Two zones 5 Gb/s apart: only DiLoCo brings the replicas' share under a fifth of the compute.
     _, line = advice(racks_per_zone=1, bandwidth_gbps={"cross_zone": 5})
     assert "CommConfig(replicate='diloco', inner_steps=" in line and "keeps the step compute-bound" in line, line
+
+
+def test_comm_settings_come_from_the_command_line_in_any_order_and_bad_ones_are_refused(tmp_path):
+    import rayflex as rf
+
+    spec = _spec(f"file://{tmp_path}/tokens", f"file://{tmp_path}/runs", "cli", world=4, dp_shard=2)
+    got = spec.with_overrides({"comm.inner_steps": "8", "comm.replicate": "diloco", "comm.fragments": "2"})
+    assert (got.comm.replicate, got.comm.inner_steps, got.comm.fragments) == ("diloco", 8, 2)
+    with pytest.raises(rf.ConfigError) as err:  # a DiLoCo setting without DiLoCo would be ignored
+        spec.with_overrides({"comm.inner_steps": "8"})
+    assert "CommConfig.inner_steps" in str(err.value) and "set replicate='diloco'" in str(err.value)
+    with pytest.raises(rf.ConfigError) as err:  # no replicas to keep in step
+        _spec(f"file://{tmp_path}/tokens", f"file://{tmp_path}/runs", "cli", world=4, comm=_diloco())
+    assert "CommConfig.replicate" in str(err.value) and "ParallelConfig(dp_shard=" in str(err.value)
