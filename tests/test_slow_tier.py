@@ -352,3 +352,17 @@ def test_comm_settings_come_from_the_command_line_in_any_order_and_bad_ones_are_
     with pytest.raises(rf.ConfigError) as err:  # no replicas to keep in step
         _spec(f"file://{tmp_path}/tokens", f"file://{tmp_path}/runs", "cli", world=4, comm=_diloco())
     assert "CommConfig.replicate" in str(err.value) and "ParallelConfig(dp_shard=" in str(err.value)
+
+
+def test_the_capacity_model_charges_diloco_and_int8_their_shard_sized_state():
+    import rayflex as rf
+    from rayflex.planning.capacity.memory import estimate_memory, preset
+    from rayflex.mesh.plan import MeshPlan
+
+    base = preset("7b")
+    mesh = MeshPlan(1, 8, 1, dp_replicate=2)
+    plain = estimate_memory(base.for_run(comm_config=rf.CommConfig()), mesh).peak_rank
+    for comm in (rf.CommConfig(replicate="int8"), rf.CommConfig(replicate="diloco")):
+        more = estimate_memory(base.for_run(comm_config=comm), mesh).peak_rank
+        # two more shard-sized tensors per parameter element, fp32 (the preset keeps fp32 masters)
+        assert more.optimizer_states - plain.optimizer_states == pytest.approx(2 * plain.params_sharded), comm

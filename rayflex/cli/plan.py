@@ -135,7 +135,7 @@ def _inputs(args):
         spec = load_trainer(args.spec).spec
         seq_len = args.seq_len or spec.data.seq_len
         model = (describe_model(spec.model, seq_len, precision) if precision else
-                 describe_model(spec.model, seq_len).for_run(spec.precision))
+                 describe_model(spec.model, seq_len).for_run(spec.precision, comm_config=spec.comm))
         model, ac = _checkpointing(model, _memory(args, spec.memory))
         global_batch = args.global_batch or spec.data.global_batch
         world = args.world_size or spec.scaling.num_workers

@@ -148,14 +148,14 @@ def _search(spec: TrainSpec, world_size: int, cluster: Any, cluster_key: tuple,
     # Cached because a non-GPT model is described by running its blocks once on CPU, and
     # elastic runs re-plan the same few sizes again and again.
     key = (id(spec.model), spec.data.global_batch, spec.data.seq_len, world_size, cluster_key, spec.precision,
-           spec.memory, tp, spec.elastic.failures_per_hour, spec.checkpoint.every_steps)
+           spec.memory, spec.comm, tp, spec.elastic.failures_per_hour, spec.checkpoint.every_steps)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is spec.model:
         _CACHE.move_to_end(key)
         return hit[1]
     choice = best_parallel_config(spec.model, cluster, world_size, spec.data.global_batch, spec.data.seq_len,
                                   precision_config=spec.precision, memory_config=spec.memory,
-                                  tp=None if tp is None else [tp],
+                                  comm_config=spec.comm, tp=None if tp is None else [tp],
                                   failures=for_run(spec.elastic.failures_per_hour, spec.checkpoint.every_steps,
                                                    save_cost_s=knob("CHECKPOINT_COST_PRIOR_S")))
     _CACHE[key] = (spec.model, choice)

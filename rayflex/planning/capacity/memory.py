@@ -88,6 +88,15 @@ class CapacityError(PlacementError):
 
 
 # ------------------------------------------------------------------------------ precision
+def replicate_state_copies(comm_config) -> int:
+    """Shard-sized fp32 tensors a rank keeps for its ``CommConfig`` (charged as optimizer
+    states): DiLoCo's anchor and outer momentum; int8's error feedback (the residual of its
+    shard and, for the chunk it owns, of the mean: at most one more shard, padding included)."""
+    replicate = getattr(comm_config, "replicate", "allreduce")
+    return 2 if replicate in ("diloco", "int8") else 0
+
+
+# ------------------------------------------------------------------------------ precision
 @dataclass(frozen=True, kw_only=True)
 class Precision:
     """Bytes per element of each kind of tensor.
@@ -296,11 +305,15 @@ class ModelDescription:
         return replace(self, blocks=tuple(replace(b, recompute=memory.checkpointed(i))
                                           for i, b in enumerate(self.blocks)))
 
-    def for_run(self, precision_config=None, memory_config=None) -> "ModelDescription":
+    def for_run(self, precision_config=None, memory_config=None, comm_config=None) -> "ModelDescription":
         """This model as a run with these rayflex configs executes it (None: the default)."""
         model = self
         if precision_config is not None:
             model = model.with_precision(Precision.from_config(precision_config))
+        extra = replicate_state_copies(comm_config)
+        if extra:
+            model = model.with_precision(replace(model.precision, optimizer_states=model.precision.optimizer_states
+                                                 + extra))
         if memory_config is not None:
             model = model.with_checkpointing(memory_config)
         return model

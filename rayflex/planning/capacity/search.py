@@ -221,12 +221,13 @@ def as_cluster(cluster) -> ClusterDescription:
 
 
 def best_parallel_config(model_spec_or_description, cluster, world_size: int, global_batch: int,
-                         seq_len: int, *, precision_config=None, memory_config=None,
+                         seq_len: int, *, precision_config=None, memory_config=None, comm_config=None,
                          **search_kwargs) -> ParallelChoice:
     """The fastest mesh that fits, for the launcher and every elastic restart.
 
     ``cluster``: see :func:`as_cluster`. ``precision_config`` / ``memory_config``: the run's
-    ``TrainSpec.precision`` / ``.memory`` (bf16 compute, activation checkpointing); None
+    ``TrainSpec.precision`` / ``.memory`` (bf16 compute, activation checkpointing); ``comm_config``
+    its ``.comm`` (DiLoCo's and int8's shard-sized state per rank); None
     plans fp32 without recomputation. ``memory_config.activation_checkpointing == "auto"``
     searches the mode too (:func:`ac_options`). ``search_kwargs`` go to :func:`search`
     (``tp=[8]`` keeps a tp). Raises CapacityError when nothing fits.
@@ -234,7 +235,8 @@ def best_parallel_config(model_spec_or_description, cluster, world_size: int, gl
     cluster = as_cluster(cluster)
     auto_ac = memory_config is not None and memory_config.activation_checkpointing == "auto"
     model = describe_model(model_spec_or_description, seq_len).for_run(precision_config,
-                                                                       None if auto_ac else memory_config)
+                                                                       None if auto_ac else memory_config,
+                                                                       comm_config)
     if auto_ac:
         search_kwargs.setdefault("activation_checkpointing", ac_options(memory_config))
     result = search(model, cluster, global_batch=global_batch, world_size=world_size, **search_kwargs)
