@@ -23,8 +23,8 @@ def worth_asking(ctx, plan: MeshPlan, lost: set[int]) -> tuple[bool, Optional[ev
         return False, None
     if ctx.spec.comm.replicate == "diloco":
         return False, _event(ctx, live_recovery.FromCheckpoint(
-            reason="DiLoCo's replicas hold different weights between syncs: a survivor's shard is its own "
-                   "replica's, not the model's (the checkpoint holds a synchronised one)"))
+            reason="DiLoCo's replicas hold different weights between syncs, and a restart needs each one's own "
+                   "model and inner state: the checkpoint holds them, a survivor only its own replica's"))
     missing = live_recovery.lost_shard(plan, set(range(plan.world_size)) - lost)
     if missing is None:
         return True, None

@@ -70,7 +70,9 @@ class DiLoCo:
         self.inner_steps = inner_steps
         self.lr = lr
         self.mu = momentum
-        self.fragments = fragment_ranges([local_tensor(p).numel() for p in self.params], fragments)
+        # Cut on the parameters' whole sizes: every rank of a stage cuts the same fragments,
+        # whatever its shard's size.
+        self.fragments = fragment_ranges([p.numel() for p in self.params], fragments)
         with torch.no_grad():
             self.momentum = [torch.zeros_like(p.detach()) for p in self.params]
             self.anchor_tensors = [p.detach().clone() for p in self.params]
