@@ -796,8 +796,8 @@ class TrainWorker:
         FSDP and DTensor hold the process groups, whose sockets close only when freed."""
         import gc
 
-        for name in ("stages", "params", "_tp_summed", "optimizers", "slow_tier", "schedule", "mesh", "dp_mesh", "tp_mesh",
-                     "_gloo", "groups", "ckpt_group"):
+        for name in ("stages", "params", "_tp_summed", "optimizers", "slow_tier", "schedule", "mesh", "dp_mesh",
+                     "tp_mesh", "_gloo", "groups", "ckpt_group"):
             self.__dict__.pop(name, None)
         self._close_checkpointer()
         self._thread = None
