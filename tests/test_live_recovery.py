@@ -110,3 +110,40 @@ def test_survivors_state_resumes_at_another_size_bitwise_like_a_checkpoint(datas
     assert want.keys() == have.keys()
     for key in want:
         assert torch.equal(want[key], have[key]), key
+
+
+@pytest.mark.multiproc
+def test_survivors_that_turn_out_not_to_hold_every_shard_fall_back_to_the_checkpoint(dataset_uri, tmp_path):
+    # FSDP over 2 ranks saving every 2 steps; rank 0 raises at step 5. Handed only rank 1's
+    # snapshot (half of every parameter, as a survivor whose snapshot lacks a shard would), the
+    # next attempt cannot load the survivors' state: it loads step 4's checkpoint instead of
+    # failing the run, saying why.
+    import dataclasses
+
+    import rayflex as rf
+
+    world = [0, 1]
+    spec = dataclasses.replace(_spec(dataset_uri, tmp_path / "run", every_steps=2), parallel=rf.ParallelConfig(),
+                               scaling=rf.ScalingConfig(num_workers=2))
+    with LocalWorkerPool(2, timeout_s=240) as pool:
+        pool.each(world, "assign", lambda k: (spec, k, 2))
+        _call(pool, world, "setup", "127.0.0.1", free_ports(1)[0], True)
+        _call(pool, world, "start", FAIL_AT - 1)  # step 4 committed (a run's end waits for its save)
+        _wait(pool, world, {"done"})
+        _call(pool, [0], "set_fail_at", FAIL_AT, "injected")
+        _call(pool, world, "start", STEPS)
+        _wait(pool, [0], {"failed"}, timeout_s=60)
+        _call(pool, [1], "release", 30, 0, True, True)
+        info, files = _call(pool, [1], "take_live")[0]
+        _call(pool, [0], "release", 30, 0, True)
+        assert "error" not in info and info["step"] == FAIL_AT - 1, info
+        live = {"step": FAIL_AT - 1, "infos": {1: info}, "files": {1: files}, "world_size": 2}
+        pool.each(world, "assign", lambda k: (spec, k, 2))
+        got = _call(pool, world, "setup", "127.0.0.1", free_ports(1)[0], True, live)
+        for g in got:
+            restored = g["restored"]
+            assert restored["uri"].endswith("step_00000004") and restored["step"] == FAIL_AT - 1, restored
+            assert "the survivors hold" in restored["live_failed"], restored
+        _call(pool, world, "start", STEPS)
+        _wait(pool, world, {"done"})
+        _call(pool, world, "release", 30, 0)

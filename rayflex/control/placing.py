@@ -72,7 +72,9 @@ def place(ctx, state: Placing):
             ctx.record(ev.ScheduleChanged(step=step, from_total_steps=saved_total, to_total_steps=total,
                                           lr_before=opt.lr_of_step(step + 1, saved_total),
                                           lr_after=opt.lr_of_step(step + 1, total)))
-    lost = ctx.ledger.restored(step, recovered=(restored or {}).get("recent_steps"), committed=state.live is None,
+    # A live recovery the workers could not complete fell back to the checkpoint (its step is committed).
+    from_live = state.live is not None and not (restored or {}).get("live_failed")
+    lost = ctx.ledger.restored(step, recovered=(restored or {}).get("recent_steps"), committed=not from_live,
                                sample_rows=_live_sample_rows(state.live))
     if state.restart_reason is not None:
         ctx.record(ev.Restarted(step=step, world_size=world, from_step=step, reason=state.restart_reason,

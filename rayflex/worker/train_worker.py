@@ -344,9 +344,10 @@ class TrainWorker:
             if restore and self.spec.checkpoint.resume and live is None:
                 restored = self.checkpointer.load_latest(self._stateful())
         if live is not None:
-            from rayflex.checkpoint.live import load_live
-
-            restored = load_live(self._stateful(), live, group=self.ckpt_group, node_id=self.node_id)
+            restored = self._load_live_or_checkpoint(live, restore)
+            if "live_failed" in restored:
+                live = None  # fell back to the checkpoint: from here on as a restore from storage
+        if live is not None:
             self._step = restored["step"]
             if self.rank == 0 and self.checkpointer is not None:
                 # As a restore from storage does: saves the failed attempt left unfinished go,
@@ -366,6 +367,25 @@ class TrainWorker:
         t_end = time.time()
         return {"rank": self.rank, "setup_s": t_end - t0, "step": self._step, "restored": restored,
                 "rendezvous_s": t_pg - t0, "build_s": t_build - t_pg, "restore_s": t_end - t_build}
+
+    def _load_live_or_checkpoint(self, live: dict, restore: bool) -> Optional[dict]:
+        """The survivors' state (``live``), or — when their snapshots turn out not to hold
+        every shard (``LiveStateIncomplete``, raised before anything is loaded) — the
+        newest checkpoint, as a restart without live recovery would: a run that could not
+        recover from memory loses the steps since its last commit, not the run. Every rank
+        merges the same snapshots' metadata, so every rank takes the same branch."""
+        from rayflex.checkpoint.live import LiveStateIncomplete, load_live
+
+        try:
+            return load_live(self._stateful(), live, group=self.ckpt_group, node_id=self.node_id)
+        except LiveStateIncomplete as e:
+            if self.checkpointer is None or not (restore and self.spec.checkpoint.resume):
+                raise
+            log.warning("rank %d: the survivors' state is incomplete (%s); loading the last checkpoint", self.rank, e)
+            restored = self.checkpointer.load_latest(self._stateful())
+            if restored is None:
+                raise
+            return {**restored, "live_failed": str(e)}
 
     def _label_groups(self) -> flight_recorder.GroupLabels:
         """Name this attempt's process groups by their role (the mesh's first: a mesh
