@@ -36,7 +36,6 @@ class ReplicateReducer:
         self.wire = wire
         self.block = block
         self.ranks = dist.get_world_size(group) if group is not None else 1
-        self.index = dist.get_rank(group) if group is not None else 0
         self._sent = ErrorFeedback()  # what this rank's quantization lost
         self._owned = ErrorFeedback()  # what its quantized mean of the chunk it owns lost
         self._bytes = 0
