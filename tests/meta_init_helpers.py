@@ -87,7 +87,7 @@ def run_rank(rank: int, layouts: list[tuple[int, int, int, str]], results) -> No
     from rayflex.mesh.plan import plan_mesh
     from rayflex.worker.meta_init import build_sharded_stages
     from rayflex.worker.parallelize import build_device_mesh, build_local_stages, data_parallel_mesh, shard_stage
-    from rayflex.worker.train_worker import _clear_sharding_caches
+    from rayflex.worker import sharding_caches
 
     torch.set_num_threads(1)
     spec, device = buffered_spec(), torch.device("cpu")
@@ -95,7 +95,7 @@ def run_rank(rank: int, layouts: list[tuple[int, int, int, str]], results) -> No
         for world, pp, per_rank, store in layouts:
             if rank >= world:
                 continue
-            _clear_sharding_caches()
+            sharding_caches.new_attempt()
             # A file rendezvous: no port chosen long before it is bound (another process took one).
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=60))

@@ -29,7 +29,7 @@ from rayflex.worker.process_groups import open_process_groups, process_group_lay
 from rayflex.worker.rendezvous import RendezvousPort, rendezvous_store
 from rayflex.worker.instrument import ActivationCounter, collective_wait_timer, pipeline_wait_timer
 from rayflex.mesh.plan import MeshPlan
-from rayflex.worker import flight_recorder
+from rayflex.worker import flight_recorder, sharding_caches
 from rayflex.worker.collective_faults import collective_fault_for, committed
 from rayflex.worker.slow_tier.tier import SlowTier
 from rayflex.worker.status import (RECENT_STEPS, FlightRecord, Leaving, StepRecord, WorkerState, WorkerStatus,
@@ -96,36 +96,6 @@ def _log_injected_failure(rank: int, step: int, message: str) -> None:
             f.write(line + "\n")
     except OSError as e:
         log.warning("could not record the injected failure in %s: %s", path, e)
-
-
-def _clear_sharding_caches() -> None:
-    """Forget DTensor's cached sharding decisions. DeviceMesh equality ignores which rank
-    a process is, so after an elastic restart renumbers a reused process a cached result
-    would hand back the *old* mesh, whose coordinate places this rank's shard where
-    another rank's is (DCP then refuses the save: "invalid fill tensor-volume"). The cache
-    that bit is the C++ dispatch fast path's (tests/test_worker_reuse.py fails without
-    clearing it); the Python ones are cleared too, for every thread."""
-    try:
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor import _redistribute
-
-        prop = DTensor._op_dispatcher.sharding_propagator
-        cached = prop.propagate_op_sharding
-        # A thread-local LRU cache: clearing it here would reach only this thread, while
-        # the actor's other call threads (which ran the last attempt's setup) keep theirs.
-        # A new instance empties it for every thread.
-        if hasattr(cached, "cache") and hasattr(prop, "propagate_op_sharding_non_cached"):
-            prop.propagate_op_sharding = type(cached)(prop.propagate_op_sharding_non_cached)
-        for fn in (getattr(prop, "_propagate_tensor_meta_cached", None),
-                   getattr(_redistribute, "_gen_transform_infos", None)):
-            if hasattr(fn, "cache_clear"):
-                fn.cache_clear()
-        # The C++ dispatch fast path keeps its own copy of the same decisions.
-        native_clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-        if native_clear is not None:
-            native_clear()
-    except Exception as e:  # noqa: BLE001 - private API; a newer torch may not need this
-        log.debug("could not clear DTensor sharding caches: %s", e)
 
 
 def _freeze_long_lived() -> None:
@@ -255,7 +225,7 @@ class TrainWorker:
         """
         self._set_phase("setup")
         t0 = self._attempt_start = time.time()
-        _clear_sharding_caches()  # a reused process may hold decisions about its old rank
+        sharding_caches.new_attempt()  # a reused process may hold decisions about its old rank
         if self.spec.precision.float8:  # what the driver could not know: this rank's GPU
             check_float8_device(self.device, tp=self.plan.tp)
         # The world groups (worker/process_groups.py): the default one on the training
@@ -436,6 +406,7 @@ class TrainWorker:
         self._phase = phase
 
     def _loop(self, end_step: int) -> None:
+        sharding_caches.in_this_thread()
         try:
             stop_agreed = False
             self._probe_until = self._step + 2  # activation memory: the attempt's first steps, then sampled
@@ -760,8 +731,14 @@ class TrainWorker:
             return {**base, "error": "it holds no training state"}, {}
         from rayflex.checkpoint.live import take_snapshot
 
+        sharding_caches.in_this_thread()  # an actor call thread may have served an earlier attempt
         try:
-            info, files = take_snapshot(self._stateful(), rank=self.rank, step=self._step, node_id=self.node_id)
+            state = self._stateful()
+            stale = sharding_caches.stale_shards(state.tensor_state())
+            if stale:  # its chunks would claim another rank's offsets: no snapshot rather than a wrong one
+                return {**base, "error": f"{stale[0]} (and {len(stale) - 1} more) hold another rank's "
+                                         "mesh coordinate (a stale sharding cache)"}, {}
+            info, files = take_snapshot(state, rank=self.rank, step=self._step, node_id=self.node_id)
             if self.spec.data.log_samples:
                 # Every dp rank's rows of the recent steps: a dead rank's share of a step it
                 # finished but never reported is still written to samples.jsonl.
@@ -824,7 +801,7 @@ class TrainWorker:
         prefetcher, self._prefetcher = getattr(self, "_prefetcher", None), None
         if prefetcher is not None:
             prefetcher.close()
-        _clear_sharding_caches()
+        sharding_caches.new_attempt()
         gc.collect()  # the attempt's cycles (FSDP hooks, DTensor specs) hold sockets open
         _freeze_long_lived()  # what survived is the process's own (caches filled this attempt)
 

@@ -7,10 +7,40 @@ elastic controller reuses surviving actors.
 
 from __future__ import annotations
 
+import queue
+import threading
 import traceback
 from typing import Any, Callable, Sequence
 
 from rayflex.testing.processes import ForkedContext
+
+
+class _CallThreads:
+    """Named threads kept for the process's life, each running the calls sent to it: the
+    pool of call threads a Ray actor answers on, which outlive attempts."""
+
+    def __init__(self) -> None:
+        self._threads: dict[str, tuple[queue.Queue, queue.Queue]] = {}
+
+    def run(self, name: str, fn: Callable[[], Any]) -> Any:
+        if name not in self._threads:
+            self._threads[name] = (queue.Queue(), queue.Queue())
+            threading.Thread(target=self._serve, args=self._threads[name], name=name, daemon=True).start()
+        calls, results = self._threads[name]
+        calls.put(fn)
+        ok, value = results.get()
+        if not ok:
+            raise value
+        return value
+
+    @staticmethod
+    def _serve(calls: queue.Queue, results: queue.Queue) -> None:
+        while True:
+            fn = calls.get()
+            try:
+                results.put((True, fn()))
+            except Exception as e:  # noqa: BLE001 - raised again in the caller's thread
+                results.put((False, e))
 
 
 def _serve(commands, answers) -> None:
@@ -21,7 +51,7 @@ def _serve(commands, answers) -> None:
     from rayflex.worker.actor import cyclic_gc_paused
     from rayflex.worker.train_worker import TrainWorker
 
-    worker = None
+    worker, threads = None, _CallThreads()
     while True:
         cmd, args = commands.get()
         try:
@@ -42,6 +72,9 @@ def _serve(commands, answers) -> None:
             elif cmd == "call":  # any method of the worker: (name, args, kwargs)
                 name, call_args, call_kwargs = args
                 out = getattr(worker, name)(*call_args, **call_kwargs)
+            elif cmd == "call_on":  # the same, on a named thread kept across attempts
+                thread, name, call_args, call_kwargs = args
+                out = threads.run(thread, lambda: getattr(worker, name)(*call_args, **call_kwargs))
             elif cmd == "run":
                 worker.start(args[0])
                 worker.join(args[1])
