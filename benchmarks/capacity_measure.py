@@ -366,6 +366,7 @@ def compare(pool: MeasurePool, cfg: MeasureConfig, runtime=None) -> list[dict]:
                      "predicted_phase": rank.phase,
                      "predicted_setup_bytes": rank.setup_bytes, "measured_setup_bytes": m.setup_peak_bytes,
                      "measured_state_bytes": m.state_bytes,
+                     "measured_activation_peak_bytes": m.activation_peak_bytes,
                      # parameter shard + gradient shard (same size) + optimizer states
                      "predicted_state_bytes": 2 * rank.params_sharded + rank.optimizer_states,
                      "file_growth_bytes": m.file_growth_bytes, "step_time_s": m.step_time_s})

@@ -86,8 +86,12 @@ def test_sharded_state_is_exact(measured_schedules):
 
 @pytest.mark.multiproc
 def test_gpipe_holds_more_than_1f1b_on_stage_0(measured_schedules):
-    peak = {r["config"]: r["measured_peak_bytes"] for r in measured_schedules if r["pp_index"] == 0}
-    assert peak["pp2-dp2-gpipe"] > peak["pp2-dp2-1f1b"]
+    """Measured by what autograd keeps for backward (the worker's probe, exact), not by the
+    process's resident peak, which moves with whatever else the host runs."""
+    stage0 = {r["config"]: r for r in measured_schedules if r["pp_index"] == 0}
+    gpipe, one_f_one_b = stage0["pp2-dp2-gpipe"], stage0["pp2-dp2-1f1b"]
+    assert gpipe["measured_activation_peak_bytes"] > one_f_one_b["measured_activation_peak_bytes"]
+    assert gpipe["predicted_peak_bytes"] > one_f_one_b["predicted_peak_bytes"]
 
 
 # ------------------------------------------------------------------------------ the model
