@@ -541,7 +541,7 @@ class PrecisionConfig:
         return (self.param_dtype, self.reduce_dtype) != ("fp32", "fp32")
 
 
-REPLICATE_MODES = ("allreduce", "int8", "diloco")
+REPLICATE_MODES = ("allreduce", "int8", "diloco", "auto")
 PSEUDO_GRAD_WIRES = ("fp32", "bf16", "int8")
 
 
@@ -563,6 +563,11 @@ class CommConfig:
       fragment at a time at staggered steps (streaming DiLoCo). ``inner_steps`` times fewer
       bytes than ``"allreduce"``. Each replica keeps its own inner optimizer state; a save
       synchronises every fragment first and holds one replica's inner state.
+    * ``"auto"`` (with ``ParallelConfig(layout="auto")``): the capacity planner picks, for the
+      launch mesh on the run's cluster, the least approximate of the above (a bf16 all-reduce,
+      int8, DiLoCo with the shortest round) whose modelled replica traffic is at most a fifth
+      of the step's compute, and the run keeps it at every world size (a restart never
+      switches how replicas meet). The ``plan_chosen`` event says which, and why.
     """
 
     replicate: str = setting("allreduce", one_of(REPLICATE_MODES, "replicate mode"))
@@ -863,6 +868,10 @@ class TrainSpec:
                                   "set layout='auto', or pick 'none', 'full' or 'every_k' yourself")
         if self.precision.float8:
             check_float8(self.precision, self.scaling, self.parallel)
+        if self.comm.replicate == "auto" and not self.parallel.is_auto:
+            raise ConfigError("CommConfig.replicate", "'auto' is chosen by the capacity planner, which only runs with "
+                              "ParallelConfig(layout='auto')", "set layout='auto', or pick 'allreduce', 'int8' or "
+                              "'diloco' yourself (docs/guides/slow-links.md says which)")
         if self.comm.custom and self.parallel.dp_shard is None and not self.parallel.is_auto:
             raise ConfigError("CommConfig.replicate", f"replicate={self.comm.replicate!r} changes how the replicas "
                               "of an HSDP mesh meet, and ParallelConfig.dp_shard is None (FSDP over every dp rank: "

@@ -268,3 +268,57 @@ def test_trainer_plan_and_cli_show_the_auto_choice(tmp_path, capsys):
     assert main(["plan", str(job)]) == 0
     out = capsys.readouterr().out
     assert "64 x H100-80GB" in out and "world size 8" in out and "choice:" in out
+
+
+# ------------------------------------------------------------------------------ replicate tier
+TWO_ZONES = os.path.join(ROOT, "examples", "clusters", "h100_8x8_two_zones.yaml")  # 5 Gb/s between them
+
+
+def test_replicate_auto_takes_the_planners_pick_at_launch_and_keeps_it_at_every_size(tmp_path):
+    """CommConfig(replicate="auto"): the planner's advice for the launch mesh reaches the
+    workers through the mesh, and a restart at another size keeps it (how replicas meet
+    never changes mid-run: a DiLoCo checkpoint is always read by DiLoCo)."""
+    from rayflex.models import GPTConfig, gpt
+
+    model = gpt(GPTConfig(vocab_size=32000, seq_len=2048, d_model=1024, n_layers=16, n_heads=16))
+
+    one_zone = tmp_path / "one_zone.yaml"  # the same nodes, both racks in one zone
+    one_zone.write_text(open(TWO_ZONES).read().replace("racks_per_zone: 1", "racks_per_zone: 2"))
+
+    def spec(cluster, comm=rf.CommConfig(replicate="auto")):
+        return _spec(model, global_batch=128, seq_len=2048,
+                     scaling=rf.ScalingConfig(num_workers=64, min_workers=8, use_gpu=True),
+                     parallel=rf.ParallelConfig(layout="auto", cluster=str(cluster)), comm=comm)
+
+    apart = spec(TWO_ZONES)  # two zones 5 Gb/s apart: only DiLoCo keeps the step compute-bound
+    launch = resolve_parallel(apart, 64)
+    assert launch.parallel.dp_shard is not None, "HSDP: shard groups inside a zone"
+    choice = dict(launch.replicate_choice)
+    assert choice["replicate"] == "diloco" and choice["inner_steps"] >= 8, choice
+    assert "Replicate tier (auto, kept at every world size): CommConfig(replicate='diloco'" in launch.explanation
+    mesh = plan_mesh(apart.model, launch.parallel, launch.data, 64, memory=launch.memory,
+                     replicate_choice=launch.replicate_choice)
+    comm = mesh.comm_config(apart.comm)
+    assert (comm.replicate, comm.inner_steps) == ("diloco", choice["inner_steps"]) and comm.custom
+    assert mesh.precision_config(apart.precision) == apart.precision
+    # A restart at 32 ranks: the launch pick, whether the controller passes it or not.
+    for kept in (resolve_parallel(apart, 32, launch_replicate=mesh.replicate_choice), resolve_parallel(apart, 32)):
+        assert kept.replicate_choice == launch.replicate_choice, kept.explanation
+
+    together = spec(one_zone)  # one zone: a bf16 all-reduce is cheap enough
+    r = resolve_parallel(together, 64)
+    assert r.replicate_choice == (("replicate", "allreduce"), ("reduce_dtype", "bf16")), r.explanation
+    mesh = plan_mesh(together.model, r.parallel, r.data, 64, replicate_choice=r.replicate_choice)
+    assert not mesh.comm_config(together.comm).custom
+    assert mesh.precision_config(together.precision).reduce_dtype == "bf16"
+    # A spec that names its mode is left alone.
+    assert resolve_parallel(spec(TWO_ZONES, rf.CommConfig()), 64).replicate_choice == ()
+
+
+def test_replicate_auto_needs_the_planner_and_picks_no_diloco_setting_itself():
+    with pytest.raises(rf.ConfigError) as err:
+        _spec(parallel=rf.ParallelConfig(pp=1, dp_shard=2), comm=rf.CommConfig(replicate="auto"))
+    assert err.value.field == "CommConfig.replicate" and "layout='auto'" in str(err.value)
+    with pytest.raises(rf.ConfigError) as err:  # the planner picks H
+        rf.CommConfig(replicate="auto", inner_steps=8)
+    assert err.value.field == "CommConfig.inner_steps"

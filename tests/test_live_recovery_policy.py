@@ -1,5 +1,7 @@
 """The live-recovery policy: which failures the survivors' memory can recover from, and why not."""
 
+import dataclasses
+
 from rayflex.faults.live_recovery import FromCheckpoint, LiveRecovery, decide, lost_shard
 from rayflex.mesh.plan import MeshPlan
 
@@ -52,3 +54,19 @@ def test_the_switch_is_a_bool_and_says_so():
     assert rf.ElasticConfig().live_recovery is True
     with pytest.raises(ConfigError, match="ElasticConfig.live_recovery.*must be True or False"):
         rf.ElasticConfig(live_recovery="yes")
+
+
+def test_a_mesh_whose_replicas_train_apart_is_not_asked_for_live_state():
+    """DiLoCo, the spec's or the planner's pick carried by the mesh (CommConfig(replicate=
+    "auto")): the replicas' weights differ between syncs, so recovery reads the checkpoint."""
+    from types import SimpleNamespace
+
+    import rayflex as rf
+    from rayflex.control.live_state import worth_asking
+
+    spec = SimpleNamespace(elastic=rf.ElasticConfig(), comm=rf.CommConfig())
+    ctx = SimpleNamespace(spec=spec, ledger=SimpleNamespace(step=7))
+    assert worth_asking(ctx, HSDP, {1}) == (True, None)
+    apart = dataclasses.replace(HSDP, replicate_choice=(("replicate", "diloco"), ("inner_steps", 16)))
+    asked, chosen = worth_asking(ctx, apart, {1})
+    assert not asked and chosen.source == "checkpoint" and "DiLoCo" in chosen.reason and chosen.step == 7

@@ -177,6 +177,8 @@ def _jobs() -> dict:
     return {
         "int8": (4, 2, rf.CommConfig(replicate="int8", block=BLOCK), 4, "int8", 0, False, False),
         "diloco_h1": (4, 2, _diloco(inner_steps=1, outer_lr=1.0, outer_momentum=0.0), 4, "h1", 0, False, True),
+        # The same DiLoCo, carried by the mesh (the planner's pick under replicate="auto").
+        "mesh_h1": (4, 2, rf.CommConfig(), 4, "mesh_h1", 0, False, True),
         "streaming": (4, 2, _diloco(inner_steps=2, fragments=2), 4, "streaming", 0, False, False),
         # Saved at step 3, between the syncs of steps 2 and 4 (H=2), of a 6-step run.
         "diloco_whole": (4, 2, _diloco(inner_steps=2), 6, "whole", 0, False, False),
@@ -185,6 +187,9 @@ def _jobs() -> dict:
         "resume_r3": (3, 1, _diloco(inner_steps=2), 6, "ckpt", 0, True, False),
         "resume_r1": (2, 2, _diloco(inner_steps=2), 6, "ckpt", 0, True, False),
     }
+
+
+MESH_H1 = (("replicate", "diloco"), ("inner_steps", 1), ("outer_lr", 1.0), ("outer_momentum", 0.0))
 
 
 def _momentum_norm(worker) -> float:
@@ -208,10 +213,12 @@ def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, nam
             continue
         spec = _spec(data_uri, storage, run_name, world=size, dp_shard=dp_shard, comm=comm, every=every,
                      resume=resume, sgd=sgd)
-        plan = plan_mesh(spec.model, spec.parallel, spec.data, size)
+        plan = plan_mesh(spec.model, spec.parallel, spec.data, size,
+                         replicate_choice=MESH_H1 if name == "mesh_h1" else ())
         worker = TrainWorker(rank, spec, plan)
         info = worker.setup("127.0.0.1", ports.port(rank, size, name), restore=resume)
-        restored_norm = _momentum_norm(worker) if comm.replicate == "diloco" else None
+        diloco = plan.comm_config(comm).replicate == "diloco"
+        restored_norm = _momentum_norm(worker) if diloco else None
         worker.start(end_step)
         finished = worker.join(TIMEOUT_S - 30)
         status = worker.poll()
@@ -223,7 +230,7 @@ def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, nam
                      "residual": [r.residual_norm for r in status.records],
                      "restored": (info["restored"] or {}).get("step"), "mesh": plan.describe(),
                      "restored_momentum": restored_norm,
-                     "momentum": _momentum_norm(worker) if comm.replicate == "diloco" else None}
+                     "momentum": _momentum_norm(worker) if diloco else None}
         assert worker.release(10, 0) == "left"
     return out
 
@@ -269,6 +276,8 @@ def test_diloco_with_one_inner_step_and_outer_sgd_of_lr_1_is_data_parallelism(ru
         run = job["diloco_h1"]
         assert run["steps"] == [1, 2, 3, 4] and run["synced"] == [1, 1, 1, 1]
         assert run["losses"] == pytest.approx(reference[True], abs=1e-5), (rank, run["losses"], reference[True])
+        # The workers apply the mesh's choice (CommConfig(replicate="auto") resolved), not the spec's.
+        assert job["mesh_h1"]["losses"] == run["losses"] and job["mesh_h1"]["synced"] == run["synced"]
 
 
 @pytest.mark.multiproc

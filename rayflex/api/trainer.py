@@ -257,7 +257,7 @@ class Trainer:
         world = world_size or self.spec.scaling.num_workers
         resolved = resolve_parallel(self.spec, world, topology)  # as the controller does at launch
         mesh = plan_mesh(self.spec.model, resolved.parallel, resolved.data, world,
-                         memory=resolved.memory)
+                         memory=resolved.memory, replicate_choice=resolved.replicate_choice)
         plan = plan_for(self.spec, mesh, topology)
         if resolved.explanation:
             plan = dataclasses.replace(plan, explanation=f"{resolved.explanation}\n{plan.explanation}")

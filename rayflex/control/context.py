@@ -52,6 +52,8 @@ class RunContext:
         # layout="auto": the first attempt's tp, which restarts keep while it fits (the node
         # shape fixed it; docs/parallelism.md).
         self.launch_tp: Optional[int] = None
+        # CommConfig(replicate="auto"): the first attempt's pick, which every restart keeps.
+        self.launch_replicate: Optional[tuple] = None
 
     @property
     def warm_restarts(self) -> bool:
@@ -90,9 +92,10 @@ class RunContext:
         from rayflex.planning.capacity.auto import resolve_parallel
         from rayflex.planning.comm_profile import plan_for
 
-        resolved = resolve_parallel(self.spec, size, topology, launch_tp=self.launch_tp)
+        resolved = resolve_parallel(self.spec, size, topology, launch_tp=self.launch_tp,
+                                    launch_replicate=self.launch_replicate)
         mesh = plan_mesh(self.spec.model, resolved.parallel, resolved.data, size,
-                         memory=resolved.memory)
+                         memory=resolved.memory, replicate_choice=resolved.replicate_choice)
         return mesh, resolved, plan_for(self.spec, mesh, topology)  # PlacementError names what is missing
 
     @staticmethod
@@ -136,3 +139,5 @@ class RunContext:
         self.group, self.plan = group, plan if plan is not None else self.plan
         if self.launch_tp is None and self.plan is not None:
             self.launch_tp = self.plan.tp
+        if self.launch_replicate is None and self.plan is not None and self.plan.replicate_choice:
+            self.launch_replicate = self.plan.replicate_choice

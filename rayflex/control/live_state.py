@@ -21,7 +21,7 @@ def worth_asking(ctx, plan: MeshPlan, lost: set[int]) -> tuple[bool, Optional[ev
     (False, None): live recovery is off."""
     if not ctx.spec.elastic.live_recovery:
         return False, None
-    if ctx.spec.comm.replicate == "diloco":
+    if plan.comm_config(ctx.spec.comm).replicate == "diloco":
         return False, _event(ctx, live_recovery.FromCheckpoint(
             reason="DiLoCo's replicas hold different weights between syncs, and a restart needs each one's own "
                    "model and inner state: the checkpoint holds them, a survivor only its own replica's"))

@@ -308,7 +308,8 @@ def _node_prices(ctx, group) -> dict:
 
 def _plan_event(world: int, plan, resolved, placement, group, recompute: str, prices: dict) -> ev.PlanChosen:
     return ev.PlanChosen(world_size=world, pp=plan.pp, dp=plan.dp, tp=plan.tp, dp_replicate=plan.dp_replicate,
-                         activation_checkpointing=recompute, schedule=plan.schedule,
+                         activation_checkpointing=recompute, replicate_choice=dict(plan.replicate_choice),
+                         schedule=plan.schedule,
                          stage_blocks=[list(b) for b in plan.stage_blocks], stage_costs=list(plan.stage_costs),
                          balance=plan.balance, microbatches=plan.microbatches, micro_batch=plan.micro_batch,
                          accum_steps=plan.accum_steps,

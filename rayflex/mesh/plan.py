@@ -30,7 +30,7 @@ from rayflex.mesh.rules import check_tp, split_batch
 from rayflex.mesh.stage_split import balanced_split
 
 if TYPE_CHECKING:
-    from rayflex.config import DataConfig, MemoryConfig, ParallelConfig
+    from rayflex.config import CommConfig, DataConfig, MemoryConfig, ParallelConfig, PrecisionConfig
     from rayflex.models.spec import ModelSpec
 
 
@@ -100,6 +100,9 @@ class MeshPlan:
     # "auto")); None: the spec's MemoryConfig decides.
     activation_checkpointing: Optional[str] = None
     ac_every: int = 2
+    # The capacity planner's way across the replicate tier (CommConfig(replicate="auto")):
+    # (field, value) pairs of CommConfig, and "reduce_dtype" of PrecisionConfig; (): the spec's.
+    replicate_choice: tuple = ()
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "tp", "dp_replicate"):
@@ -156,6 +159,16 @@ class MeshPlan:
         return dataclasses.replace(memory, activation_checkpointing=self.activation_checkpointing,
                                    ac_every=self.ac_every)
 
+    def comm_config(self, comm: CommConfig) -> CommConfig:
+        """``comm`` (the spec's) with this mesh's replicate-tier choice, if it carries one."""
+        fields = {k: v for k, v in self.replicate_choice if k != "reduce_dtype"}
+        return dataclasses.replace(comm, **fields) if fields else comm
+
+    def precision_config(self, precision: PrecisionConfig) -> PrecisionConfig:
+        """``precision`` (the spec's) with the reduce dtype the replicate-tier choice asks for."""
+        dtype = dict(self.replicate_choice).get("reduce_dtype")
+        return precision if dtype is None else dataclasses.replace(precision, reduce_dtype=dtype)
+
     def describe(self) -> str:
         """``pp=2 x dp=4`` / ``pp=2 x dp=4 (2x2 hsdp) x tp=8``: the layout in a few characters."""
         dp = f"dp={self.dp}" + (f" ({self.dp_replicate}x{self.dp_shard} hsdp)" if self.dp_replicate > 1 else "")
@@ -170,13 +183,16 @@ class MeshPlan:
 
 
 def plan_mesh(spec: ModelSpec, parallel: ParallelConfig, data: DataConfig, world_size: int,
-              *, block_costs: list[float] | None = None, memory: Optional[MemoryConfig] = None) -> MeshPlan:
+              *, block_costs: list[float] | None = None, memory: Optional[MemoryConfig] = None,
+              replicate_choice: tuple = ()) -> MeshPlan:
     """Derive the mesh, stage split and microbatch arithmetic for ``world_size`` ranks.
 
     Tensor parallelism needs a model that says how its blocks split: ConfigError unless
     ``spec`` has a TP plan that divides evenly over ``parallel.tp`` ranks. ``memory``: the
     capacity planner's resolved MemoryConfig (``ResolvedParallel.memory``), recorded as the
     mesh's activation-checkpointing choice (None: the spec's MemoryConfig applies as is).
+    ``replicate_choice``: the planner's way across the replicate tier
+    (``ResolvedParallel.replicate_choice``), recorded likewise.
 
     The global batch stays fixed whatever the world size; what changes is how many samples
     each dp rank takes and how they are cut into microbatches (``rayflex.mesh.rules``,
@@ -204,4 +220,5 @@ def plan_mesh(spec: ModelSpec, parallel: ParallelConfig, data: DataConfig, world
                     microbatches=split.microbatches, micro_batch=split.micro_batch, accum_steps=split.accum_steps,
                     balance=parallel.balance, stage_costs=stage_costs,
                     activation_checkpointing=memory.activation_checkpointing if memory is not None else None,
-                    ac_every=memory.ac_every if memory is not None else 2)
+                    ac_every=memory.ac_every if memory is not None else 2,
+                    replicate_choice=tuple(replicate_choice))

@@ -99,6 +99,9 @@ class PlanChosen(Event):
     tp: int = 1
     dp_replicate: int = 1  # HSDP replicas (dp = dp_replicate x dp_shard)
     activation_checkpointing: str = ""  # what the workers apply (the planner's pick with "auto")
+    # CommConfig(replicate="auto"): what the workers apply, CommConfig's fields (and
+    # "reduce_dtype" of PrecisionConfig); empty when the spec's own CommConfig applies
+    replicate_choice: dict = field(default_factory=dict)
     schedule: str = ""
     stage_blocks: list = field(default_factory=list)
     stage_costs: list = field(default_factory=list)

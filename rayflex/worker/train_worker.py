@@ -242,7 +242,9 @@ class TrainWorker:
         self.ckpt_group = self.groups.checkpoint
         t_pg = time.time()
         self.mesh = build_device_mesh(self.plan, self.device.type)
-        self.dp_mesh = data_parallel_mesh(self.mesh, self.plan, replicas_by_fsdp=not self.spec.comm.custom)
+        # The planner's pick under CommConfig(replicate="auto"), else the spec's own.
+        comm, precision = self.plan.comm_config(self.spec.comm), self.plan.precision_config(self.spec.precision)
+        self.dp_mesh = data_parallel_mesh(self.mesh, self.plan, replicas_by_fsdp=not comm.custom)
         self.tp_mesh = self.mesh["tp"] if self.plan.tp > 1 else None
         self._group_labels = self._label_groups()
         pipelined = self.plan.pp > 1
@@ -252,7 +254,7 @@ class TrainWorker:
                 self._p2p_log.attach()
 
         def shard(s: int, module):
-            return shard_stage(module, self.dp_mesh, pipelined=pipelined, precision=self.spec.precision,
+            return shard_stage(module, self.dp_mesh, pipelined=pipelined, precision=precision,
                                memory=self.plan.memory_config(self.spec.memory), last=s == self.plan.num_stages - 1,
                                tp_mesh=self.tp_mesh,
                                spec=self.spec.model)
@@ -270,8 +272,7 @@ class TrainWorker:
         # No LR scheduler object: each step sets its learning rate from (step, run.steps)
         # (_train_step), so a restore cannot bring back a stale one.
         self.optimizers = [opt.build(m.parameters()) for _, m in self.stages]
-        self.slow_tier = SlowTier(self.spec.comm, self.plan, self.mesh, self.stages,
-                                  reduce_dtype=DTYPES[self.spec.precision.reduce_dtype])
+        self.slow_tier = SlowTier(comm, self.plan, self.mesh, self.stages, reduce_dtype=DTYPES[precision.reduce_dtype])
         self.schedule = (build_schedule(self.plan, self.stages, self.mesh["pp"].get_group(), self.device,
                                         self.spec.model.loss_fn) if pipelined else None)
         data = self.spec.data

@@ -20,6 +20,13 @@ Activation checkpointing: ``MemoryConfig(activation_checkpointing="auto")`` lets
 pick the mode per world size with the rest of the layout (the fastest that fits);
 ``ResolvedParallel.memory`` is the spec's MemoryConfig with the pick, what ``plan_mesh(...,
 memory=)`` records and the workers apply. Any other mode is the spec's, used as is.
+
+The replicate tier: ``CommConfig(replicate="auto")`` takes the planner's advice
+(``replicate_tier.advise``) for the **launch** mesh, and every other size keeps it (the
+caller passes ``launch_replicate``, the launch mesh's, as with tp): a restart changes the
+number of replicas, never how they meet, so a DiLoCo run's checkpoints always hold what its
+next attempt reads. ``ResolvedParallel.replicate_choice`` is what ``plan_mesh(...,
+replicate_choice=)`` records and the workers apply.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class ResolvedParallel:
     explanation: str
     choice: Optional["ParallelChoice"]
     memory: MemoryConfig
+    replicate_choice: tuple = ()  # CommConfig(replicate="auto")'s pick, as MeshPlan.replicate_choice
 
 
 # (model id, global batch, seq_len, world size, cluster key) -> (model, choice). The model
@@ -60,19 +68,24 @@ _CACHE_SIZE = 64
 
 
 def resolve_parallel(spec: TrainSpec, world_size: int, topology: Optional["Topology"] = None, *,
-                     launch_tp: Optional[int] = None) -> ResolvedParallel:
+                     launch_tp: Optional[int] = None, launch_replicate: Optional[tuple] = None) -> ResolvedParallel:
     """The ParallelConfig and DataConfig to run ``spec`` at ``world_size`` ranks.
 
     With ``layout="auto"`` the cluster is ``spec.parallel.cluster`` (a description file) if
     set, else ``topology`` (its nodes, with this host's CPUs as devices), else one host with
     ``world_size`` CPU slots. ``launch_tp``: the tp the run launched with (module docstring:
-    kept while it fits); None finds it by planning the launch size. Raises CapacityError
+    kept while it fits); None finds it by planning the launch size. ``launch_replicate``: the
+    launch mesh's ``replicate_choice`` (module docstring), likewise. Raises CapacityError
     (with the numbers) when no mesh fits.
     """
     if not spec.parallel.is_auto:
         return ResolvedParallel(spec.parallel, spec.data, "", None, spec.memory)
     cluster, key = _cluster(spec.parallel.cluster, topology, world_size)
-    keep = launch_tp if launch_tp is not None else _launch_tp(spec, world_size, topology)
+    auto_comm = spec.comm.replicate == "auto"
+    launch = None
+    if launch_tp is None or (auto_comm and launch_replicate is None):
+        launch = _launch_choice(spec, world_size, topology)
+    keep = launch_tp if launch_tp is not None else (launch.mesh.tp if launch is not None else None)
     choice = _best(spec, world_size, cluster, key, keep)
     mesh = choice.mesh
     pipelined = mesh.pp > 1
@@ -86,18 +99,37 @@ def resolve_parallel(spec: TrainSpec, world_size: int, topology: Optional["Topol
     if memory.activation_checkpointing == "auto":
         memory = dataclasses.replace(memory, activation_checkpointing=choice.activation_checkpointing,
                                      ac_every=choice.ac_every)
-    return ResolvedParallel(parallel, data, choice.explanation, choice, memory)
+    explanation, replicate = choice.explanation, ()
+    if auto_comm:
+        replicate, why = (launch_replicate, "the launch mesh's choice.") if launch_replicate is not None \
+            else replicate_choice(launch or choice)
+        explanation += f"\nReplicate tier (auto, kept at every world size): {why}"
+    return ResolvedParallel(parallel, data, explanation, choice, memory, tuple(replicate))
 
 
-def _launch_tp(spec: TrainSpec, world_size: int, topology: Optional["Topology"]) -> Optional[int]:
-    """The tp the launch size gets on this cluster; None at the launch size itself, or when
-    the cluster cannot plan the launch size any more."""
+def replicate_choice(choice: "ParallelChoice") -> tuple[tuple, str]:
+    """``CommConfig(replicate="auto")`` on ``choice``'s mesh: (MeshPlan.replicate_choice, why)."""
+    from rayflex.planning.capacity.replicate_tier import advise, describe
+
+    c = choice.candidate
+    if c is None or c.comm is None or c.layout.dp_replicate < 2:
+        return (("replicate", "allreduce"),), f"the fp32 all-reduce: the mesh at {choice.mesh.world_size} ranks " \
+                                              "has no replicas."
+    advice = advise(c.compute_s, sum(c.comm.replica_s))
+    pairs = (("replicate", advice.comm.get("replicate", "allreduce")),) + tuple(
+        (k, v) for k, v in advice.comm.items() if k != "replicate") + tuple(advice.precision.items())
+    return pairs, f"{advice.config()}, for the mesh at {choice.mesh.world_size} ranks. " + describe(advice)
+
+
+def _launch_choice(spec: TrainSpec, world_size: int, topology: Optional["Topology"]) -> Optional["ParallelChoice"]:
+    """The planner's choice at the launch size on this cluster; None at the launch size
+    itself, or when the cluster cannot plan the launch size any more."""
     launch = spec.scaling.num_workers
     if world_size == launch:
         return None
     cluster, key = _cluster(spec.parallel.cluster, topology, launch)
     try:
-        return _best(spec, launch, cluster, key, None).mesh.tp
+        return _best(spec, launch, cluster, key, None)
     except PlacementError:  # CapacityError: the launch size does not fit what is left
         return None
 

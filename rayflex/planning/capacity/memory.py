@@ -91,9 +91,10 @@ class CapacityError(PlacementError):
 def replicate_state_copies(comm_config) -> int:
     """Shard-sized fp32 tensors a rank keeps for its ``CommConfig`` (charged as optimizer
     states): DiLoCo's anchor and outer momentum; int8's error feedback (the residual of its
-    shard and, for the chunk it owns, of the mean: at most one more shard, padding included)."""
+    shard and, for the chunk it owns, of the mean: at most one more shard, padding included).
+    ``"auto"`` is charged as either: whatever the planner then picks fits."""
     replicate = getattr(comm_config, "replicate", "allreduce")
-    return 2 if replicate in ("diloco", "int8") else 0
+    return 2 if replicate in ("diloco", "int8", "auto") else 0
 
 
 # ------------------------------------------------------------------------------ precision
