@@ -8,6 +8,7 @@ at two replica groups resumes at three and at one with its outer momentum and it
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -186,6 +187,8 @@ def _jobs() -> dict:
         "resume_r2": (4, 2, _diloco(inner_steps=2), 6, "ckpt", 0, True, False),
         "resume_r3": (3, 1, _diloco(inner_steps=2), 6, "ckpt", 0, True, False),
         "resume_r1": (2, 2, _diloco(inner_steps=2), 6, "ckpt", 0, True, False),
+        # The same checkpoint read by a run that keeps one model (the fp32 all-reduce).
+        "resume_plain": (4, 2, rf.CommConfig(), 6, "ckpt", 0, True, False),
     }
 
 
@@ -236,10 +239,14 @@ def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, nam
 
 
 @pytest.fixture(scope="module")
-def runs(dataset_uri, tmp_path_factory):
+def storage(tmp_path_factory):
+    return f"file://{tmp_path_factory.mktemp('slow_tier')}"
+
+
+@pytest.fixture(scope="module")
+def runs(dataset_uri, storage):
     from rayflex.testing.reference import single_process_train
 
-    storage = f"file://{tmp_path_factory.mktemp('slow_tier')}"
     names = list(_jobs())
     got = run_ranks(_run_jobs, 4, dataset_uri, storage, names, JobPorts(4), timeout_s=TIMEOUT_S)
     reference = {sgd: single_process_train(_spec(dataset_uri, storage, "reference", world=1, sgd=sgd), 4)[0]
@@ -312,6 +319,34 @@ def test_a_diloco_run_resumes_at_two_three_and_one_replica_groups_with_its_outer
     # replica's model of step 3, so the run goes on from another point than the never-stopped one.
     for name in ("resume_r3", "resume_r1"):
         assert got[0][name]["losses"] != pytest.approx(whole["losses"][3:], abs=1e-6), name
+    # A run that keeps one model reads the replicas' common point too (not replica 0's model):
+    # its first step, on the same rows, has the loss the DiLoCo runs restarted from the anchor had.
+    plain = got[0]["resume_plain"]
+    assert plain["restored"] == 3 and _rows(got, "resume_plain") == {s: expected_rows[s] for s in (4, 5, 6)}
+    for name in ("resume_r3", "resume_r1"):
+        assert plain["losses"][0] == pytest.approx(got[0][name]["losses"][0], abs=1e-6), name
+    assert plain["losses"][0] != pytest.approx(got[0]["resume_r2"]["losses"][0], abs=1e-6)
+
+
+@pytest.mark.multiproc
+def test_an_export_of_a_diloco_checkpoint_saved_mid_round_is_the_replicas_common_point(runs, storage):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from rayflex.checkpoint import manifest as mf
+    from rayflex.checkpoint.dcp_io import CheckpointReader
+    from rayflex.checkpoint.reader import CheckpointWeights
+
+    step_uri = mf.step_dir(f"{storage}/ckpt/checkpoints", 3)  # saved at step 3, synchronised at step 2
+    weights = CheckpointWeights(step_uri=step_uri, step=3, model={}, description="mid-round")
+    exported = weights.load(sorted(weights.tensors()))
+    anchor = {k: torch.empty_like(t) for k, t in exported.items()}
+    replica0 = {k: torch.empty_like(t) for k, t in exported.items()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"outer_anchor": anchor, "model": replica0}, storage_reader=CheckpointReader(step_uri), no_dist=True)
+    assert all(torch.equal(exported[k], anchor[k]) for k in exported)
+    assert not all(torch.equal(exported[k], replica0[k]) for k in exported), "replica 0 moved since the sync"
 
 
 # ----------------------------------------------------------------- the planner's advice

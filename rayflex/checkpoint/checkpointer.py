@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 EXTRA_FILE = "rayflex_state.json"
 # The optimizer's hyper-parameters (lr, betas, eps, ...): one entry per parameter under it.
 HPARAMS_KEY = "optim_hparams"
+# Where replicas that train apart (DiLoCo) keep their common point, keyed by parameter: the
+# one model such a checkpoint stands for (a run that keeps one model, and an export, read it).
+COMMON_MODEL = "outer_anchor"
 
 
 @dataclass(kw_only=True)
@@ -200,6 +203,20 @@ def without_unsaved(tensors: dict, sections, saved) -> dict:
         else:
             del out[name]
     return out
+
+
+def read_model_from_common_point(tensors: dict, state: TrainState, saved) -> bool:
+    """A run that keeps one model, resuming a checkpoint of replicas that trained apart
+    (DiLoCo, saved mid-round), reads their common point rather than the first replica's
+    model: the model entries the checkpoint holds there move to that section of
+    ``tensors`` (put back after the load). True if any did."""
+    if COMMON_MODEL in state.outer:
+        return False  # DiLoCo itself: its own restore decides (SlowTier.after_restore)
+    model = tensors[state.section("model")]
+    moved = {key: model.pop(key) for key in list(model) if f"{COMMON_MODEL}.{key}" in saved}
+    if moved:
+        tensors[COMMON_MODEL] = moved
+    return bool(moved)
 
 
 class HostStaging:
@@ -557,10 +574,13 @@ class AsyncCheckpointer:
         saved = reader.read_metadata().state_dict_metadata
         info["replicas_changed"] = state.fit_to(saved)
         tensors = without_unsaved(state.tensor_state(packed=packed_hparams(saved)), state.outer, saved)
+        from_common = read_model_from_common_point(tensors, state, saved)
         info["loaded_sections"] = sorted(tensors)
         t_load = time.perf_counter()
         dcp.load(tensors, storage_reader=reader, process_group=self.group)
         info["load_s"] = time.perf_counter() - t_load
+        if from_common:
+            tensors[state.section("model")].update(tensors.pop(COMMON_MODEL))
         if holders is not None:
             info["sources"] = reader.report  # which shard files this rank read from where
         state.load_tensor_state(tensors)

@@ -110,13 +110,16 @@ class CheckpointWeights:
     """The model entries of one committed DCP checkpoint (what
     :func:`rayflex.models.hf_export.write_hf` reads, a ``WeightSource``): shapes and dtypes from DCP's
     ``.metadata``, tensors read by DCP into plain CPU tensors of those shapes, only the
-    keys asked for (DCP reads just their byte ranges; the optimizer is never touched)."""
+    keys asked for (DCP reads just their byte ranges; the optimizer is never touched). A
+    checkpoint of replicas that trained apart (DiLoCo, saved mid-round) stands for their
+    common point: each parameter is read from there (``checkpointer.COMMON_MODEL``)."""
 
     step_uri: str
     step: int
     model: dict
     description: str
     _infos: Optional[dict] = field(default=None, repr=False)
+    _common: set = field(default_factory=set, repr=False)  # keys read from the common point
 
     def _reader(self):
         from rayflex.checkpoint.dcp_io import CheckpointReader
@@ -127,9 +130,13 @@ class CheckpointWeights:
     def tensors(self) -> dict[str, "SavedTensor"]:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        from rayflex.checkpoint.checkpointer import COMMON_MODEL
+
         if self._infos is None:
             infos = {}
-            for fqn, meta in self._reader().read_metadata().state_dict_metadata.items():
+            saved = self._reader().read_metadata().state_dict_metadata
+            self._common = {fqn[len(COMMON_MODEL) + 1:] for fqn in saved if fqn.startswith(f"{COMMON_MODEL}.")}
+            for fqn, meta in saved.items():
                 if not fqn.startswith("model."):
                     continue
                 if not isinstance(meta, TensorStorageMetadata):
@@ -146,11 +153,16 @@ class CheckpointWeights:
         import torch
         import torch.distributed.checkpoint as dcp
 
+        from rayflex.checkpoint.checkpointer import COMMON_MODEL
+
         infos = self.tensors()
         model = {k: torch.empty(infos[k].shape, dtype=getattr(torch, infos[k].dtype)) for k in keys}
+        sections = {"model": {k: t for k, t in model.items() if k not in self._common},
+                    COMMON_MODEL: {k: t for k, t in model.items() if k in self._common}}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*assuming the intent is to load in a single process")
-            dcp.load({"model": model}, storage_reader=self._reader(), no_dist=True)
+            dcp.load({name: part for name, part in sections.items() if part}, storage_reader=self._reader(),
+                     no_dist=True)
         return model
 
 

@@ -25,10 +25,11 @@ from typing import Optional
 import torch
 from torch import nn
 
+from rayflex.checkpoint.checkpointer import COMMON_MODEL
 from rayflex.worker.slow_tier.reduce import ReplicateReducer
 
 
-MOMENTUM, ANCHOR = "outer_momentum", "outer_anchor"  # their checkpoint sections
+MOMENTUM, ANCHOR = "outer_momentum", COMMON_MODEL  # their checkpoint sections
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
