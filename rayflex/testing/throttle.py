@@ -16,7 +16,12 @@ import time
 from typing import Iterator, Optional, Sequence
 
 ROOT = "/sys/fs/cgroup/cpu"
-PERIOD_US = 100_000
+# The quota's period: short beside a step, so the process is slow evenly, like a slow node,
+# not in bursts. At 100 ms (the kernel's default) a tenth of a core ran 10 ms and stopped
+# for 90, inside a 0.2-0.4 s step: the stop often fell into the slow rank's own wait for
+# its peers, so only 86% of its steps showed it the last to arrive, beside the straggler
+# detector's 80% (CI failed once so); at 10 ms, 100% (31 of 31 steps).
+PERIOD_US = 10_000
 
 
 def throttle_problem() -> Optional[str]:
