@@ -27,7 +27,7 @@ import pickle
 import time
 import uuid
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from rayflex.checkpoint.dcp_io import CheckpointReader, CheckpointWriter
 
@@ -39,10 +39,13 @@ class LiveStateIncomplete(RuntimeError):
     """The survivors' files do not hold every chunk of the state: a live recovery is not possible."""
 
 
-def take_snapshot(state, *, rank: int, step: int, node_id: str = "") -> tuple[dict, dict[str, Any]]:
+def take_snapshot(state, *, rank: int, step: int, node_id: str = "",
+                  misplaced: Optional[Callable[[dict], list]] = None) -> tuple[dict, dict[str, Any]]:
     """``state`` (a ``TrainState``) of finished step ``step``, serialized in memory without
     collectives: (info, files). ``info`` is small (the DCP metadata's bytes, the run-level
-    extras, the survivor's old rank and step); ``files`` maps file name -> uint8 array."""
+    extras, the survivor's old rank and step); ``files`` maps file name -> uint8 array.
+    ``misplaced``: the keys of the state whose shards would name another rank's place;
+    any is a RuntimeError (no snapshot rather than a wrong one)."""
     import fsspec
     import numpy as np
     import torch.distributed.checkpoint as dcp
@@ -53,7 +56,12 @@ def take_snapshot(state, *, rank: int, step: int, node_id: str = "") -> tuple[di
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message=r".*assuming the intent is to save in a single process")
-            dcp.save(state.tensor_state(), storage_writer=CheckpointWriter(path), no_dist=True)
+            tensors = state.tensor_state()
+            wrong = misplaced(tensors) if misplaced is not None else []
+            if wrong:
+                raise RuntimeError(f"{wrong[0]} (and {len(wrong) - 1} more) hold another rank's mesh coordinate "
+                                   "(a stale sharding cache)")
+            dcp.save(tensors, storage_writer=CheckpointWriter(path), no_dist=True)
         files, metadata = {}, None
         for full in fs.find(path):
             name = full.rsplit("/", 1)[-1]

@@ -734,12 +734,8 @@ class TrainWorker:
 
         sharding_caches.in_this_thread()  # an actor call thread may have served an earlier attempt
         try:
-            state = self._stateful()
-            stale = sharding_caches.stale_shards(state.tensor_state())
-            if stale:  # its chunks would claim another rank's offsets: no snapshot rather than a wrong one
-                return {**base, "error": f"{stale[0]} (and {len(stale) - 1} more) hold another rank's "
-                                         "mesh coordinate (a stale sharding cache)"}, {}
-            info, files = take_snapshot(state, rank=self.rank, step=self._step, node_id=self.node_id)
+            info, files = take_snapshot(self._stateful(), rank=self.rank, step=self._step, node_id=self.node_id,
+                                        misplaced=sharding_caches.stale_shards)
             if self.spec.data.log_samples:
                 # Every dp rank's rows of the recent steps: a dead rank's share of a step it
                 # finished but never reported is still written to samples.jsonl.

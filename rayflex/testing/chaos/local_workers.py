@@ -7,9 +7,8 @@ elastic controller reuses surviving actors.
 
 from __future__ import annotations
 
-import queue
-import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from rayflex.testing.processes import ForkedContext
@@ -20,27 +19,11 @@ class _CallThreads:
     pool of call threads a Ray actor answers on, which outlive attempts."""
 
     def __init__(self) -> None:
-        self._threads: dict[str, tuple[queue.Queue, queue.Queue]] = {}
+        self._pools: dict[str, ThreadPoolExecutor] = {}
 
     def run(self, name: str, fn: Callable[[], Any]) -> Any:
-        if name not in self._threads:
-            self._threads[name] = (queue.Queue(), queue.Queue())
-            threading.Thread(target=self._serve, args=self._threads[name], name=name, daemon=True).start()
-        calls, results = self._threads[name]
-        calls.put(fn)
-        ok, value = results.get()
-        if not ok:
-            raise value
-        return value
-
-    @staticmethod
-    def _serve(calls: queue.Queue, results: queue.Queue) -> None:
-        while True:
-            fn = calls.get()
-            try:
-                results.put((True, fn()))
-            except Exception as e:  # noqa: BLE001 - raised again in the caller's thread
-                results.put((False, e))
+        pool = self._pools.setdefault(name, ThreadPoolExecutor(1, thread_name_prefix=name))
+        return pool.submit(fn).result()
 
 
 def _serve(commands, answers) -> None:
