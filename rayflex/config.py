@@ -412,6 +412,13 @@ class ElasticConfig:
     # restart's (docs/guides/failures.md); False: stragglers are only named.
     evict_stragglers: bool = setting(True, flag("use True to restart without a slow node when that pays, "
                                                 "False to only name stragglers"))
+    # A node the run is about to grow onto is health-checked first (its GPUs there and
+    # computing correctly, at >= health_min_speed of the run's own nodes' speed); one that
+    # fails, or a node evicted as a straggler, is held out and checked again until it passes
+    # (docs/guides/failures.md). False: nodes are used unchecked and an evicted one never again.
+    health_checks: bool = setting(True, flag("use True to check nodes before growing onto them, False to skip"))
+    health_min_speed: float = setting(0.5, number(gt=0, le=1, fix="use a fraction of the run's nodes' speed, "
+                                                              "e.g. 0.5"))
     # Safety margin on top of (a step + an estimated checkpoint) before a notice's deadline.
     emergency_margin_s: float = setting(2.0, number(ge=0, unit="seconds", fix="use a number of seconds, e.g. 2"))
     # When a restart needs worker processes that are not up yet (a dead one's replacement,

@@ -145,6 +145,11 @@ _KNOBS: dict[str, Knob] = {
     # evicted), and, while kept, weighed again this often.
     "STRAGGLER_CONFIRM_S": Knob(10.0),
     "STRAGGLER_RECHECK_S": Knob(30.0),
+    # A node held out of placement (it failed a health check, or was evicted as a
+    # straggler) is checked again this long after (doubling each time it is held out
+    # again); a check that has not run this long after it was started fails.
+    "HEALTH_RECHECK_S": Knob(30.0),
+    "HEALTH_PROBE_TIMEOUT_S": Knob(120.0),
     "RUNDIR_FLUSH_S": Knob(1.0),
     "RESOURCE_POLL_S": Knob(1.0),
     # How long survivors of a fault that killed no peer may take to commit a checkpoint

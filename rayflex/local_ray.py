@@ -151,10 +151,10 @@ def loopback_cluster(nodes: list[dict], connect: bool = True) -> Iterator:
     """A ``ray.cluster_utils.Cluster`` of several "nodes" on loopback, connected (unless
     ``connect=False``), always torn down. ``nodes``: one dict per node (``num_cpus``,
     optional ``labels``/``resources``/...); the first is the head."""
+    _prepare_env()  # before Ray is imported: it reads the loopback switch then
     import ray
     from ray.cluster_utils import Cluster
 
-    _prepare_env()
     cluster: Optional[Cluster] = None
     try:
         head = dict(nodes[0])

@@ -19,6 +19,7 @@ from rayflex.planning.topology import NodeInfo, Topology
 from rayflex.worker.status import FlightRecord, StepRecord, WorkerStatus
 
 _ids = itertools.count()
+FAKE_GFLOPS = 10.0  # what every fake rank measures at setup, and a healthy node's check
 
 
 class FakeClock:
@@ -217,14 +218,14 @@ class FakeGroup:
             self.step = live["step"]
             restored = {"uri": "live peers", "world_size": live.get("world_size", 0), "total_steps": None,
                         "sample_order": SAMPLE_ORDER}
-            return [{"step": self.step, "restored": restored} for _ in self.actors]
+            return [{"step": self.step, "restored": restored, "probe_gflops": FAKE_GFLOPS} for _ in self.actors]
         self.step = self.cluster.committed if restore else 0
         # A test sets cluster.saved_total_steps to the run.steps the checkpoint was trained
         # toward (unset: a checkpoint without that record).
         restored = ({"uri": f"mem://ckpt/{self.step}", "world_size": 0,
                      "total_steps": getattr(self.cluster, "saved_total_steps", None),
                      "sample_order": getattr(self.cluster, "saved_sample_order", SAMPLE_ORDER)} if self.step else None)
-        return [{"step": self.step, "restored": restored} for _ in self.actors]
+        return [{"step": self.step, "restored": restored, "probe_gflops": FAKE_GFLOPS} for _ in self.actors]
 
     def start(self, end_step: int) -> list[int]:
         self.end = end_step
@@ -366,6 +367,9 @@ class FakeCluster:
         self.frozen_nodes: set[str] = set()  # up in the cluster's view; run nothing (freeze_node)
         self.slow_nodes: dict[str, float] = {}  # node -> seconds its ranks arrive late at each step (slow_node)
         self.probed: list[tuple[str, ...]] = []
+        # Health checks: node -> the report its check gives now (default: as fast as the run's ranks).
+        self.health: dict[str, dict] = {}
+        self.health_checked: list[str] = []
 
     # the controller's view
     def topology(self) -> Topology:
@@ -414,6 +418,13 @@ class FakeCluster:
         if silent:
             self.clock.sleep(timeout_s)
         return silent
+
+    def check_health(self, expected_gpus: dict[str, int]) -> dict[str, str]:
+        self.health_checked.extend(expected_gpus)
+        return {n: n for n in expected_gpus}
+
+    def health_reports(self, probes: dict[str, str]) -> dict[str, dict]:
+        return {n: dict(self.health.get(n, {"gflops": FAKE_GFLOPS})) for n in probes if n in self.alive}
 
     # test helpers
     def new_actor(self, node: str) -> FakeActor:

@@ -18,7 +18,7 @@ T0 = 1_700_000_000.0
 # The "kind" strings of events.jsonl: changing one breaks every stored run directory.
 STORED_KINDS = {
     "run_started", "plan_chosen", "workers_started", "checkpoint_committed", "checkpoint_failed",
-    "checkpoint_loaded", "worker_failed", "worker_died", "node_lost", "hang_detected", "hang_diagnosed", "straggler_detected",
+    "checkpoint_loaded", "worker_failed", "worker_died", "node_lost", "node_health_checked", "hang_detected", "hang_diagnosed", "straggler_detected",
     "preemption_notice", "restarted", "storage_unavailable", "storage_recovered", "run_stopped",
     "run_finished", "run_failed", "schedule_changed", "checkpoint_interval_chosen", "memory_replicas_short",
     "checkpoint_deferred", "recovery_chosen", "capacity_waited", "straggler_decided",
@@ -42,6 +42,8 @@ def one_of_each() -> list[ev.Event]:
         ev.StragglerDecided(time=T0 + 13.5, step=11, node_id="b", ranks=[2, 3], action="keep", reason="not worth it",
                             world=4, to_world=2, remaining_steps=19, slow_step_s=0.3, healthy_step_s=0.2,
                             after_step_s=0.4, restart_s=6.0, gain_s=-7.9),
+        ev.NodeHealthChecked(time=T0 + 13.7, step=11, node_id="c", passed=False, action="left_out",
+                             reason="computes at 0.10x the run's nodes", gflops=1.0, reference_gflops=10.0, probe_s=1.5),
         ev.PreemptionNotice(time=T0 + 14, step=12, node_id="b", deadline=T0 + 34, source="ray_drain", ranks=[2, 3],
                             seconds_left=20.0, needed_s=1.0, action="emergency_checkpoint", reason="enough time"),
         ev.StorageUnavailable(time=T0 + 15, step=13, uri="memory://runs/demo", error="ConnectionError: down"),

@@ -99,6 +99,33 @@ class RayCluster:
                 pass
         return set(probes) - answered
 
+    def check_health(self, expected_gpus: dict[str, int]) -> dict[str, Any]:
+        """Start each node's health check (``worker.health_probe.probe_node``), pinned to it,
+        with the GPUs it should have (node -> count; it holds them while it runs)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from rayflex.worker.health_probe import probe_node
+
+        probe = ray.remote(num_cpus=0, max_retries=0)(probe_node)
+        return {n: probe.options(num_gpus=gpus, scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    node_id=n, soft=False)).remote(gpus) for n, gpus in expected_gpus.items()}
+
+    def health_reports(self, probes: dict[str, Any]) -> dict[str, dict]:
+        """The reports of the checks that finished (without waiting); a check that could not
+        run (its node left) reports that as its error."""
+        import ray
+
+        refs = {ref: node for node, ref in probes.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0) if refs else ([], [])
+        reports = {}
+        for ref in ready:
+            try:
+                reports[refs[ref]] = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - unschedulable, the node left, the worker died
+                reports[refs[ref]] = {"error": f"the check could not run: {type(e).__name__}: {e}"[:300]}
+        return reports
+
     def reservation(self):
         from rayflex.group.reservation import RunPlacement
 

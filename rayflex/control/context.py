@@ -20,6 +20,7 @@ from rayflex.control.ledger import StepLedger
 from rayflex.control.recorder import Recorder
 from rayflex.control.cadence import CheckpointCadence
 from rayflex.control.seams import Cluster, Reservation, StandbyPool, WorkerGroup
+from rayflex.control.node_health import NodeHealth
 from rayflex.control.unreachable import UnreachableNodes
 from rayflex.faults.policy import Policies, best_world_size
 from rayflex.mesh.plan import plan_mesh
@@ -38,6 +39,9 @@ class RunContext:
         self.excluded: set[str] = set()  # nodes with a preemption notice: about to vanish
         self.pending_notices: list = []  # seen while an attempt started; its first poll acts on them
         self.unreachable = UnreachableNodes(cluster)  # frozen nodes Ray still lists
+        # nodes checked before growth; held out until they pass (failed checks, evicted stragglers)
+        self.health = NodeHealth(cluster, clock, self.policies.health,
+                                 gpus_per_slot=1 if spec.scaling.use_gpu else 0)
         # a failed attempt's nodes Ray may declare dead later: node -> (its ranks, watched until)
         self.vanishing: dict[str, tuple[list[int], float]] = {}
         self.stop_requested = threading.Event()
@@ -64,16 +68,21 @@ class RunContext:
 
     # ----------------------------------------------------------------- capacity
     def usable_topology(self, avoid: frozenset | set = frozenset()):
-        """The cluster's topology without excluded (and ``avoid``) nodes."""
+        """The cluster's topology without excluded, held-out (and ``avoid``) nodes."""
         from rayflex.planning.topology import Topology
 
         topology = self.cluster.topology()
         for node in self.unreachable.refresh({n.node_id for n in topology.nodes}):
             log.warning("node %s answers again: usable for placement", node[:12])
-        skip = self.excluded | self.unreachable.nodes | set(avoid)
+        skip = self.left_out | set(avoid)
         if skip:
             topology = Topology(tuple(n for n in topology.nodes if n.node_id not in skip), topology.bandwidths)
         return topology
+
+    @property
+    def left_out(self) -> set[str]:
+        """Nodes no placement uses now: a spot notice, not answering, or held out."""
+        return self.excluded | self.unreachable.nodes | set(self.health.held_out)
 
     def usable_slots(self, topology=None) -> int:
         topology = topology if topology is not None else self.usable_topology()

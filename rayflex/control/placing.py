@@ -17,6 +17,7 @@ from rayflex.control.states import Attempt, Finished, Placing, Running
 from rayflex.errors import PlacementError, RayflexError, SetupFailed
 from rayflex.planning.capacity.memory import CapacityError
 from rayflex.faults.detector import FaultDetector
+from rayflex.faults.health import reference_speed
 from rayflex.faults.policy import best_world_size
 from rayflex.planning.placement.planner import ranks_by_node
 from rayflex.telemetry import events as ev
@@ -49,6 +50,7 @@ def place(ctx, state: Placing):
                             while_waiting=lambda: _while_starting(ctx, placement.rank_to_node), live=state.live)
     except SetupFailed as failure:
         return _setup_failed(ctx, group, placement, failure)
+    ctx.health.reference = reference_speed(i.get("probe_gflops") for i in infos)
     ctx.record(_plan_event(world, plan, resolved, placement, group,
                            plan.memory_config(ctx.spec.memory).activation_checkpointing, _node_prices(ctx, group)))
     if ctx.spec.checkpoint.memory_replicas:
@@ -244,7 +246,7 @@ def _start_group(ctx, plan, placement, survivors: dict, world: int, *, shrinking
         aid = cluster.actor_id(actor)
         slot = slots.get(aid)
         if (ctx.standby is not None and world < ctx.spec.scaling.max_size and slot is not None
-                and slot.node in alive and slot.node not in ctx.excluded | ctx.unreachable.nodes):
+                and slot.node in alive and slot.node not in ctx.left_out):
             reservation.bind_slot(slot, aid)
             ctx.standby.adopt(aid, actor, slot.node)
         else:

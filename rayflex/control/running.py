@@ -86,6 +86,8 @@ def _cycle(ctx, loop: AttemptLoop):
     if ctx.cadence is not None and not loop.stop_sent and loop.preempting is None and loop.evicting is None:
         ctx.cadence.tick(ctx, attempt.group)
     consider_stragglers(ctx, loop, now)
+    if ctx.health.enabled and (ctx.health.held_out or ctx.health.checking):
+        ctx.health.tick(ctx, ctx.cluster.topology())
     _watch_capacity(ctx, loop, now)
     return None
 
@@ -116,7 +118,8 @@ def _watch_capacity(ctx, loop: AttemptLoop, now: float) -> None:
     if (loop.grow_to is None and now - loop.last_capacity > knob("CAPACITY_CHECK_S")
             and loop.attempt.plan.world_size < ctx.spec.scaling.max_size):
         loop.last_capacity = now
-        loop.grow_to = growth_target(ctx, loop.attempt.plan.world_size)
+        if ctx.health.ready_for_growth(ctx.usable_topology(), set(loop.attempt.group.node_of.values())):
+            loop.grow_to = growth_target(ctx, loop.attempt.plan.world_size)
     if loop.grow_to is not None:
         ready = ctx.standby.readiness(knob("WORKER_START_TIMEOUT_S")) if ctx.standby else Readiness.READY
         if ready is Readiness.FAILED:

@@ -1,7 +1,8 @@
 """Acting on stragglers: once a node a straggler was named on has stayed slow for
 ``STRAGGLER_CONFIRM_S``, the straggler policy weighs a restart without it against the
 rest of the run at its pace (``faults.policy.StragglerPolicy``); the decision is an event.
-To evict, the node is left out of placement for the rest of the run and the attempt stops
+To evict, the node is held out of placement until it passes a health check
+(``control/node_health.py``; for the rest of the run with checks off) and the attempt stops
 at the next step boundary with a checkpoint, as for a spot notice with time to spare; the
 restart goes on without its ranks (no failure budget is charged, no step is lost).
 """
@@ -45,8 +46,8 @@ def consider_stragglers(ctx, loop, now: float) -> None:
         ctx.record(ev.StragglerDecided(step=ctx.ledger.step, **fields))
         if decision.evict:
             log.warning("evicting straggler node %s: %s", node[:12], decision.reason)
-            ctx.excluded.add(node)
-            group.broadcast("request_stop", "straggler", sorted(ctx.excluded))
+            ctx.health.hold_out(node, f"evicted as a straggler: {decision.reason}")
+            group.broadcast("request_stop", "straggler", sorted(ctx.left_out))
             loop.evicting = decision
             return
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from rayflex.config import TrainSpec
+from rayflex.faults.health import HealthPolicy
 from rayflex.mesh import rules
 
 
@@ -224,11 +225,13 @@ class Policies:
     elastic: ElasticPolicy
     notice: NoticePolicy
     straggler: Optional[StragglerPolicy] = None  # None: stragglers are named, never acted on
+    health: Optional[HealthPolicy] = None  # None: nodes are used unchecked, an evicted one never again
 
     @classmethod
     def for_spec(cls, spec: TrainSpec) -> "Policies":
         return cls(failure=FailurePolicy(spec), elastic=ElasticPolicy(spec), notice=NoticePolicy(),
-                   straggler=StragglerPolicy(spec) if spec.elastic.evict_stragglers else None)
+                   straggler=StragglerPolicy(spec) if spec.elastic.evict_stragglers else None,
+                   health=HealthPolicy(spec.elastic.health_min_speed) if spec.elastic.health_checks else None)
 
 
 def _last_line(text: str) -> str:

@@ -39,6 +39,7 @@ class EventKind(enum.StrEnum):
     HANG_DIAGNOSED = "hang_diagnosed"
     STRAGGLER_DETECTED = "straggler_detected"
     STRAGGLER_DECIDED = "straggler_decided"
+    NODE_HEALTH_CHECKED = "node_health_checked"
     PREEMPTION_NOTICE = "preemption_notice"
     RESTARTED = "restarted"
     CAPACITY_WAITED = "capacity_waited"
@@ -292,6 +293,23 @@ class StragglerDecided(Event):
     after_step_s: Optional[float] = None
     restart_s: float = 0.0
     gain_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeHealthChecked(Event):
+    """A node's health check (``control/node_health.py``) and what it meant: ``action``
+    ``"admitted"`` (a newcomer usable for growth), ``"left_out"`` (a newcomer held out),
+    ``"kept_out"`` (a held-out node failed again), ``"readmitted"`` (a held-out node passed);
+    ``gflops`` its speed against ``reference_gflops``, the run's own nodes'."""
+
+    kind: ClassVar[EventKind] = EventKind.NODE_HEALTH_CHECKED
+    node_id: str = ""
+    passed: bool = False
+    action: str = ""
+    reason: str = ""
+    gflops: float = 0.0
+    reference_gflops: Optional[float] = None
+    probe_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

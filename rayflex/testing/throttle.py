@@ -95,3 +95,16 @@ def _remove(group: str, parent: str, timeout_s: float = 30.0) -> None:
             if e.errno != errno.EBUSY or time.monotonic() > deadline:
                 raise
         time.sleep(0.1)
+
+
+def node_processes(cluster, node_id: str) -> list[int]:
+    """Every process of one node of a ``ray.cluster_utils.Cluster``: its raylet and what
+    the raylet started (workers, agents). Throttled together they make a slow machine:
+    processes the raylet starts later (a task's new worker) are inside the quota too."""
+    import psutil
+
+    node = next(n for n in cluster.list_all_nodes() if n.node_id == node_id)
+    from ray._private import ray_constants
+
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    return [raylet] + [p.pid for p in psutil.Process(raylet).children(recursive=True)]

@@ -36,6 +36,7 @@ from rayflex.worker.status import (RECENT_STEPS, FlightRecord, Leaving, StepReco
                                    recent_step)
 from rayflex.worker.meta_init import build_sharded_stages
 from rayflex.worker.float8 import check_device as check_float8_device
+from rayflex.worker.health_probe import compute_speed
 from rayflex.worker.parallelize import (DTYPES, build_device_mesh, build_schedule, clip_grads_,
                                         data_parallel_mesh, shard_stage, tp_grad_summed_params)
 from rayflex.config import TrainSpec
@@ -336,8 +337,11 @@ class TrainWorker:
             self.slow_tier.after_restore(restored)
         self._set_phase("idle")
         t_end = time.time()
+        # The speed a newcomer node's health check is judged against (faults.health).
+        speed = compute_speed(str(self.device)) if self.spec.elastic.health_checks else None
         return {"rank": self.rank, "setup_s": t_end - t0, "step": self._step, "restored": restored,
-                "rendezvous_s": t_pg - t0, "build_s": t_build - t_pg, "restore_s": t_end - t_build}
+                "rendezvous_s": t_pg - t0, "build_s": t_build - t_pg, "restore_s": t_end - t_build,
+                "probe_gflops": speed}
 
     def _load_live_or_checkpoint(self, live: dict, restore: bool) -> Optional[dict]:
         """The survivors' state (``live``), or — when their snapshots turn out not to hold

@@ -1,0 +1,110 @@
+"""Nodes checked before use: a node the run is about to grow onto runs a health check
+first (``worker.health_probe``), and one that fails it is held out of placement and named;
+so is a node evicted as a straggler. A held-out node is checked again every
+``HEALTH_RECHECK_S`` (doubling each time it is held out again in the run), and re-admitted
+— usable for the next growth — once it passes. The verdicts are the health policy's
+(``faults.health``); each is a ``node_health_checked`` event.
+
+Restarts after a failure place on the nodes Ray lists without a check (a restart is
+latency-bound); they never place on a held-out node.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rayflex.constants import knob
+from rayflex.faults.health import HealthPolicy, HealthVerdict
+from rayflex.telemetry import events as ev
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    reason: str
+    check_at: float  # when it is checked again
+    times: int  # how often it was held out in this run
+
+
+class NodeHealth:
+    def __init__(self, cluster, clock, policy: Optional[HealthPolicy], *, gpus_per_slot: int = 0):
+        self._cluster, self._clock, self.policy = cluster, clock, policy
+        self._gpus_per_slot = gpus_per_slot
+        self.held_out: dict[str, HeldOut] = {}
+        self.passed: set[str] = set()  # checked and healthy in this run
+        self.reference: Optional[float] = None  # GFLOP/s of the nodes the run trains on
+        self._probes: dict[str, tuple[Any, float]] = {}  # node -> (its probe, started at)
+        self._times: dict[str, int] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy is not None
+
+    @property
+    def checking(self) -> bool:
+        return bool(self._probes)
+
+    def hold_out(self, node: str, reason: str) -> None:
+        """Leave ``node`` out of placement until it passes a check (never, with checks off)."""
+        times = self._times.get(node, 0) + 1
+        self._times[node] = times
+        self.passed.discard(node)
+        self.held_out[node] = HeldOut(reason, self._clock.time() + knob("HEALTH_RECHECK_S") * 2 ** (times - 1), times)
+
+    def ready_for_growth(self, topology, training_on: set[str]) -> bool:
+        """Whether every node a growth could use now has a verdict; starts the checks of the
+        ones that have none (their verdicts arrive in ``tick``)."""
+        if not self.enabled:
+            return True
+        unchecked = [n for n in topology.nodes if n.slots and n.node_id not in training_on
+                     and n.node_id not in self.passed and n.node_id not in self.held_out]
+        self._start([n for n in unchecked if n.node_id not in self._probes])
+        return not unchecked
+
+    def tick(self, ctx, topology) -> None:
+        """Read the checks that finished (or ran out of time), and start the re-checks due."""
+        if not self.enabled:
+            return
+        now = self._clock.time()
+        if self._probes:
+            reports = self._cluster.health_reports({n: p for n, (p, _) in self._probes.items()})
+            timeout = knob("HEALTH_PROBE_TIMEOUT_S")
+            for node, (_, started) in list(self._probes.items()):
+                if node not in reports and now - started > timeout:
+                    reports[node] = {"error": f"the check did not run within {timeout:g} s"}
+            for node, report in reports.items():
+                del self._probes[node]
+                self._judge(ctx, node, report, now)
+        listed = {n.node_id: n for n in topology.nodes}
+        due = [listed[n] for n, held in self.held_out.items()
+               if n in listed and n not in self._probes and now >= held.check_at]
+        self._start(due)
+
+    def _start(self, nodes) -> None:
+        if not nodes:
+            return
+        expected = {n.node_id: n.slots * self._gpus_per_slot for n in nodes}
+        probes = self._cluster.check_health(expected)
+        now = self._clock.time()
+        self._probes.update({n: (p, now) for n, p in probes.items()})
+
+    def _judge(self, ctx, node: str, report: dict, now: float) -> None:
+        verdict: HealthVerdict = self.policy.judge(node, report, self.reference)
+        held = self.held_out.get(node)
+        if verdict.passed:
+            self.passed.add(node)
+            action = "readmitted" if held else "admitted"
+            self.held_out.pop(node, None)
+        else:
+            action = "kept_out" if held else "left_out"
+            times = held.times if held else self._times.get(node, 0) + 1
+            self._times[node] = times
+            self.held_out[node] = HeldOut(verdict.reason, now + knob("HEALTH_RECHECK_S") * 2 ** (times - 1), times)
+            log.warning("node %s %s: %s", node[:12], action.replace("_", " "), verdict.reason)
+        ctx.record(ev.NodeHealthChecked(step=ctx.ledger.step, node_id=node, passed=verdict.passed, action=action,
+                                        reason=verdict.reason, gflops=verdict.gflops,
+                                        reference_gflops=verdict.reference_gflops,
+                                        probe_s=float(report.get("probe_s") or 0.0)))

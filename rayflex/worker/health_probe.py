@@ -1,0 +1,86 @@
+"""A node's health check, run where the node's ranks would run: the accelerators it
+advertises are there and compute correctly, and how fast one computes (a matrix multiply
+timed for a fixed span). ``probe_node`` runs as a Ray task pinned to a node that is about
+to be used (growth, a node held out and checked again); ``compute_speed`` runs in every
+rank at setup, so the controller holds the speed of the nodes it trains on to judge a
+newcomer against (``faults.health``). Torch is imported inside, never at import: the
+controller references ``probe_node`` without loading torch.
+"""
+
+from __future__ import annotations
+
+import time
+
+# Long enough to see a CPU quota's period many times (the slow-node throttle's is 10 ms),
+# short beside a rank's setup.
+MEASURE_S = 0.05
+_SIZE = 256  # a 256 x 256 multiply: ~34 MFLOP, some dozens per span on one CPU core
+
+
+def compute_speed(device: str = "cpu", min_s: float = MEASURE_S) -> float:
+    """GFLOP/s of repeated ``_SIZE``-square matrix multiplies on ``device`` for at least
+    ``min_s`` seconds of wall time (what this process gets of its device now)."""
+    import torch
+
+    dev = torch.device(device)
+    dtype = torch.float32
+    a = torch.randn(_SIZE, _SIZE, device=dev, dtype=dtype)
+    b = torch.randn(_SIZE, _SIZE, device=dev, dtype=dtype)
+    torch.mm(a, b)  # first-call setup is not the device's speed
+    _sync(dev)
+    done, start = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        done += 1
+        if done % 4 == 0:
+            _sync(dev)
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_s:
+                return 2.0 * _SIZE ** 3 * done / elapsed / 1e9
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(dev)
+
+
+def _computes_correctly(device: str) -> bool:
+    """A product whose exact answer is known: identity times a small integer matrix."""
+    import torch
+
+    m = torch.arange(64, dtype=torch.float32).reshape(8, 8).to(device)
+    return bool(torch.equal(torch.eye(8, device=device) @ m, m))
+
+
+def probe_node(expected_gpus: int = 0) -> dict:
+    """The health report of the node this runs on: ``{"gflops", "devices", "error",
+    "probe_s"}``. ``expected_gpus`` > 0: that many GPUs must be visible and each must
+    compute correctly; the slowest one's speed is the node's. Never raises: a check that
+    cannot run is the report's ``error``."""
+    t0 = time.perf_counter()
+    report: dict = {"gflops": 0.0, "devices": 0, "error": ""}
+    try:
+        import torch
+
+        if expected_gpus > 0:
+            found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            report["devices"] = found
+            if found < expected_gpus:
+                report["error"] = f"{found} of its {expected_gpus} GPUs visible"
+                return report
+            devices = [f"cuda:{i}" for i in range(expected_gpus)]
+        else:
+            devices = ["cpu"]
+            report["devices"] = 1
+        for device in devices:
+            if not _computes_correctly(device):
+                report["error"] = f"{device} computed a wrong matrix product"
+                return report
+        report["gflops"] = min(compute_speed(d) for d in devices)
+    except Exception as e:  # noqa: BLE001 - a broken driver, out of memory: the node is unhealthy
+        report["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        report["probe_s"] = time.perf_counter() - t0
+    return report

@@ -1,0 +1,101 @@
+"""Nodes checked before use: a node the run would grow onto runs a health check first; one
+that fails is held out and named, checked again, and re-admitted once it passes; a node
+evicted as a straggler comes back the same way. The controller runs on a fake cluster and
+clock (``controller_fakes``); the probe itself runs here, on this machine's CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayflex.constants import knob
+from rayflex.control.states import RunState as S
+from rayflex.faults.health import HealthPolicy, reference_speed
+from rayflex.telemetry import events as ev
+from rayflex.worker.health_probe import probe_node
+
+from controller_fakes import FAKE_GFLOPS, add_node, slow_node
+from test_controller_states import START, _run, _spec, _timeline
+
+
+def test_the_policy_fails_a_fault_or_a_slow_node_and_says_which():
+    policy = HealthPolicy(min_speed=0.5)
+    broken = policy.judge("n", {"error": "3 of its 8 GPUs visible"}, 10.0)
+    assert not broken.passed and broken.reason == "health check failed: 3 of its 8 GPUs visible"
+    slow = policy.judge("n", {"gflops": 4.0}, 10.0)
+    assert not slow.passed and "0.40x the run's nodes (4.00 vs 10.00 GFLOP/s; needs 0.5x)" in slow.reason
+    assert policy.judge("n", {"gflops": 5.0}, 10.0).passed
+    unjudged = policy.judge("n", {"gflops": 0.1}, None)  # no speed of the run's own to compare with
+    assert unjudged.passed and "no speed of the run's own nodes" in unjudged.reason
+    assert reference_speed([None, 3.0, 5.0, 4.0]) == 4.0 and reference_speed([None]) is None
+
+
+def test_the_probe_measures_this_cpu_and_names_gpus_that_are_not_there():
+    healthy = probe_node(0)
+    assert healthy["error"] == "" and healthy["gflops"] > 0 and healthy["devices"] == 1
+    missing = probe_node(expected_gpus=2)  # this machine has none
+    assert missing["error"] == "0 of its 2 GPUs visible" and missing["gflops"] == 0.0
+
+
+def _checks(c):
+    return [(e.node_id, e.action) for e in _timeline(c).of(ev.NodeHealthChecked)]
+
+
+def _make_slow(node):
+    def act(group):
+        group.cluster.health[node] = {"gflops": FAKE_GFLOPS / 10}
+    return act
+
+
+def _make_healthy(node):
+    def act(group):
+        group.cluster.health.pop(node, None)
+    return act
+
+
+def test_a_newcomer_that_fails_its_check_is_left_out_then_readmitted_when_it_passes(tmp_path):
+    spec = _spec(tmp_path, workers=4, min_workers=2, max_workers=4, steps=260, every=2)
+    # One step per 0.2 s poll: b joins at step 3 computing at a tenth of the run's speed,
+    # and is healthy from step 60, before its re-check HEALTH_RECHECK_S (150 steps) later.
+    c, cluster, result = _run(spec, {"a": 2}, script=[(3, add_node("b", 2)), (3, _make_slow("b")),
+                                                      (60, _make_healthy("b"))])
+    assert _checks(c) == [("b", "left_out"), ("b", "readmitted")]
+    left, back = _timeline(c).of(ev.NodeHealthChecked)
+    assert not left.passed and "0.10x the run's nodes (1.00 vs 10.00 GFLOP/s" in left.reason
+    assert left.reference_gflops == FAKE_GFLOPS and back.passed
+    assert back.time - left.time == pytest.approx(knob("HEALTH_RECHECK_S"), abs=1.0)
+    first, grown = _timeline(c).of(ev.PlanChosen)
+    assert first.world_size == 2 and grown.world_size == 4, "grown only once b passed"
+    assert grown.time > back.time and "b" in grown.rank_to_node
+    assert c.transitions == START + [(S.RUNNING, S.PLACING), (S.PLACING, S.RUNNING), (S.RUNNING, S.FINISHED)]
+    assert result["status"] == "finished" and result["world_size"] == 4
+
+
+def test_a_newcomer_that_passes_is_grown_onto_after_one_check(tmp_path):
+    spec = _spec(tmp_path, workers=4, min_workers=2, max_workers=4, steps=40, every=2)
+    c, cluster, result = _run(spec, {"a": 2}, script=[(3, add_node("b", 2))])
+    assert _checks(c) == [("b", "admitted")] and cluster.health_checked == ["b"]
+    assert result["world_size"] == 4
+
+
+def test_without_health_checks_a_newcomer_is_grown_onto_unchecked(tmp_path):
+    spec = _spec(tmp_path, workers=4, min_workers=2, max_workers=4, steps=40, every=2, health_checks=False)
+    c, cluster, result = _run(spec, {"a": 2}, script=[(3, add_node("b", 2)), (3, _make_slow("b"))])
+    assert _checks(c) == [] and cluster.health_checked == [] and result["world_size"] == 4
+
+
+def test_an_evicted_straggler_is_checked_again_and_readmitted_once_it_passes(tmp_path):
+    # 4 ranks on a and b (2 slots each) of a 6-slot cluster with c; b slows at step 10 and
+    # stays slow (its check fails) until step 300; evicted, the run goes on at a and c.
+    spec = _spec(tmp_path, workers=4, min_workers=2, steps=700, every=50)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2, "c": 2},
+                              script=[(10, slow_node("b", 0.5)), (10, _make_slow("b")), (300, _make_healthy("b")),
+                                      (300, slow_node("b", 0.0))])
+    (decided,) = _timeline(c).of(ev.StragglerDecided)
+    assert decided.action == "evict_node" and decided.node_id == "b"
+    checks = _timeline(c).of(ev.NodeHealthChecked)
+    assert [(e.node_id, e.action) for e in checks][-1] == ("b", "readmitted")
+    assert all(e.action == "kept_out" for e in checks[:-1]) and checks[0].time - decided.time >= knob(
+        "HEALTH_RECHECK_S"), "first checked HEALTH_RECHECK_S after the eviction"
+    assert "b" not in _timeline(c).of(ev.PlanChosen)[-1].rank_to_node
+    assert "b" not in c.ctx.health.held_out and "b" in c.ctx.health.passed
+    assert result["status"] == "finished" and result["steps_completed"] == 700
