@@ -1,9 +1,11 @@
 """The chaos harness's own parts, without a cluster: the plan, the S3 gate, the replay's
 segments and the invariants — each shown to catch what it exists to catch."""
 
+import dataclasses
 import http.server
 import threading
 import urllib.request
+from unittest import mock
 
 import pytest
 
@@ -20,6 +22,19 @@ def test_plan_is_seeded_and_has_every_kind():
     assert len(a) == 12 and set(a) == set(KINDS)
     with pytest.raises(ValueError, match="at least 8 faults"):
         plan_faults(0, 5)
+    # A slow node joins a seed's plan without reordering the kinds drawn for it.
+    slow = plan_faults(1, 12, ("slow_node",))
+    assert slow.count("slow_node") == 1 and set(slow) == set(KINDS) | {"slow_node"} and len(slow) == 12
+    with pytest.raises(ValueError, match="at least 9 faults"):
+        plan_faults(0, 8, ("slow_node",))
+
+
+def test_a_slow_node_needs_three_workers_in_sequential_mode():
+    from rayflex.testing.chaos.run import ChaosConfig
+
+    assert "slow_node" in ChaosConfig(seed=1, faults=12, slow_node=True).kinds()
+    with pytest.raises(ValueError, match="slow_node needs >= 3 workers in sequential mode"):
+        ChaosConfig(seed=0, faults=9, workers=2, nodes=3, cpus_per_node=1, slow_node=True)
 
 
 def test_gate_refuses_while_down_and_keeps_the_data():
@@ -88,10 +103,35 @@ def test_samples_invariant_catches_a_skip_and_a_repeat():
     assert not inv.samples_exact(good[:-1], sampler, 10)[0]  # a step never ran
 
 
-def test_a_straggler_in_a_chaos_run_is_a_false_positive():
-    assert inv.no_straggler_without_a_slow_node([ev.WorkerDied(time=1.0, rank=1)])[0]
-    ok, why = inv.no_straggler_without_a_slow_node([ev.StragglerDetected(time=1.0, step=40, rank=2, node_id="b")])
+def test_a_straggler_off_a_slowed_node_is_a_false_positive():
+    assert inv.stragglers_only_on_slow_nodes([ev.WorkerDied(time=1.0, rank=1)], [])[0]
+    named_b = ev.StragglerDetected(time=50.0, step=40, rank=2, node_id="b")
+    ok, why = inv.stragglers_only_on_slow_nodes([named_b], [])
     assert not ok and "straggler_detected" in why and "rank=2" in why
+    slowed_b = [{"index": 0, "kind": "slow_node", "time": 40.0, "node_id": "b", "detail": {}}]
+    assert inv.stragglers_only_on_slow_nodes([named_b], slowed_b)[0]
+    ok, why = inv.stragglers_only_on_slow_nodes([ev.StragglerDetected(time=50.0, rank=0, node_id="a")], slowed_b)
+    assert not ok and "node_id=a" in why.replace("'", "")
+    assert not inv.stragglers_only_on_slow_nodes([dataclasses.replace(named_b, time=30.0)], slowed_b)[0], \
+        "named before it slowed"
+
+
+def test_a_slow_node_is_named_within_its_window_and_its_decisions_reported():
+    fault = {"index": 0, "kind": "slow_node", "time": 100.0, "rank": None, "node_id": "b", "detail": {"ranks": [2, 3]}}
+    events = [ev.StragglerDetected(time=108.5, step=80, rank=2, node_id="b"),
+              ev.StragglerDecided(time=112.0, node_id="b", ranks=[2, 3], action="evict_node", reason="pays",
+                                  slow_step_s=0.5),
+              ev.NodeHealthChecked(time=130.0, node_id="b", action="kept_out", reason="computes at 0.10x"),
+              ev.NodeHealthChecked(time=150.0, node_id="b", passed=True, action="readmitted", reason="healthy")]
+    with mock.patch.dict("os.environ", {"RAYFLEX_STRAGGLER_WINDOW_S": "8"}):
+        ok, (row,) = inv.faults_accounted([fault], events, TIMING)
+    # max(the 8 s window, 10 slow steps of 0.5 s) + a poll + 6 steps of slack
+    assert ok and row["detected_by"] == "straggler_detected" and row["bound_s"] == 8.0 + 0.1 + 0.6
+    assert [(d["event"], d["action"], d["after_s"]) for d in row["decisions"]] == [
+        ("straggler_decided", "evict_node", 12.0), ("node_health_checked", "kept_out", 30.0),
+        ("node_health_checked", "readmitted", 50.0)]
+    ok, (row,) = inv.faults_accounted([fault], events[1:], TIMING)
+    assert not ok and row["detected_by"] is None
 
 
 # The chaos knobs (0.1 s polls) on a host that steps in 0.1 s: 0.6 s of slack.

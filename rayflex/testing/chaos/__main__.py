@@ -29,6 +29,9 @@ def main(argv=None) -> int:
                     help="CommConfig(replicate='diloco', inner_steps=H): the replicas (needs --dp-shard) train apart "
                          "and meet every H steps")
     ap.add_argument("--workers", type=int, default=None, help="ChaosConfig.workers (default: its own)")
+    ap.add_argument("--slow-node", action="store_true",
+                    help="one of the faults is a slow machine (a node held to a tenth of a core for a while): the "
+                         "straggler signal must name it and nothing else (>= 3 workers, sequential mode)")
     ap.add_argument("--workdir", default="")
     ap.add_argument("--out", help="also write the JSON report here (Ray's log lines share stdout)")
     args = ap.parse_args(argv)
@@ -45,7 +48,7 @@ def main(argv=None) -> int:
                                              parallel=rf.ParallelConfig(dp_shard=args.dp_shard),
                                              comm=(rf.CommConfig(replicate="diloco", inner_steps=args.diloco)
                                                    if args.diloco else None),
-                                             memory_replicas=args.memory_replicas,
+                                             memory_replicas=args.memory_replicas, slow_node=args.slow_node,
                                              **({"workers": args.workers} if args.workers else {}))))
         print(f"seed {seed}: {'PASSED' if reports[-1]['passed'] else 'FAILED'} in {reports[-1]['wall_s']:.0f}s",
               file=sys.stderr)

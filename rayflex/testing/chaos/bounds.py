@@ -12,6 +12,10 @@ Per kind, the mechanism that names it:
 * ``sigstop`` — a frozen rank answers no poll: named once its silence passes the heartbeat
   timeout, at the poll after.
 * ``preempt_*`` — the drain is read every ``NOTICE_POLL_S``, acted on in that cycle.
+* ``slow_node`` — the straggler signal names a rank last to arrive in 80% of the steps of
+  the last ``STRAGGLER_WINDOW_S`` (at least 10 steps): a window of slow steps, or 10 of
+  them where they are longer than a tenth of it (the slow step as the straggler policy
+  measured it, else the run's median), then the next poll.
 * ``s3_down`` — the product's promise (:func:`storage_outage_bound_s`): the recorder's
   ticker, which no step or poll delays. No slack: the promise holds on any host.
 * ``corrupt_checkpoint`` — named by the restore of the restart that follows the kill it
@@ -72,7 +76,7 @@ class DetectionTiming:
     def slack_s(self) -> float:
         return SLACK_STEPS * self.step_s
 
-    def mechanism_s(self, kind: str, named: Optional[ev.Event] = None) -> float:
+    def mechanism_s(self, kind: str, named: Optional[ev.Event] = None, slow_step_s: float = 0.0) -> float:
         """The detector's own wait for ``kind`` (``named``: the event that named it)."""
         if kind in ("kill_actor", "raise_once", "corrupt_checkpoint"):
             silent = kind == "kill_actor" and isinstance(named, ev.HangDetected)
@@ -83,6 +87,8 @@ class DetectionTiming:
             return self.heartbeat_s + 2 * self.poll_s  # its last answer: up to a poll before the stop
         if kind in ("preempt_long", "preempt_short"):
             return self.notice_poll_s + self.poll_s
+        if kind == "slow_node":
+            return max(knob("STRAGGLER_WINDOW_S"), 10 * max(slow_step_s, self.step_s)) + self.poll_s
         raise ValueError(f"unknown fault kind {kind!r}")
 
 
@@ -105,7 +111,8 @@ def bound_s(fault: dict, named: Optional[ev.Event], events: list[ev.Event], timi
         return storage_outage_bound_s()
     windows = restart_windows(events)
     start = clock_start(fault["time"], windows)
-    bound = start - fault["time"] + timing.mechanism_s(kind, named) + timing.slack_s
+    slow = [e.slow_step_s for e in events if isinstance(e, ev.StragglerDecided) and e.node_id == fault.get("node_id")]
+    bound = start - fault["time"] + timing.mechanism_s(kind, named, max(slow, default=0.0)) + timing.slack_s
     if kind == "corrupt_checkpoint":  # + the restart that follows the kill, which restores
         after = [(s, e) for s, e in windows if s >= fault["time"]]
         if after:

@@ -56,6 +56,12 @@ class LocalCluster:
         self.cluster.remove_node(node)
         return True
 
+    def processes(self, node_id: str) -> list[int]:
+        """The node's raylet and everything it started (what a slow machine slows)."""
+        from rayflex.testing.throttle import node_processes
+
+        return node_processes(self.cluster, node_id)
+
     def drain(self, node_id: str, deadline_s: float, reason: str = "spot termination (chaos)") -> float:
         """A spot notice the way Ray's autoscaler sends one; returns the deadline (epoch s)."""
         import ray

@@ -11,6 +11,7 @@ on the calling (main) thread; ``tick()`` is called from its loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -53,6 +54,11 @@ class FaultTiming:
     # save fails, is reported, and the next one must succeed.
     s3_down_s: float = 12.0
     min_steps_between: int = 10
+    # A slow machine: its processes share this much of one core for this long (longer than
+    # the straggler window and confirmation of a chaos run's SLOW_NODE_KNOBS, so the policy
+    # weighs it while it is slow).
+    slow_node_cores: float = 0.1
+    slow_node_s: float = 40.0
 
 
 class Injector:
@@ -90,6 +96,7 @@ class Injector:
         self._armed: Optional[Injected] = None  # a raise_once that has not fired yet
         self._arm_call = arm or self._arm_through_controller
         self._armed_at = 0.0
+        self._throttles: dict[str, contextlib.ExitStack] = {}  # slow nodes: node -> its quota
 
     @property
     def done(self) -> bool:
@@ -201,6 +208,8 @@ class Injector:
             self.cluster.add_node()
         elif what == "s3_up":
             self.gate.up()
+        elif what == "unthrottle":
+            self._throttles.pop(node).close()
         log.info("chaos: %s %s", what, (node or "")[:8])
         self._quiet_since = time.time()
 
@@ -294,6 +303,23 @@ class Injector:
         fault.detail["down_s"] = self.timing.s3_down_s
         self._actions.append((time.time() + self.timing.s3_down_s, "s3_up", None))
 
+    def _slow_node(self, fault: Injected, workers: list[dict]) -> None:
+        """A machine turned slow: its raylet and every process it started (ranks, and the
+        workers it starts later) share ``slow_node_cores`` of a core for ``slow_node_s``."""
+        from rayflex.testing.throttle import cpu_throttled
+
+        node = self._victim_node(fault, workers)
+        try:
+            pids = self.cluster.processes(node)
+        except (StopIteration, KeyError, ProcessLookupError) as e:
+            raise InjectionLost(f"node {node[:8]} is not listed any more ({type(e).__name__})") from None
+        stack = contextlib.ExitStack()
+        stack.enter_context(cpu_throttled(pids, self.timing.slow_node_cores, name="rayflex_chaos_slow"))
+        self._throttles[node] = stack
+        fault.time = time.time()
+        fault.detail.update(cores=self.timing.slow_node_cores, slow_s=self.timing.slow_node_s)
+        self._actions.append((fault.time + self.timing.slow_node_s, "unthrottle", node))
+
     def _raise_once(self, fault: Injected, workers: list[dict]) -> None:
         fault.detail["message"] = f"chaos: injected failure {fault.index}"
         self._arm(fault, workers, fault.step)
@@ -344,6 +370,9 @@ class Injector:
                     break
         if self.gate is not None and not self.gate.is_up:
             self.gate.up()
+        for stack in self._throttles.values():
+            stack.close()
+        self._throttles.clear()
 
 
 def _is_ray_worker(pid: int) -> bool:

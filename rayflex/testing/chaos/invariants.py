@@ -43,13 +43,17 @@ def checkpoints_verify(root: str, corrupted: dict[int, float]) -> tuple[bool, st
                 f"failed: {bad[:3]} corrupted still committed: {still}")
 
 
-def no_straggler_without_a_slow_node(events: list[ev.Event]) -> tuple[bool, str]:
-    """None of the chaos kinds slows a rank for long (a SIGSTOP freezes one: a hang): a
-    straggler named or weighed in such a run is a false positive of the straggler signal,
-    e.g. a rank held up by a shared CPU."""
+def stragglers_only_on_slow_nodes(events: list[ev.Event], faults: list[dict]) -> tuple[bool, str]:
+    """A straggler is named or weighed only on a node a ``slow_node`` fault slowed, after it
+    did. No other chaos kind slows a rank for long (a SIGSTOP freezes one: a hang), so any
+    other is a false positive of the straggler signal, e.g. a rank held up by a shared CPU."""
+    slowed = {f["node_id"]: f["time"] for f in faults if f["kind"] == "slow_node"}
     named = [e for e in events if isinstance(e, (ev.StragglerDetected, ev.StragglerDecided))]
-    if named:
-        return False, "false positives: " + "; ".join(e.describe()[:200] for e in named[:3])
+    wrong = [e for e in named if not (e.node_id in slowed and e.time >= slowed[e.node_id] - 0.5)]
+    if wrong:
+        return False, "false positives: " + "; ".join(e.describe()[:200] for e in wrong[:3])
+    if slowed:
+        return True, f"{len(named)} straggler events, all on the slowed node(s) after they slowed"
     return True, "no straggler named or weighed"
 
 
@@ -134,6 +138,10 @@ def _s3_down(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
                  and e.time <= up + 30), None)
 
 
+def _slow_node(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
+    return next((e for e in after if isinstance(e, ev.StragglerDetected) and e.node_id == fault["node_id"]), None)
+
+
 def _raise_once(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
     return next((e for e in after if isinstance(e, ev.WorkerFailed) and e.rank == fault["rank"]
                  and fault["detail"]["message"] in e.error), None)
@@ -143,7 +151,7 @@ def _raise_once(fault: dict, after: list[ev.Event]) -> Optional[ev.Event]:
 _DETECTED_BY = {"kill_actor": _kill_actor, "corrupt_checkpoint": _corrupt_checkpoint, "remove_node": _remove_node,
                "sigstop": _sigstop, "preempt_long": _preemption("emergency_checkpoint"),
                "preempt_short": _preemption("restore_last_committed"), "s3_down": _s3_down,
-               "raise_once": _raise_once}
+               "raise_once": _raise_once, "slow_node": _slow_node}
 
 
 def _match(fault: dict, events: list[ev.Event]) -> Optional[ev.Event]:
@@ -160,6 +168,14 @@ def _about_target(fault: dict, events: list[ev.Event], limit: int = 4) -> list[s
              and ((node and getattr(e, "node_id", None) == node)
                   or (rank is not None and (getattr(e, "rank", None) == rank or rank in (getattr(e, "ranks", None) or []))))]
     return [f"+{e.time - fault['time']:.1f}s {e.describe()}"[:300] for e in about[:limit]]
+
+
+def _decisions(fault: dict, events: list[ev.Event]) -> list[dict]:
+    """The straggler policy's weighings of a slowed node and its health checks after."""
+    return [{"after_s": round(e.time - fault["time"], 2), "event": e.kind.value, "action": e.action,
+             "reason": e.reason[:160]} for e in events
+            if isinstance(e, (ev.StragglerDecided, ev.NodeHealthChecked)) and e.node_id == fault["node_id"]
+            and e.time >= fault["time"]]
 
 
 def _recovered_after(fault: dict, named: ev.Event, events: list[ev.Event]) -> Optional[float]:
@@ -187,6 +203,8 @@ def faults_accounted(faults: list[dict], events: list[Union[ev.Event, dict]],
         row["bound_s"] = bound
         if e is None:  # what the run did say about the target: a missed fault or a different path
             row["seen"] = _about_target(f, events)
+        if f["kind"] == "slow_node":  # what the run decided about the slow machine
+            row["decisions"] = _decisions(f, events)
         ok &= row["ok"]
         rows.append(row)
     return ok, rows

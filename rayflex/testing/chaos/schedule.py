@@ -17,12 +17,20 @@ KINDS = (
 )
 
 
-def plan_faults(seed: int, count: int) -> list[str]:
-    """``count`` fault kinds (>= one of each) in a seeded random order."""
-    if count < len(KINDS):
-        raise ValueError(f"a chaos run needs at least {len(KINDS)} faults to inject every kind once "
-                         f"({', '.join(KINDS)}); got {count}")
+# Kinds a run injects only when asked (ChaosConfig.slow_node): a slow machine needs >= 3
+# ranks to be told from the others, and leaves every other kind's seeds as they were.
+SLOW_NODE = "slow_node"  # a machine held to a tenth of a core for a while: a straggler
+
+
+def plan_faults(seed: int, count: int, extra: tuple = ()) -> list[str]:
+    """``count`` fault kinds (>= one of each, ``extra`` kinds too) in a seeded random order."""
+    kinds_all = KINDS + tuple(extra)
+    if count < len(kinds_all):
+        raise ValueError(f"a chaos run needs at least {len(kinds_all)} faults to inject every kind once "
+                         f"({', '.join(kinds_all)}); got {count}")
     rng = random.Random(seed)
-    kinds = list(KINDS) + [rng.choice(KINDS) for _ in range(count - len(KINDS))]
+    kinds = list(KINDS) + [rng.choice(KINDS) for _ in range(count - len(kinds_all))]
     rng.shuffle(kinds)
+    for kind in extra:  # placed after the core kinds' order is drawn: the same for the same seed
+        kinds.insert(rng.randrange(1, len(kinds) + 1), kind)
     return kinds
