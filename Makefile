@@ -92,9 +92,9 @@ test-fast: venv emulators
 bench: venv
 	$(PY) benchmarks/overhead.py --rounds 5 --out benchmarks/results/overhead.json
 
-# Three long chaos runs (12 faults each); the report is benchmarks/results/chaos.json.
+# Three long chaos runs (12 faults each, one a slow machine); the report is benchmarks/results/chaos.json.
 chaos: venv
-	$(PY) -m rayflex.testing.chaos --seed 1 2 3 --faults 12 --out benchmarks/results/chaos.json
+	$(PY) -m rayflex.testing.chaos --seed 1 2 3 --faults 12 --slow-node --out benchmarks/results/chaos.json
 
 # Three chaos runs in overlap mode (16 faults each, every second one during a recovery);
 # the report is benchmarks/results/chaos_overlap.json.

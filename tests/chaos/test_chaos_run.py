@@ -82,7 +82,7 @@ def test_chaos_short_overlap_seed_with_diloco(tmp_path):
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_chaos_long_seeds(seed, tmp_path):
     # The long seeds include a slow machine: named, weighed, held out and checked again.
-    report = run_chaos(ChaosConfig(seed=seed, faults=12, slow_node=True, workdir=str(tmp_path)))
+    report = run_chaos(ChaosConfig(seed=seed, faults=12, slow_node=True, steps_per_fault=100, workdir=str(tmp_path)))
     _assert_passed(report)
     (slow,) = [r for r in report["checks"]["faults_accounted"]["detail"] if r["kind"] == "slow_node"]
     assert slow["detected_by"] == "straggler_detected" and slow["decisions"], slow

@@ -275,9 +275,12 @@ def run_chaos(cfg: ChaosConfig) -> dict:
             t1 = time.time()
             segments = segments_from_events(timeline.events, last)
             replay_root = replay(spec, segments, f"file://{workdir}/replay")
-            cmp = compare(step_dir(root, last), step_dir(replay_root, last))
+            try:
+                cmp = compare(step_dir(root, last), step_dir(replay_root, last))
+            except Exception as e:  # noqa: BLE001 - e.g. the run's last step has no checkpoint: a failed check
+                cmp = {"bitwise_equal": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             ok = cmp.get("bitwise_equal", False)
-            if not ok:
+            if not ok and "error" not in cmp:
                 cmp["first_divergence"] = first_divergence(root, replay_root)
             checks["equals_fault_free_replay"] = {
                 "ok": ok, "detail": {**cmp, "segments": [asdict(s) for s in segments],
