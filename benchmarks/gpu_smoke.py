@@ -45,7 +45,7 @@ from common import emit, machine, setup_logging  # noqa: E402
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.4), ("H100", 989.4),
                     ("A100", 312.0))
 KEYS = ("benchmark", "mode", "runner", "device", "model", "features", "workload", "tokens_per_s", "step_time_s",
-        "mfu", "peak_flops", "peak_gpu_memory_bytes", "checkpoint", "phases", "all_phases_ran", "wall_s",
+        "mfu", "peak_flops", "peak_gpu_memory_bytes", "checkpoint", "health", "phases", "all_phases_ran", "wall_s",
         "machine")
 
 
@@ -295,12 +295,18 @@ def main(argv=None) -> int:
     floor_s = state_bytes / bandwidth if state_bytes else None
     blocked = [s["blocked_s"] for s in saves]
     peak_mem = int(open(probe).read()) if os.path.exists(probe) else None
+    # The node health check a run makes before growing onto a node (rayflex/worker/health_probe.py):
+    # every GPU visible and computing correctly, and the speed of its timed multiply.
+    from rayflex.worker.health_probe import probe_node
+
+    health = probe_node(expected_gpus=torch.cuda.device_count() if cuda else 0)
     phases = {"setup": first["setup_s"] is not None and bool(first["steps"]),
               "steps": first["status"] == "finished" and first["completed"] == args.steps,
               "checkpoint": bool(first["saves"]) and not first["save_errors"]
               and max(s["step"] for s in first["saves"]) == args.steps,
               "resume": second["status"] == "finished" and second["restored_step"] == args.steps
-              and second["completed"] == total}
+              and second["completed"] == total,
+              "health": not health["error"] and health["gflops"] > 0}
     _, features = feature_configs(args)
     out = {
         "benchmark": "gpu_smoke", "mode": "cpu-smoke" if args.cpu_smoke else "gpu",
@@ -321,6 +327,7 @@ def main(argv=None) -> int:
                        "state_bytes": state_bytes, "copy_bandwidth_bytes_per_s": bandwidth,
                        "copy_bandwidth_kind": bandwidth_kind, "copy_floor_s": floor_s,
                        "blocked_min_over_floor": min(blocked) / floor_s if blocked and floor_s else None},
+        "health": health,
         "phases": phases, "all_phases_ran": all(phases.values()), "wall_s": time.time() - t_start,
         "machine": machine(),
     }

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import html
 import json
+import re
 import os
 import sys
 from typing import Any
@@ -133,10 +134,11 @@ def result_tables(path: str, max_rows: int = 24, heading: str = "###") -> str:
 
 COLORS = {"preempt_long": "#d62728", "preempt_short": "#ff7f0e", "remove_node": "#9467bd",
           "kill_actor": "#8c564b", "sigstop": "#1f77b4", "raise_once": "#7f7f7f",
-          "s3_down": "#2ca02c", "corrupt_checkpoint": "#e377c2"}
+          "s3_down": "#2ca02c", "corrupt_checkpoint": "#e377c2", "slow_node": "#bcbd22"}
 WORDS = {"preempt_long": "spot notice, 15 s", "preempt_short": "spot notice, 1 s", "remove_node": "node removed",
          "kill_actor": "worker killed", "sigstop": "worker frozen", "raise_once": "worker raised",
-         "s3_down": "object store down", "corrupt_checkpoint": "checkpoint corrupted"}
+         "s3_down": "object store down", "corrupt_checkpoint": "checkpoint corrupted",
+         "slow_node": "machine slowed (straggler)"}
 
 
 def chaos_timeline_svg(path: str = CHAOS_JSON, seed: int = 1) -> str:
@@ -163,8 +165,8 @@ def chaos_timeline_svg(path: str = CHAOS_JSON, seed: int = 1) -> str:
            f'<rect width="{w}" height="{h}" fill="#ffffff"/>']
     checks = run["checks"]
     replay = checks["equals_fault_free_replay"]["detail"]
-    title = (f"One chaos run (seed {seed}): {len(faults)} faults, "
-             f"{checks['finished_every_step']['detail'].split()[1].split('=')[1].rstrip(',')} steps trained, "
+    trained = re.search(r"steps_completed=(\d+/\d+)", checks["finished_every_step"]["detail"]).group(1)
+    title = (f"One chaos run (seed {seed}): {len(faults)} faults, {trained} steps trained, "
              f"{run['restarts']} restarts")
     sub = (f"final weights and optimizer state {'bitwise equal' if replay.get('bitwise_equal') else 'NOT equal'} "
            f"to a fault-free replay ({replay['tensors']} tensors); {os.path.basename(path)}, "
@@ -182,7 +184,7 @@ def chaos_timeline_svg(path: str = CHAOS_JSON, seed: int = 1) -> str:
     area = [f"{x(segments[0]['from_step']):.1f},{y(0):.1f}"] + points + [f"{x(segments[-1]['to_step']):.1f},{y(0):.1f}"]
     svg.append(f'<polygon points="{" ".join(area)}" fill="#c6dbef"/>')
     svg.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="#3182bd" stroke-width="1.5"/>')
-    for tick in range(0, steps + 1, 50):
+    for tick in range(0, steps + 1, 50 if steps <= 600 else 100):
         svg.append(f'<text x="{x(tick):.1f}" y="{top + ph + 14:.1f}" text-anchor="middle" fill="#444">{tick}</text>')
     svg.append(f'<text x="{left + pw / 2:.1f}" y="{top + ph + 28:.1f}" text-anchor="middle" fill="#444">step</text>')
     for fault in faults:

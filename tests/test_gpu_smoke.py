@@ -16,7 +16,7 @@ import pytest
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_smoke.py")
 KEYS = ["benchmark", "mode", "runner", "device", "model", "features", "workload", "tokens_per_s", "step_time_s",
-        "mfu", "peak_flops", "peak_gpu_memory_bytes", "checkpoint", "phases", "all_phases_ran", "wall_s",
+        "mfu", "peak_flops", "peak_gpu_memory_bytes", "checkpoint", "health", "phases", "all_phases_ran", "wall_s",
         "machine"]
 
 
@@ -34,7 +34,8 @@ def _smoke(tmp_path, *flags: str, timeout_s: float) -> dict:
 def _check(result: dict, runner: str) -> None:
     assert list(result) == KEYS
     assert (result["mode"], result["runner"], result["device"]) == ("cpu-smoke", runner, "cpu")
-    assert result["phases"] == {"setup": True, "steps": True, "checkpoint": True, "resume": True}
+    assert result["phases"] == {"setup": True, "steps": True, "checkpoint": True, "resume": True, "health": True}
+    assert result["health"]["error"] == "" and result["health"]["gflops"] > 0 and result["health"]["devices"] == 1
     assert result["all_phases_ran"] is True
     assert result["tokens_per_s"] > 0 and result["step_time_s"] > 0
     assert result["mfu"] is None and result["peak_gpu_memory_bytes"] is None  # no GPU, no --peak-tflops

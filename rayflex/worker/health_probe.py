@@ -14,18 +14,21 @@ import time
 # Long enough to see a CPU quota's period many times (the slow-node throttle's is 10 ms),
 # short beside a rank's setup.
 MEASURE_S = 0.05
-_SIZE = 256  # a 256 x 256 multiply: ~34 MFLOP, some dozens per span on one CPU core
+# The multiply timed: on a CPU a 256-square fp32 one (~34 MFLOP, dozens per span on one
+# core); on a GPU a 4096-square bf16 one (~137 GFLOP, ~0.2 ms on an H100: bound by the
+# tensor cores, not by kernel launches, so a throttled GPU shows).
+_SHAPES = {"cpu": (256, "float32"), "cuda": (4096, "bfloat16")}
 
 
 def compute_speed(device: str = "cpu", min_s: float = MEASURE_S) -> float:
-    """GFLOP/s of repeated ``_SIZE``-square matrix multiplies on ``device`` for at least
-    ``min_s`` seconds of wall time (what this process gets of its device now)."""
+    """GFLOP/s of repeated square matrix multiplies on ``device`` for at least ``min_s``
+    seconds of wall time (what this process gets of its device now)."""
     import torch
 
     dev = torch.device(device)
-    dtype = torch.float32
-    a = torch.randn(_SIZE, _SIZE, device=dev, dtype=dtype)
-    b = torch.randn(_SIZE, _SIZE, device=dev, dtype=dtype)
+    size, dtype = _SHAPES.get(dev.type, _SHAPES["cpu"])
+    a = torch.randn(size, size, device=dev, dtype=getattr(torch, dtype))
+    b = torch.randn(size, size, device=dev, dtype=getattr(torch, dtype))
     torch.mm(a, b)  # first-call setup is not the device's speed
     _sync(dev)
     done, start = 0, time.perf_counter()
@@ -36,7 +39,10 @@ def compute_speed(device: str = "cpu", min_s: float = MEASURE_S) -> float:
             _sync(dev)
             elapsed = time.perf_counter() - start
             if elapsed >= min_s:
-                return 2.0 * _SIZE ** 3 * done / elapsed / 1e9
+                del a, b
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()  # the rank's own allocations come next
+                return 2.0 * size ** 3 * done / elapsed / 1e9
 
 
 def _sync(dev) -> None:
