@@ -118,6 +118,26 @@ def test_a_node_that_is_no_longer_slow_is_kept():
     assert d.action == "keep" and d.gain_s < 0
 
 
+def test_a_node_no_longer_last_to_arrive_is_kept_whatever_the_others_wait():
+    # Three ranks on two cores: somebody waits every step, so the others' wait (0.4 s of a
+    # 0.6 s step) is not all for b once b arrives last in only a third of the steps.
+    d = _decide(_policy(), last_share=0.3, named_share=0.8)
+    assert d.action == "keep" and "no longer the straggler: its ranks arrived last in 30% of the last steps" in d.reason
+    assert _decide(_policy(), last_share=0.9, named_share=0.8).evict
+
+
+def test_the_share_of_recent_steps_a_node_arrived_last_in():
+    from rayflex.faults.detector import FaultDetector
+
+    det = FaultDetector(3, {0: "a", 1: "a", 2: "b"})
+    for step in range(1, 11):  # rank 2 last (waits least) in the first 4 steps, then rank 0 or 1 in turn
+        waits = {0: 0.05, 1: 0.05, 2: 0.0} if step <= 4 else {0: 0.0, 1: 0.05, 2: 0.05} if step % 2 else \
+            {0: 0.05, 1: 0.0, 2: 0.05}
+        det.note_step(step, 0.1, waits)
+    assert det.last_share([2]) == pytest.approx(0.4) and det.last_share([0, 1]) == pytest.approx(0.6)
+    assert det.share == 0.8
+
+
 def test_the_only_node_or_one_whose_loss_leaves_no_valid_size_is_kept():
     d = _decide(_policy(min_workers=4), usable_slots=2)
     assert d.action == "keep" and d.to_world is None and "min_workers=4" in d.reason

@@ -40,7 +40,8 @@ def consider_stragglers(ctx, loop, now: float) -> None:
         without = ctx.usable_slots(ctx.usable_topology(avoid={node}))
         decision = policy.decide(node_id=node, ranks=ranks, world=attempt.plan.world_size, usable_slots=without,
                                  remaining_steps=max(0, ctx.spec.run.steps - ctx.ledger.step),
-                                 slow_step_s=step_s, wait_s=wait_s, restart_s=restart_estimate_s(ctx))
+                                 slow_step_s=step_s, wait_s=wait_s, restart_s=restart_estimate_s(ctx),
+                                 last_share=attempt.detector.last_share(ranks), named_share=attempt.detector.share)
         fields = asdict(decision)
         fields["ranks"] = list(fields["ranks"])
         ctx.record(ev.StragglerDecided(step=ctx.ledger.step, **fields))

@@ -97,6 +97,26 @@ class FaultDetector:
                  else 0.0 for _, waits in self._recent]
         return statistics.median(t for t, _ in self._recent), statistics.median(waits)
 
+    def last_share(self, ranks) -> float:
+        """Of the attempt's last steps, the share in which one of ``ranks`` arrived last by a
+        margin worth naming (the straggler signal's own test): whether it is slow *now*.
+        Where the ranks share too few cores, somebody waits every step (the others' wait is
+        not all for these ranks); a healed node is last only in its share of the steps."""
+        counted = [(t, w) for t, w in self._recent if len(w) >= 3]
+        if not counted:
+            return 0.0
+        hits = 0
+        for step_time_s, waits in counted:
+            median = statistics.median(waits.values())
+            worth = max(0.005, STRAGGLER_MIN_COST * step_time_s)
+            hits += any(r in waits and median - waits[r] >= worth for r in ranks)
+        return hits / len(counted)
+
+    @property
+    def share(self) -> float:
+        """The share of steps a rank must arrive last in to be named."""
+        return self._share
+
     def hang_timeout_s(self) -> float:
         floor = knob("HANG_TIMEOUT_FLOOR_S")
         if not self.step_times:  # the attempt's first step: its warm-up is not measured yet

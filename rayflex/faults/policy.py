@@ -185,16 +185,20 @@ class StragglerPolicy:
     """Act on a straggler only when it pays: the time a slow node will cost the rest of the
     run must exceed a restart without it (the restart, and every remaining step at the
     size the cluster has without it). Evidence is the recent steps, not the step that named
-    it: a node that was slow for a while and is not now costs nothing more. A node is never
+    it: a node that was slow for a while and is not now costs nothing more — and one whose
+    ranks no longer arrive last in most of them is kept whatever the others wait (on shared
+    cores somebody waits every step). A node is never
     left when no valid world size remains without it (the run's only node)."""
 
     def __init__(self, spec: TrainSpec):
         self.spec = spec
 
     def decide(self, *, node_id: str, ranks: list, world: int, usable_slots: int, remaining_steps: int,
-               slow_step_s: float, wait_s: float, restart_s: float) -> StragglerDecision:
+               slow_step_s: float, wait_s: float, restart_s: float, last_share: float = 1.0,
+               named_share: float = 0.8) -> StragglerDecision:
         """``usable_slots``: the slots the cluster has for the run without the node;
-        ``wait_s``: how long the other ranks wait for the node's at each step."""
+        ``wait_s``: how long the other ranks wait for the node's at each step; ``last_share``:
+        in how many of those steps the node's ranks arrived last (``named_share`` named it)."""
         healthy = max(slow_step_s - wait_s, 1e-9)
         to_world = best_world_size(self.spec, usable_slots)
         after = healthy * world / to_world if to_world else None
@@ -202,6 +206,10 @@ class StragglerPolicy:
         base = dict(node_id=node_id, ranks=tuple(ranks), world=world, to_world=to_world,
                     remaining_steps=remaining_steps, slow_step_s=slow_step_s, healthy_step_s=healthy,
                     after_step_s=after, restart_s=restart_s, gain_s=gain)
+        if last_share < named_share:  # healed: the others' waits are not for it any more
+            return StragglerDecision("keep", (
+                f"no longer the straggler: its ranks arrived last in {last_share:.0%} of the last steps "
+                f"(named at {named_share:.0%})"), **base)
         if to_world is None:  # e.g. it is the run's only node
             return StragglerDecision("keep", f"without it the cluster has {usable_slots} usable slot(s), too few "
                                      f"for any valid world size (min_workers={self.spec.scaling.min_size})", **base)
