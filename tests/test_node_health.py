@@ -73,7 +73,8 @@ def test_a_newcomer_that_fails_its_check_is_left_out_then_readmitted_when_it_pas
 def test_a_newcomer_that_passes_is_grown_onto_after_one_check(tmp_path):
     spec = _spec(tmp_path, workers=4, min_workers=2, max_workers=4, steps=40, every=2)
     c, cluster, result = _run(spec, {"a": 2}, script=[(3, add_node("b", 2))])
-    assert _checks(c) == [("b", "admitted")] and cluster.health_checked == ["b"]
+    # On CPUs each round also checks a node the run trains on (a), at the same moment: the yardstick.
+    assert _checks(c) == [("b", "admitted")] and cluster.health_checked == ["b", "a"]
     assert result["world_size"] == 4
 
 
@@ -99,3 +100,16 @@ def test_an_evicted_straggler_is_checked_again_and_readmitted_once_it_passes(tmp
     assert "b" not in _timeline(c).of(ev.PlanChosen)[-1].rank_to_node
     assert "b" not in c.ctx.health.held_out and "b" in c.ctx.health.passed
     assert result["status"] == "finished" and result["steps_completed"] == 700
+
+
+def test_on_shared_cpus_a_newcomer_is_judged_against_a_check_of_the_same_moment(tmp_path):
+    # Every check now gets 40% of what the ranks measured at setup (a busy shared host): the
+    # newcomer computes as fast as a node the run trains on, checked beside it, so it passes
+    # (against the setup figure alone it would be 0.40x and left out).
+    def busy_host(group):
+        group.cluster.health.update({"a": {"gflops": 0.4 * FAKE_GFLOPS}, "b": {"gflops": 0.4 * FAKE_GFLOPS}})
+    spec = _spec(tmp_path, workers=4, min_workers=2, max_workers=4, steps=40, every=2)
+    c, cluster, result = _run(spec, {"a": 2}, script=[(3, add_node("b", 2)), (3, busy_host)])
+    (check,) = _timeline(c).of(ev.NodeHealthChecked)
+    assert check.action == "admitted" and check.reference_gflops == 4.0 and "1.00x the run's nodes" in check.reason
+    assert result["world_size"] == 4

@@ -5,6 +5,12 @@ so is a node evicted as a straggler. A held-out node is checked again every
 — usable for the next growth — once it passes. The verdicts are the health policy's
 (``faults.health``); each is a ``node_health_checked`` event.
 
+The yardstick is the run's own nodes. On GPUs, the speed every rank measured on its own
+device at setup. On CPUs the cores may be shared with the run's ranks (several emulated
+nodes on one machine; a CPU node's other tenants), and a check beside a training step gets
+only part of a core: there, each round of checks also runs one on a node the run trains
+on, at the same moment, and that is the yardstick (the setup figure if it fails).
+
 Restarts after a failure place on the nodes Ray lists without a check (a restart is
 latency-bound); they never place on a held-out node.
 """
@@ -16,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from rayflex.constants import knob
-from rayflex.faults.health import HealthPolicy, HealthVerdict
+from rayflex.faults.health import HealthPolicy, HealthVerdict, reference_speed
 from rayflex.telemetry import events as ev
 
 log = logging.getLogger(__name__)
@@ -35,8 +41,11 @@ class NodeHealth:
         self._gpus_per_slot = gpus_per_slot
         self.held_out: dict[str, HeldOut] = {}
         self.passed: set[str] = set()  # checked and healthy in this run
-        self.reference: Optional[float] = None  # GFLOP/s of the nodes the run trains on
+        self.reference: Optional[float] = None  # GFLOP/s of the nodes the run trains on, at setup
+        self.training_on: set[str] = set()  # the current attempt's nodes
         self._probes: dict[str, tuple[Any, float]] = {}  # node -> (its probe, started at)
+        self._yardstick: Optional[tuple[str, Any, float]] = None  # CPU: (training node, its probe, started at)
+        self._yardstick_gflops: Optional[float] = None
         self._times: dict[str, int] = {}
 
     @property
@@ -45,7 +54,7 @@ class NodeHealth:
 
     @property
     def checking(self) -> bool:
-        return bool(self._probes)
+        return bool(self._probes) or self._yardstick is not None
 
     def hold_out(self, node: str, reason: str) -> None:
         """Leave ``node`` out of placement until it passes a check (never, with checks off)."""
@@ -54,12 +63,17 @@ class NodeHealth:
         self.passed.discard(node)
         self.held_out[node] = HeldOut(reason, self._clock.time() + knob("HEALTH_RECHECK_S") * 2 ** (times - 1), times)
 
-    def ready_for_growth(self, topology, training_on: set[str]) -> bool:
+    def attempt_started(self, node_ids, speeds) -> None:
+        """A new attempt runs on ``node_ids``; its ranks measured ``speeds`` at setup."""
+        self.training_on = set(node_ids)
+        self.reference = reference_speed(speeds)
+
+    def ready_for_growth(self, topology) -> bool:
         """Whether every node a growth could use now has a verdict; starts the checks of the
         ones that have none (their verdicts arrive in ``tick``)."""
         if not self.enabled:
             return True
-        unchecked = [n for n in topology.nodes if n.slots and n.node_id not in training_on
+        unchecked = [n for n in topology.nodes if n.slots and n.node_id not in self.training_on
                      and n.node_id not in self.passed and n.node_id not in self.held_out]
         self._start([n for n in unchecked if n.node_id not in self._probes])
         return not unchecked
@@ -69,9 +83,17 @@ class NodeHealth:
         if not self.enabled:
             return
         now = self._clock.time()
-        if self._probes:
+        timeout = knob("HEALTH_PROBE_TIMEOUT_S")
+        if self._yardstick is not None:
+            node, probe, started = self._yardstick
+            report = self._cluster.health_reports({node: probe}).get(node)
+            if report is None and now - started > timeout:
+                report = {"error": "did not run"}
+            if report is not None:
+                self._yardstick = None
+                self._yardstick_gflops = None if report.get("error") else report.get("gflops") or None
+        if self._probes and self._yardstick is None:  # judged against a yardstick of the same moment
             reports = self._cluster.health_reports({n: p for n, (p, _) in self._probes.items()})
-            timeout = knob("HEALTH_PROBE_TIMEOUT_S")
             for node, (_, started) in list(self._probes.items()):
                 if node not in reports and now - started > timeout:
                     reports[node] = {"error": f"the check did not run within {timeout:g} s"}
@@ -87,12 +109,18 @@ class NodeHealth:
         if not nodes:
             return
         expected = {n.node_id: n.slots * self._gpus_per_slot for n in nodes}
+        yardstick = None
+        if not self._gpus_per_slot and self.training_on and self._yardstick is None:
+            yardstick = min(self.training_on)  # CPUs: the same check on a node the run trains on
+            expected[yardstick] = 0
         probes = self._cluster.check_health(expected)
         now = self._clock.time()
+        if yardstick is not None:
+            self._yardstick, self._yardstick_gflops = (yardstick, probes.pop(yardstick), now), None
         self._probes.update({n: (p, now) for n, p in probes.items()})
 
     def _judge(self, ctx, node: str, report: dict, now: float) -> None:
-        verdict: HealthVerdict = self.policy.judge(node, report, self.reference)
+        verdict: HealthVerdict = self.policy.judge(node, report, self._yardstick_gflops or self.reference)
         held = self.held_out.get(node)
         if verdict.passed:
             self.passed.add(node)

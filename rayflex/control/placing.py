@@ -17,7 +17,6 @@ from rayflex.control.states import Attempt, Finished, Placing, Running
 from rayflex.errors import PlacementError, RayflexError, SetupFailed
 from rayflex.planning.capacity.memory import CapacityError
 from rayflex.faults.detector import FaultDetector
-from rayflex.faults.health import reference_speed
 from rayflex.faults.policy import best_world_size
 from rayflex.planning.placement.planner import ranks_by_node
 from rayflex.telemetry import events as ev
@@ -50,7 +49,7 @@ def place(ctx, state: Placing):
                             while_waiting=lambda: _while_starting(ctx, placement.rank_to_node), live=state.live)
     except SetupFailed as failure:
         return _setup_failed(ctx, group, placement, failure)
-    ctx.health.reference = reference_speed(i.get("probe_gflops") for i in infos)
+    ctx.health.attempt_started(group.node_of.values(), [i.get("probe_gflops") for i in infos])
     ctx.record(_plan_event(world, plan, resolved, placement, group,
                            plan.memory_config(ctx.spec.memory).activation_checkpointing, _node_prices(ctx, group)))
     if ctx.spec.checkpoint.memory_replicas:

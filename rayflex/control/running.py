@@ -118,7 +118,7 @@ def _watch_capacity(ctx, loop: AttemptLoop, now: float) -> None:
     if (loop.grow_to is None and now - loop.last_capacity > knob("CAPACITY_CHECK_S")
             and loop.attempt.plan.world_size < ctx.spec.scaling.max_size):
         loop.last_capacity = now
-        if ctx.health.ready_for_growth(ctx.usable_topology(), set(loop.attempt.group.node_of.values())):
+        if ctx.health.ready_for_growth(ctx.usable_topology()):
             loop.grow_to = growth_target(ctx, loop.attempt.plan.world_size)
     if loop.grow_to is not None:
         ready = ctx.standby.readiness(knob("WORKER_START_TIMEOUT_S")) if ctx.standby else Readiness.READY
