@@ -419,7 +419,7 @@ class FakeCluster:
             self.clock.sleep(timeout_s)
         return silent
 
-    def check_health(self, expected_gpus: dict[str, int]) -> dict[str, str]:
+    def check_health(self, expected_gpus: dict[str, int], start_at: Optional[float] = None) -> dict[str, str]:
         self.health_checked.extend(expected_gpus)
         return {n: n for n in expected_gpus}
 

@@ -99,9 +99,10 @@ class RayCluster:
                 pass
         return set(probes) - answered
 
-    def check_health(self, expected_gpus: dict[str, int]) -> dict[str, Any]:
+    def check_health(self, expected_gpus: dict[str, int], start_at: Optional[float] = None) -> dict[str, Any]:
         """Start each node's health check (``worker.health_probe.probe_node``), pinned to it,
-        with the GPUs it should have (node -> count; it holds them while it runs)."""
+        with the GPUs it should have (node -> count; it holds them while it runs), its speed
+        timed from ``start_at`` (epoch seconds) if given."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -109,7 +110,7 @@ class RayCluster:
 
         probe = ray.remote(num_cpus=0, max_retries=0)(probe_node)
         return {n: probe.options(num_gpus=gpus, scheduling_strategy=NodeAffinitySchedulingStrategy(
-                    node_id=n, soft=False)).remote(gpus) for n, gpus in expected_gpus.items()}
+                    node_id=n, soft=False)).remote(gpus, start_at) for n, gpus in expected_gpus.items()}
 
     def health_reports(self, probes: dict[str, Any]) -> dict[str, dict]:
         """The reports of the checks that finished (without waiting); a check that could not

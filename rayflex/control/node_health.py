@@ -9,7 +9,8 @@ The yardstick is the run's own nodes. On GPUs, the speed every rank measured on 
 device at setup. On CPUs the cores may be shared with the run's ranks (several emulated
 nodes on one machine; a CPU node's other tenants), and a check beside a training step gets
 only part of a core: there, each round of checks also runs one on a node the run trains
-on, at the same moment, and that is the yardstick (the setup figure if it fails).
+on, timed in the same window (a load that swings by the second hits both alike), and that is
+the yardstick (the setup figure if it fails).
 
 Restarts after a failure place on the nodes Ray lists without a check (a restart is
 latency-bound); they never place on a held-out node.
@@ -18,6 +19,7 @@ latency-bound); they never place on a held-out node.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -113,7 +115,10 @@ class NodeHealth:
         if not self._gpus_per_slot and self.training_on and self._yardstick is None:
             yardstick = min(self.training_on)  # CPUs: the same check on a node the run trains on
             expected[yardstick] = 0
-        probes = self._cluster.check_health(expected)
+        # On CPUs the yardstick and the checks are timed in one window, a lead from now that
+        # covers a check's start (a new worker process, torch imported).
+        start_at = time.time() + knob("HEALTH_PROBE_LEAD_S") if yardstick is not None else None
+        probes = self._cluster.check_health(expected, start_at)
         now = self._clock.time()
         if yardstick is not None:
             self._yardstick, self._yardstick_gflops = (yardstick, probes.pop(yardstick), now), None

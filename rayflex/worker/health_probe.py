@@ -10,6 +10,7 @@ controller references ``probe_node`` without loading torch.
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 # Long enough to see a CPU quota's period many times (the slow-node throttle's is 10 ms),
 # short beside a rank's setup.
@@ -60,11 +61,18 @@ def _computes_correctly(device: str) -> bool:
     return bool(torch.equal(torch.eye(8, device=device) @ m, m))
 
 
-def probe_node(expected_gpus: int = 0) -> dict:
+# A check measured beside another one (``start_at``) times this long: long beside the load's
+# swings on a shared host, which both see in the same window.
+WINDOW_S = 0.3
+
+
+def probe_node(expected_gpus: int = 0, start_at: Optional[float] = None) -> dict:
     """The health report of the node this runs on: ``{"gflops", "devices", "error",
-    "probe_s"}``. ``expected_gpus`` > 0: that many GPUs must be visible and each must
-    compute correctly; the slowest one's speed is the node's. Never raises: a check that
-    cannot run is the report's ``error``."""
+    "probe_s", "late_s"}``. ``expected_gpus`` > 0: that many GPUs must be visible and each
+    must compute correctly; the slowest one's speed is the node's. ``start_at`` (epoch
+    seconds): the speed is timed from then for ``WINDOW_S``, so checks started together on
+    several nodes are timed in the same window (``late_s``: how late this one began). Never
+    raises: a check that cannot run is the report's ``error``."""
     t0 = time.perf_counter()
     report: dict = {"gflops": 0.0, "devices": 0, "error": ""}
     try:
@@ -84,7 +92,14 @@ def probe_node(expected_gpus: int = 0) -> dict:
             if not _computes_correctly(device):
                 report["error"] = f"{device} computed a wrong matrix product"
                 return report
-        report["gflops"] = min(compute_speed(d) for d in devices)
+        span = MEASURE_S
+        if start_at is not None:
+            wait = start_at - time.time()
+            if wait > 0:
+                time.sleep(wait)
+            report["late_s"] = max(0.0, -wait)
+            span = WINDOW_S
+        report["gflops"] = min(compute_speed(d, span) for d in devices)
     except Exception as e:  # noqa: BLE001 - a broken driver, out of memory: the node is unhealthy
         report["error"] = f"{type(e).__name__}: {e}"
     finally:
