@@ -28,8 +28,10 @@ def compute_speed(device: str = "cpu", min_s: float = MEASURE_S) -> float:
 
     dev = torch.device(device)
     size, dtype = _SHAPES.get(dev.type, _SHAPES["cpu"])
-    a = torch.randn(size, size, device=dev, dtype=getattr(torch, dtype))
-    b = torch.randn(size, size, device=dev, dtype=getattr(torch, dtype))
+    # Constant operands: the speed does not depend on the values, and a rank's random number
+    # generators (restored from a checkpoint at setup) must not move.
+    a = torch.full((size, size), 0.5, device=dev, dtype=getattr(torch, dtype))
+    b = torch.full((size, size), 0.25, device=dev, dtype=getattr(torch, dtype))
     torch.mm(a, b)  # first-call setup is not the device's speed
     _sync(dev)
     done, start = 0, time.perf_counter()
