@@ -113,3 +113,16 @@ def test_on_shared_cpus_a_newcomer_is_judged_against_a_check_of_the_same_moment(
     (check,) = _timeline(c).of(ev.NodeHealthChecked)
     assert check.action == "admitted" and check.reference_gflops == 4.0 and "1.00x the run's nodes" in check.reason
     assert result["world_size"] == 4
+
+
+def test_a_node_the_run_trained_on_is_grown_back_onto_unchecked(tmp_path):
+    # b trained at launch, then the run went on without it and grew back onto it (on Ray: the
+    # node of a killed worker, left unused by the smaller restart; the fake brings b back
+    # under its id): no check. Only a node new to the run is checked.
+    from controller_fakes import lose_node
+
+    spec = _spec(tmp_path, workers=4, min_workers=2, max_workers=4, steps=60, every=2)
+    c, cluster, result = _run(spec, {"a": 2, "b": 2}, script=[(3, lose_node("b")), (8, add_node("b", 2))])
+    sizes = [e.world_size for e in _timeline(c).of(ev.PlanChosen)]
+    assert sizes[0] == 4 and 2 in sizes and sizes[-1] == 4, sizes
+    assert _checks(c) == [] and cluster.health_checked == [], "b was a node of the run"

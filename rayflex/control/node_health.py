@@ -42,7 +42,7 @@ class NodeHealth:
         self._cluster, self._clock, self.policy = cluster, clock, policy
         self._gpus_per_slot = gpus_per_slot
         self.held_out: dict[str, HeldOut] = {}
-        self.passed: set[str] = set()  # checked and healthy in this run
+        self.passed: set[str] = set()  # checked and healthy, or trained on, in this run
         self.reference: Optional[float] = None  # GFLOP/s of the nodes the run trains on, at setup
         self.training_on: set[str] = set()  # the current attempt's nodes
         self._probes: dict[str, tuple[Any, float]] = {}  # node -> (its probe, started at)
@@ -66,8 +66,11 @@ class NodeHealth:
         self.held_out[node] = HeldOut(reason, self._clock.time() + knob("HEALTH_RECHECK_S") * 2 ** (times - 1), times)
 
     def attempt_started(self, node_ids, speeds) -> None:
-        """A new attempt runs on ``node_ids``; its ranks measured ``speeds`` at setup."""
+        """A new attempt runs on ``node_ids``; its ranks measured ``speeds`` at setup. A node
+        the run has trained on needs no check to be grown back onto (a run that shrank off it
+        when another rank failed); only nodes new to the run, or held out, are checked."""
         self.training_on = set(node_ids)
+        self.passed |= self.training_on - set(self.held_out)
         self.reference = reference_speed(speeds)
 
     def ready_for_growth(self, topology) -> bool:
