@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 class HeldOut:
     reason: str
     check_at: float  # when it is checked again
-    times: int  # how often it was held out in this run
 
 
 class NodeHealth:
@@ -48,7 +47,7 @@ class NodeHealth:
         self._probes: dict[str, tuple[Any, float]] = {}  # node -> (its probe, started at)
         self._yardstick: Optional[tuple[str, Any, float]] = None  # CPU: (training node, its probe, started at)
         self._yardstick_gflops: Optional[float] = None
-        self._times: dict[str, int] = {}
+        self._times: dict[str, int] = {}  # node -> how often it was held out in this run
 
     @property
     def enabled(self) -> bool:
@@ -60,10 +59,13 @@ class NodeHealth:
 
     def hold_out(self, node: str, reason: str) -> None:
         """Leave ``node`` out of placement until it passes a check (never, with checks off)."""
-        times = self._times.get(node, 0) + 1
-        self._times[node] = times
+        self._times[node] = self._times.get(node, 0) + 1
         self.passed.discard(node)
-        self.held_out[node] = HeldOut(reason, self._clock.time() + knob("HEALTH_RECHECK_S") * 2 ** (times - 1), times)
+        self._hold(node, reason, self._clock.time())
+
+    def _hold(self, node: str, reason: str, now: float) -> None:
+        """Out until a check after HEALTH_RECHECK_S, doubled for each earlier hold-out."""
+        self.held_out[node] = HeldOut(reason, now + knob("HEALTH_RECHECK_S") * 2 ** (self._times[node] - 1))
 
     def attempt_started(self, node_ids, speeds) -> None:
         """A new attempt runs on ``node_ids``; its ranks measured ``speeds`` at setup. A node
@@ -83,8 +85,9 @@ class NodeHealth:
         self._start([n for n in unchecked if n.node_id not in self._probes])
         return not unchecked
 
-    def tick(self, ctx, topology) -> None:
-        """Read the checks that finished (or ran out of time), and start the re-checks due."""
+    def tick(self, ctx, topology_of) -> None:
+        """Read the checks that finished (or ran out of time), and start the re-checks due
+        (``topology_of()``: the cluster's topology, read only when one is due)."""
         if not self.enabled:
             return
         now = self._clock.time()
@@ -105,10 +108,9 @@ class NodeHealth:
             for node, report in reports.items():
                 del self._probes[node]
                 self._judge(ctx, node, report, now)
-        listed = {n.node_id: n for n in topology.nodes}
-        due = [listed[n] for n, held in self.held_out.items()
-               if n in listed and n not in self._probes and now >= held.check_at]
-        self._start(due)
+        due = {n for n, held in self.held_out.items() if n not in self._probes and now >= held.check_at}
+        if due:
+            self._start([n for n in topology_of().nodes if n.node_id in due])
 
     def _start(self, nodes) -> None:
         if not nodes:
@@ -136,9 +138,9 @@ class NodeHealth:
             self.held_out.pop(node, None)
         else:
             action = "kept_out" if held else "left_out"
-            times = held.times if held else self._times.get(node, 0) + 1
-            self._times[node] = times
-            self.held_out[node] = HeldOut(verdict.reason, now + knob("HEALTH_RECHECK_S") * 2 ** (times - 1), times)
+            if not held:
+                self._times[node] = self._times.get(node, 0) + 1
+            self._hold(node, verdict.reason, now)
             log.warning("node %s %s: %s", node[:12], action.replace("_", " "), verdict.reason)
         ctx.record(ev.NodeHealthChecked(step=ctx.ledger.step, node_id=node, passed=verdict.passed, action=action,
                                         reason=verdict.reason, gflops=verdict.gflops,

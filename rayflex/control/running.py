@@ -87,7 +87,7 @@ def _cycle(ctx, loop: AttemptLoop):
         ctx.cadence.tick(ctx, attempt.group)
     consider_stragglers(ctx, loop, now)
     if ctx.health.enabled and (ctx.health.held_out or ctx.health.checking):
-        ctx.health.tick(ctx, ctx.cluster.topology())
+        ctx.health.tick(ctx, ctx.cluster.topology)
     _watch_capacity(ctx, loop, now)
     return None
 
