@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rayflex.constants import knob
+from rayflex.control.node_health import NodeHealth
 from rayflex.control.states import RunState as S
 from rayflex.faults.health import HealthPolicy, reference_speed
 from rayflex.telemetry import events as ev
@@ -126,3 +127,19 @@ def test_a_node_the_run_trained_on_is_grown_back_onto_unchecked(tmp_path):
     sizes = [e.world_size for e in _timeline(c).of(ev.PlanChosen)]
     assert sizes[0] == 4 and 2 in sizes and sizes[-1] == 4, sizes
     assert _checks(c) == [] and cluster.health_checked == [], "b was a node of the run"
+
+
+def test_a_held_out_node_is_never_its_own_yardstick():
+    # a, the lowest id of the nodes trained on, is evicted; its re-check comes before the
+    # restart without it has begun (the attempt still lists a): judged against itself, a slow
+    # node would pass. The yardstick is a node above suspicion.
+    from controller_fakes import FakeClock, FakeCluster
+
+    clock = FakeClock()
+    cluster = FakeCluster({"a": 1, "b": 1, "c": 1}, clock)
+    health = NodeHealth(cluster, clock, HealthPolicy())
+    health.attempt_started(["a", "b", "c"], [FAKE_GFLOPS] * 3)
+    health.hold_out("a", "straggler")
+    clock.now += knob("HEALTH_RECHECK_S")
+    health.tick(None, cluster.topology)
+    assert cluster.health_checked == ["a", "b"], "a checked, b the yardstick"

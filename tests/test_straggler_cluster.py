@@ -71,7 +71,7 @@ def test_a_throttled_node_is_left_kept_out_while_slow_and_readmitted_once_health
     left, back = [e for e in events if e["kind"] == "restarted"]
     assert left["lost_steps"] == 0 and "straggler" in left["reason"] and left["world_size"] == 2, left
     # While slow: checked, failed on its speed against the run's nodes, kept out.
-    assert kept_out["action"] == "kept_out" and not kept_out["passed"], kept_out
+    assert kept_out["action"] == "kept_out" and not kept_out["passed"], f"{kept_out['reason']}\n{story}"
     assert "the run's nodes" in kept_out["reason"] and kept_out["gflops"] < kept_out["reference_gflops"] / 2
     checks = [e for e in events if e["kind"] == "node_health_checked"]
     assert checks[-1]["action"] == "readmitted" and checks[-1]["node_id"] == node, story

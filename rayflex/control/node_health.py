@@ -61,6 +61,7 @@ class NodeHealth:
         """Leave ``node`` out of placement until it passes a check (never, with checks off)."""
         self._times[node] = self._times.get(node, 0) + 1
         self.passed.discard(node)
+        self.training_on.discard(node)  # no yardstick while the restart without it is under way
         self._hold(node, reason, self._clock.time())
 
     def _hold(self, node: str, reason: str, now: float) -> None:
@@ -116,9 +117,12 @@ class NodeHealth:
         if not nodes:
             return
         expected = {n.node_id: n.slots * self._gpus_per_slot for n in nodes}
+        # CPUs: the same check on a node the run trains on; never one under suspicion (a
+        # slow node judged against itself passes).
+        peers = self.training_on - set(self.held_out) - set(expected)
         yardstick = None
-        if not self._gpus_per_slot and self.training_on and self._yardstick is None:
-            yardstick = min(self.training_on)  # CPUs: the same check on a node the run trains on
+        if not self._gpus_per_slot and peers and self._yardstick is None:
+            yardstick = min(peers)
             expected[yardstick] = 0
         # On CPUs the yardstick and the checks are timed in one window, a lead from now that
         # covers a check's start (a new worker process, torch imported).
