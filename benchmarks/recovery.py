@@ -384,6 +384,11 @@ def run_rayflex(lc: LoopbackCluster, fault: str, data: str, storage: str, name: 
         out["later_faults"] = [{"kind": e["kind"], "rank": e.get("rank"), "step": e.get("step"),
                                 "time_after_fault_s": e["time"] - fault_time,
                                 "error_tail": (e.get("error") or "")[-700:]} for e in failures]
+    # Where the seconds to the resumed step went: each event until then, and the steps around it.
+    until = (kept or resumed or {"time": float("inf")})["time"]
+    out["timeline_s"] = [[e["kind"], round(e["time"] - fault_time, 3)] for e in after if e["time"] <= until] + [
+        [f"step {m['step']}", round(m["time"] - fault_time, 3)] for m in live if fault_time <= m["time"] <= until]
+    out["timeline_s"].sort(key=lambda item: item[1])
     return out
 
 

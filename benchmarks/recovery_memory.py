@@ -159,7 +159,8 @@ def fault_benchmark(lc, run_rayflex, data: str, storage: str, args, log) -> dict
                 loaded = got.get("checkpoint_loaded") or {}
                 cases.setdefault(key, []).append({k: got.get(k) for k in (
                     "fault_to_resumed_step_s", "fault_to_kept_resumed_step_s", "detection_s", "restart_setup_s",
-                    "steps_lost", "restart_phases_s", "recovery_chosen")} | {
+                    "steps_lost", "restart_phases_s", "recovery_chosen", "detect_to_setup_start_s",
+                    "timeline_s")} | {
                     "load_s": loaded.get("load_s"), "sources": loaded.get("sources"), "loaded_from": loaded.get("uri"),
                     "status": got.get("final", {}).get("status")})
     out: dict = {"runs": cases, "median_fault_to_resumed_step_s": {}, "spread_fault_to_resumed_step_s": {},

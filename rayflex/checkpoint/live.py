@@ -39,6 +39,63 @@ class LiveStateIncomplete(RuntimeError):
     """The survivors' files do not hold every chunk of the state: a live recovery is not possible."""
 
 
+class _Kept:
+    """A write stream that keeps references to what DCP writes (tensor views, no copy); the
+    file is copied once, into one array, when its stream closes (``array``)."""
+
+    def __init__(self) -> None:
+        self.parts: list[memoryview] = []
+        self.nbytes = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.parts.append(view)
+        self.nbytes += view.nbytes
+        return view.nbytes
+
+    def array(self):
+        import numpy as np
+
+        out, at = np.empty(self.nbytes, dtype=np.uint8), 0
+        for view in self.parts:
+            out[at:at + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+            at += view.nbytes
+        self.parts = []
+        return out
+
+
+class _InMemory:
+    """DCP's filesystem interface over a dict (path -> uint8 array): a snapshot's files are
+    copied once from the tensors (no file layer, no fingerprint: they never leave memory
+    unread)."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, Any] = {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" not in mode:
+            raise io.UnsupportedOperation("a snapshot being taken is write-only")
+        stream = _Kept()
+        yield stream
+        self.files[os.fspath(path)] = stream.array()
+
+    def concat_path(self, path, suffix: str) -> str:
+        return f"{os.fspath(path)}/{suffix}"
+
+    def mkdir(self, path) -> None:
+        pass
+
+    def exists(self, path) -> bool:
+        return os.fspath(path) in self.files
+
+    def rm_file(self, path) -> None:
+        self.files.pop(os.fspath(path), None)
+
+    def rename(self, path, new_path) -> None:
+        self.files[os.fspath(new_path)] = self.files.pop(os.fspath(path))
+
+
 def take_snapshot(state, *, rank: int, step: int, node_id: str = "",
                   misplaced: Optional[Callable[[dict], list]] = None) -> tuple[dict, dict[str, Any]]:
     """``state`` (a ``TrainState``) of finished step ``step``, serialized in memory without
@@ -46,33 +103,27 @@ def take_snapshot(state, *, rank: int, step: int, node_id: str = "",
     extras, the survivor's old rank and step); ``files`` maps file name -> uint8 array.
     ``misplaced``: the keys of the state whose shards would name another rank's place;
     any is a RuntimeError (no snapshot rather than a wrong one)."""
-    import fsspec
-    import numpy as np
     import torch.distributed.checkpoint as dcp
 
-    path = f"{_ROOT}/{uuid.uuid4().hex}"
-    fs = fsspec.filesystem("memory")
     t0 = time.perf_counter()
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.filterwarnings("ignore", message=r".*assuming the intent is to save in a single process")
-            tensors = state.tensor_state()
-            wrong = misplaced(tensors) if misplaced is not None else []
-            if wrong:
-                raise RuntimeError(f"{wrong[0]} (and {len(wrong) - 1} more) hold another rank's mesh coordinate "
-                                   "(a stale sharding cache)")
-            dcp.save(tensors, storage_writer=CheckpointWriter(path), no_dist=True)
-        files, metadata = {}, None
-        for full in fs.find(path):
-            name = full.rsplit("/", 1)[-1]
-            data = fs.cat_file(full)
-            if name.endswith(".metadata"):
-                metadata = data
-            elif name.endswith(".distcp"):
-                files[name] = np.frombuffer(data, dtype=np.uint8)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm(path, recursive=True)
+    writer = CheckpointWriter(f"{_ROOT}/{uuid.uuid4().hex}")
+    memory = writer.fs = _InMemory()
+    writer.sync_files = False
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=r".*assuming the intent is to save in a single process")
+        tensors = state.tensor_state()
+        wrong = misplaced(tensors) if misplaced is not None else []
+        if wrong:
+            raise RuntimeError(f"{wrong[0]} (and {len(wrong) - 1} more) hold another rank's mesh coordinate "
+                               "(a stale sharding cache)")
+        dcp.save(tensors, storage_writer=writer, no_dist=True)
+    files, metadata = {}, None
+    for full, data in memory.files.items():
+        name = full.rsplit("/", 1)[-1]
+        if name.endswith(".metadata"):
+            metadata = data.tobytes()
+        elif name.endswith(".distcp"):
+            files[name] = data
     if metadata is None:
         raise RuntimeError("the live snapshot wrote no .metadata")
     info = {"rank": rank, "node_id": node_id, "step": step, "metadata": metadata, "extra": state.extra_state(),
@@ -116,6 +167,36 @@ def merge_metadata(metadatas: dict[int, Any]) -> Any:
                     storage_meta=first.storage_meta, version=first.version)
 
 
+class _ReadView(io.RawIOBase):
+    """A read-only stream over a survivor's file in memory: the reader copies each entry
+    straight from it into its destination (``io.BytesIO`` would copy the whole file first)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._at = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+    def readinto(self, buffer) -> int:
+        target = memoryview(buffer).cast("B")
+        n = max(0, min(len(target), len(self._view) - self._at))
+        target[:n] = self._view[self._at:self._at + n]
+        self._at += n
+        return n
+
+
 class _SnapshotFiles:
     """The reader's filesystem: ``r<rank>/<file>`` is served from that survivor's files,
     fetched (``fetch(rank)``) the first time this rank's plan reads one of them."""
@@ -139,8 +220,7 @@ class _SnapshotFiles:
         if "r" not in mode:
             raise io.UnsupportedOperation("a live snapshot is read-only")
         holder, name = os.fspath(path).rsplit("/", 2)[-2:]
-        data = self.files_of(int(holder[1:]))[name]
-        yield io.BytesIO(memoryview(data).cast("B"))
+        yield _ReadView(memoryview(self.files_of(int(holder[1:]))[name]).cast("B"))
 
 
 class LiveReader(CheckpointReader):
