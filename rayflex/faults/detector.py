@@ -60,9 +60,14 @@ class Fault:
         return bool(self.bad_ranks)
 
 
+# A node is named a straggler when its ranks arrived last in this share of the recent steps
+# (and the straggler policy keeps one that no longer does).
+STRAGGLER_SHARE = 0.8
+
+
 class FaultDetector:
     def __init__(self, world_size: int, node_of: dict[int, str], *,
-                 straggler_window_s: Optional[float] = None, straggler_share: float = 0.8,
+                 straggler_window_s: Optional[float] = None, straggler_share: float = STRAGGLER_SHARE,
                  clock: Callable[[], float] = time.time):
         self.world_size = world_size
         self.node_of = dict(node_of)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from rayflex.config import TrainSpec
+from rayflex.faults.detector import STRAGGLER_SHARE
 from rayflex.faults.health import HealthPolicy
 from rayflex.mesh import rules
 
@@ -195,7 +196,7 @@ class StragglerPolicy:
 
     def decide(self, *, node_id: str, ranks: list, world: int, usable_slots: int, remaining_steps: int,
                slow_step_s: float, wait_s: float, restart_s: float, last_share: float = 1.0,
-               named_share: float = 0.8) -> StragglerDecision:
+               named_share: float = STRAGGLER_SHARE) -> StragglerDecision:
         """``usable_slots``: the slots the cluster has for the run without the node;
         ``wait_s``: how long the other ranks wait for the node's at each step; ``last_share``:
         in how many of those steps the node's ranks arrived last (``named_share`` named it)."""
