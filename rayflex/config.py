@@ -567,9 +567,11 @@ class CommConfig:
     * ``"diloco"``: the replicas train apart for ``inner_steps`` steps, then average how far
       each moved (the pseudo-gradient, sent as ``pseudo_grad``) and take an outer Nesterov
       step (``outer_lr``, ``outer_momentum``); ``fragments`` > 1 synchronises the model a
-      fragment at a time at staggered steps (streaming DiLoCo). ``inner_steps`` times fewer
-      bytes than ``"allreduce"``. Each replica keeps its own inner optimizer state; a save
-      synchronises every fragment first and holds one replica's inner state.
+      fragment at a time at staggered steps (streaming DiLoCo); ``overlap_steps`` > 0 sends a
+      fragment's pseudo-gradient that many steps before its outer step, so its all-reduce runs
+      behind those steps' compute (the progress made meanwhile is kept on top of the new
+      anchor). ``inner_steps`` times fewer bytes than ``"allreduce"``. Each replica keeps its
+      own inner optimizer state; a save does not synchronise: each replica saves its own.
     * ``"auto"`` (with ``ParallelConfig(layout="auto")``): the capacity planner picks, for the
       launch mesh on the run's cluster, the least approximate of the above (a bf16 all-reduce,
       int8, DiLoCo with the shortest round) whose modelled replica traffic is at most a fifth
@@ -584,13 +586,14 @@ class CommConfig:
     outer_momentum: float = setting(0.9, number(ge=0, le=0.999, fix="use e.g. 0.9, or 0 for plain SGD"))
     fragments: int = setting(1, whole(1, "use 1, or e.g. 4 for streaming DiLoCo"))
     pseudo_grad: str = setting("fp32", one_of(PSEUDO_GRAD_WIRES, "pseudo-gradient wire dtype"))
+    overlap_steps: int = setting(0, whole(0, "use 0 (each fragment synchronised at its step), or e.g. 1-4"))
 
     def __post_init__(self) -> None:
         check_fields(self)
         c = "CommConfig"
         if self.replicate != "diloco":
             for name, default in (("inner_steps", 32), ("outer_lr", 0.7), ("outer_momentum", 0.9), ("fragments", 1),
-                                  ("pseudo_grad", "fp32")):
+                                  ("pseudo_grad", "fp32"), ("overlap_steps", 0)):
                 if getattr(self, name) != default:
                     raise ConfigError(f"{c}.{name}", f"{name} is a DiLoCo setting and replicate={self.replicate!r}",
                                       f"set replicate='diloco', or leave {name} at its default ({default!r})")
@@ -598,6 +601,15 @@ class CommConfig:
             raise ConfigError(f"{c}.fragments", f"{self.fragments} fragments cannot each have their own step "
                               f"among inner_steps={self.inner_steps}",
                               f"use at most {self.inner_steps} fragments, or more inner_steps")
+        elif self.overlap_steps and self.overlap_steps >= self.inner_steps // self.fragments:
+            raise ConfigError(f"{c}.overlap_steps", f"overlap_steps={self.overlap_steps} would send a fragment "
+                              f"before the one before it has taken its outer step ({self.fragments} fragment(s) "
+                              f"in inner_steps={self.inner_steps}: one every {self.inner_steps // self.fragments} "
+                              "steps)", f"use at most {self.inner_steps // self.fragments - 1}, or more inner_steps")
+        elif self.overlap_steps and self.pseudo_grad == "int8":
+            raise ConfigError(f"{c}.overlap_steps", "an int8 pseudo-gradient is re-quantized between its two "
+                              "collectives and cannot cross in the background",
+                              "use pseudo_grad='fp32' or 'bf16' with overlap_steps, or overlap_steps=0")
         if self.block % 16 or self.block > 65536:
             raise ConfigError(f"{c}.block", f"block={self.block} must be a multiple of 16 and at most 65536",
                               "use e.g. 256")

@@ -146,6 +146,35 @@ def test_one_replica_takes_nesterov_outer_steps_on_how_far_it_moved():
     assert torch.allclose(p.detach(), expected - 0.5 * (delta2 + 0.9 * m2))
 
 
+def test_with_overlap_the_outer_step_uses_what_was_sent_and_keeps_the_progress_made_since():
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    outer = DiLoCo([("w", p)], ReplicateReducer(None), inner_steps=2, lr=0.5, momentum=0.9, overlap_steps=1)
+    with torch.no_grad():
+        p -= torch.tensor([0.2, 0.4])  # step 1's inner step
+    assert outer.sync(1) == 0 and int(outer.in_flight) == 0  # sent after step 1, for step 2
+    assert torch.allclose(outer.own_state()["sent"], torch.tensor([0.2, 0.4]))
+    with torch.no_grad():
+        p -= torch.tensor([0.1, 0.1])  # step 2's, while it crosses
+    assert outer.sync(2) == 1 and int(outer.in_flight) == -1
+    sent = torch.tensor([0.2, 0.4])
+    anchor = torch.tensor([1.0, 2.0]) - 0.5 * (sent + 0.9 * sent)
+    assert torch.allclose(outer.state()["outer_anchor"]["w"], anchor)
+    assert torch.allclose(p.detach(), anchor - torch.tensor([0.1, 0.1]))  # step 2's progress kept
+
+
+def test_overlap_is_refused_where_it_cannot_work():
+    import rayflex as rf
+    from rayflex.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="overlap_steps=4 would send a fragment before") as e:
+        rf.CommConfig(replicate="diloco", inner_steps=16, fragments=4, overlap_steps=4)
+    assert "use at most 3" in str(e.value)
+    with pytest.raises(ConfigError, match="int8 pseudo-gradient"):
+        rf.CommConfig(replicate="diloco", pseudo_grad="int8", overlap_steps=1)
+    with pytest.raises(ConfigError, match="overlap_steps is a DiLoCo setting"):
+        rf.CommConfig(replicate="int8", overlap_steps=1)
+
+
 # ----------------------------------------------------------------- runs of four ranks
 
 def _spec(data_uri: str, storage: str, name: str, *, world: int, dp_shard=None, comm=None, steps: int = 6,
@@ -177,6 +206,10 @@ def _jobs() -> dict:
 
     return {
         "int8": (4, 2, rf.CommConfig(replicate="int8", block=BLOCK), 4, "int8", 0, False, False),
+        # The same run saved at step 2, resumed on its mesh and on another one.
+        "int8_save": (4, 2, rf.CommConfig(replicate="int8", block=BLOCK), 2, "int8_ckpt", 2, False, False),
+        "int8_resume": (4, 2, rf.CommConfig(replicate="int8", block=BLOCK), 4, "int8_ckpt", 0, True, False),
+        "int8_resume_r2": (2, 1, rf.CommConfig(replicate="int8", block=BLOCK), 4, "int8_ckpt", 0, True, False),
         "diloco_h1": (4, 2, _diloco(inner_steps=1, outer_lr=1.0, outer_momentum=0.0), 4, "h1", 0, False, True),
         # The same DiLoCo, carried by the mesh (the planner's pick under replicate="auto").
         "mesh_h1": (4, 2, rf.CommConfig(), 4, "mesh_h1", 0, False, True),
@@ -189,6 +222,14 @@ def _jobs() -> dict:
         "resume_r1": (2, 2, _diloco(inner_steps=2), 6, "ckpt", 0, True, False),
         # The same checkpoint read by a run that keeps one model (the fp32 all-reduce).
         "resume_plain": (4, 2, rf.CommConfig(), 6, "ckpt", 0, True, False),
+        # Streaming over H=4 in 2 fragments (synchronised at steps 2 and 4), each sent a step
+        # ahead with overlap; saved at step 3 with fragment 1 in flight.
+        "streaming_h4": (4, 2, _diloco(inner_steps=4, fragments=2), 6, "s_h4", 0, False, False),
+        "overlap": (4, 2, _diloco(inner_steps=4, fragments=2, overlap_steps=1), 6, "ov", 0, False, False),
+        "overlap_save": (4, 2, _diloco(inner_steps=4, fragments=2, overlap_steps=1), 3, "ov_ckpt", 3, False, False),
+        "overlap_resume": (4, 2, _diloco(inner_steps=4, fragments=2, overlap_steps=1), 6, "ov_ckpt", 0, True, False),
+        "overlap_resume_r3": (3, 1, _diloco(inner_steps=4, fragments=2, overlap_steps=1), 6, "ov_ckpt", 0, True,
+                              False),
     }
 
 
@@ -231,6 +272,7 @@ def _run_jobs(rank: int, world: int, port: int, data_uri: str, storage: str, nam
                      "bytes": [r.replicate_bytes for r in status.records],
                      "synced": [r.outer_synced for r in status.records],
                      "residual": [r.residual_norm for r in status.records],
+                     "sent": [r.sent_bytes for r in status.records],
                      "restored": (info["restored"] or {}).get("step"), "mesh": plan.describe(),
                      "restored_momentum": restored_norm,
                      "momentum": _momentum_norm(worker) if diloco else None}
@@ -274,6 +316,47 @@ def test_int8_gradients_train_as_one_process_does_within_what_rounding_carries(r
         assert run["losses"] == pytest.approx(reference[False], abs=2e-3), (rank, run["losses"], reference[False])
         assert all(r is not None and r > 0 for r in run["residual"])
         assert all(b > 0 for b in run["bytes"])
+
+
+@pytest.mark.multiproc
+def test_an_int8_run_resumed_on_its_mesh_carries_its_residuals_and_is_the_never_stopped_run(runs):
+    got, reference = runs
+    whole = {rank: job["int8"] for rank, job in got.items()}
+    for rank, job in got.items():
+        saved, resumed = job["int8_save"], job["int8_resume"]
+        assert saved["losses"] == whole[rank]["losses"][:2]
+        assert resumed["restored"] == 2 and resumed["steps"] == [3, 4]
+        # What the roundings of steps 1-2 still owed came back with the checkpoint: steps 3-4
+        # are those of the run that never stopped (without it they differ by ~1e-4).
+        assert resumed["losses"] == pytest.approx(whole[rank]["losses"][2:], abs=1e-6), (rank, resumed, whole[rank])
+        assert resumed["residual"] == pytest.approx(whole[rank]["residual"][2:], rel=1e-5)
+    # On another mesh (2 replicas of one shard) no rank holds those buffers: they start from zero,
+    # and the run trains on within what rounding carries.
+    for rank in (0, 1):
+        other = got[rank]["int8_resume_r2"]
+        assert other["mesh"] == "pp=1 x dp=2 (2x1 hsdp)" and other["restored"] == 2 and other["steps"] == [3, 4]
+        assert other["losses"] == pytest.approx(reference[False][2:], abs=2e-3), other
+
+
+@pytest.mark.multiproc
+def test_each_step_counts_the_bytes_every_tier_carried(runs):
+    got, _ = runs
+    for rank, job in got.items():
+        # int8 between the replicas: counted as issued, they are the bytes its reducer sent.
+        int8 = job["int8"]
+        assert [s["dp_replicate"] for s in int8["sent"]] == int8["bytes"], (rank, int8)
+        # FSDP inside a replica (all-gathers, reduce-scatters) and the step's agreement over every
+        # rank (the default group on CPUs, where it serves host tensors).
+        assert all(s["dp_shard"] > 0 and s["world"] > 0 for s in int8["sent"]), int8["sent"]
+        # HSDP's own fp32 all-reduce: the ring's arithmetic over the unpadded shards, counted
+        # over FSDP's padded buffers.
+        plain = job["resume_plain"]
+        for s, modelled in zip(plain["sent"], plain["bytes"]):
+            assert modelled <= s["dp_replicate"] <= 1.1 * modelled, (rank, plain)
+        # DiLoCo (H=2): the replicas meet only at a sync.
+        whole = job["diloco_whole"]
+        assert [s.get("dp_replicate", 0) for s in whole["sent"]] == whole["bytes"], (rank, whole)
+        assert whole["bytes"][0] == 0 and whole["bytes"][1] > 0
 
 
 @pytest.mark.multiproc
@@ -326,6 +409,34 @@ def test_a_diloco_run_resumes_at_two_three_and_one_replica_groups_with_its_outer
     for name in ("resume_r3", "resume_r1"):
         assert plain["losses"][0] == pytest.approx(got[0][name]["losses"][0], abs=1e-6), name
     assert plain["losses"][0] != pytest.approx(got[0]["resume_r2"]["losses"][0], abs=1e-6)
+
+
+@pytest.mark.multiproc
+def test_streaming_diloco_with_overlap_sends_each_fragment_a_step_early_and_resumes_exactly(runs):
+    got, _ = runs
+    plain, overlap = got[0]["streaming_h4"], got[0]["overlap"]
+    assert plain["synced"] == overlap["synced"] == [0, 1, 0, 1, 0, 1]  # outer steps at 2, 4, 6
+    # The pseudo-gradient leaves a step before its outer step: behind step 1's, 3's and 5's compute.
+    assert [b > 0 for b in plain["bytes"]] == [False, True, False, True, False, True]
+    assert [b > 0 for b in overlap["bytes"]] == [True, False, True, False, True, False]
+    assert sum(overlap["bytes"]) == sum(plain["bytes"])
+    # The same run until the first outer step, then apart by what one step of progress changes.
+    assert overlap["losses"][:2] == pytest.approx(plain["losses"][:2], abs=1e-6)
+    assert overlap["losses"] != pytest.approx(plain["losses"], abs=1e-6)
+    assert overlap["losses"] == pytest.approx(plain["losses"], rel=0.05)
+    # Saved at step 3 with fragment 1's pseudo-gradient in flight: resumed on the same mesh it is
+    # sent again, and the run is the one that never stopped.
+    for rank, job in got.items():
+        saved, resumed, whole = job["overlap_save"], job["overlap_resume"], job["overlap"]
+        assert saved["losses"] == pytest.approx(whole["losses"][:3], abs=1e-6)
+        assert resumed["restored"] == 3 and resumed["steps"] == [4, 5, 6]
+        assert resumed["losses"] == pytest.approx(whole["losses"][3:], abs=1e-6), (rank, resumed, whole)
+        assert resumed["synced"] == [1, 0, 1]
+    # At three replicas every replica starts from the anchor and nothing is in flight: fragment 1
+    # is synchronised at its step (4) as without overlap, then sent ahead again.
+    other = got[0]["overlap_resume_r3"]
+    assert other["mesh"] == "pp=1 x dp=3 (3x1 hsdp)" and other["steps"] == [4, 5, 6]
+    assert other["synced"] == [1, 0, 1] and [b > 0 for b in other["bytes"]] == [True, True, False]
 
 
 @pytest.mark.multiproc

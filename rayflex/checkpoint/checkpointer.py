@@ -44,6 +44,20 @@ HPARAMS_KEY = "optim_hparams"
 # Where replicas that train apart (DiLoCo) keep their common point, keyed by parameter: the
 # one model such a checkpoint stands for (a run that keeps one model, and an export, read it).
 COMMON_MODEL = "outer_anchor"
+# Tensors only one rank holds (``RankOwn``): their section.
+OWN = "rank_own"
+
+
+@dataclass(frozen=True)
+class RankOwn:
+    """Tensors of one rank that no mesh shards and no other rank holds (int8's error-feedback
+    residuals): saved under keys naming the rank and its mesh (``prefix``, no dots), read
+    back only by the same rank of the same mesh at the sizes the checkpoint holds (they
+    need not exist yet when it is read). Another mesh reads none: they start afresh."""
+
+    prefix: str
+    tensors: Callable[[], dict[str, torch.Tensor]]
+    load: Callable[[dict[str, torch.Tensor]], None]
 
 
 @dataclass(kw_only=True)
@@ -76,6 +90,7 @@ class TrainState:
     # under the plain names any run reads. ``replicas``: how many there are.
     replica: int = 0
     replicas: int = 1
+    own: Optional[RankOwn] = None
 
     def section(self, name: str) -> str:
         """Where this rank's ``"model"`` or ``"optim"`` goes (:attr:`replica`)."""
@@ -113,6 +128,9 @@ class TrainState:
             model.update(get_model_state_dict(module))
             optim.update(get_optimizer_state_dict(module, opt, options=opts))
         outer = {name: dict(tensors) for name, tensors in self.outer.items()}
+        own = self.own.tensors() if self.own is not None else {}
+        if own:
+            outer[OWN] = {f"{self.own.prefix}.{key}": t for key, t in own.items()}
         mine = {self.section("model"): model}
         if not packed:
             return {**mine, self.section("optim"): optim, **outer}
@@ -130,6 +148,8 @@ class TrainState:
             for p, st in opt.state.items():
                 ids.append(id(p))
                 ids.extend(id(v) for v in st.values() if isinstance(v, torch.Tensor))
+        if self.own is not None:
+            ids.extend(id(t) for t in self.own.tensors().values())
         return tuple(ids)
 
     def hparam_groups(self) -> list[tuple[dict, tuple[str, ...], tuple[str, ...]]]:
@@ -158,6 +178,9 @@ class TrainState:
         for module, opt in zip(self.modules, self.optimizers):
             set_model_state_dict(module, model, options=StateDictOptions(strict=False))
             set_optimizer_state_dict(module, opt, optim, options=opts)
+        if state.get(OWN) and self.own is not None:
+            cut = len(self.own.prefix) + 1
+            self.own.load({key[cut:]: t for key, t in state[OWN].items()})
 
     def extra_state(self) -> dict[str, Any]:
         buf = io.BytesIO()
@@ -203,6 +226,20 @@ def without_unsaved(tensors: dict, sections, saved) -> dict:
         else:
             del out[name]
     return out
+
+
+def with_own_as_saved(tensors: dict, state: TrainState, saved) -> dict:
+    """``tensors`` whose own section (``TrainState.own``) is what the checkpoint (its
+    .metadata entries ``saved``) holds for this rank of this mesh, allocated at the saved
+    sizes; without any, the section is left out and the rank's own tensors start afresh."""
+    tensors.pop(OWN, None)
+    if state.own is None:
+        return tensors
+    head = f"{OWN}.{state.own.prefix}."
+    found = {key[len(OWN) + 1:]: md for key, md in saved.items() if key.startswith(head)}
+    if found:
+        tensors[OWN] = {key: torch.zeros(tuple(md.size), dtype=md.properties.dtype) for key, md in found.items()}
+    return tensors
 
 
 def read_model_from_common_point(tensors: dict, state: TrainState, saved) -> bool:
@@ -574,6 +611,7 @@ class AsyncCheckpointer:
         saved = reader.read_metadata().state_dict_metadata
         info["replicas_changed"] = state.fit_to(saved)
         tensors = without_unsaved(state.tensor_state(packed=packed_hparams(saved)), state.outer, saved)
+        tensors = with_own_as_saved(tensors, state, saved)
         from_common = read_model_from_common_point(tensors, state, saved)
         info["loaded_sections"] = sorted(tensors)
         t_load = time.perf_counter()

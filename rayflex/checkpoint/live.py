@@ -105,6 +105,8 @@ def take_snapshot(state, *, rank: int, step: int, node_id: str = "",
     any is a RuntimeError (no snapshot rather than a wrong one)."""
     import torch.distributed.checkpoint as dcp
 
+    from rayflex.checkpoint.checkpointer import OWN
+
     t0 = time.perf_counter()
     writer = CheckpointWriter(f"{_ROOT}/{uuid.uuid4().hex}")
     memory = writer.fs = _InMemory()
@@ -112,6 +114,7 @@ def take_snapshot(state, *, rank: int, step: int, node_id: str = "",
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message=r".*assuming the intent is to save in a single process")
         tensors = state.tensor_state()
+        tensors.pop(OWN, None)  # a rank's own tensors: a restart from live peers starts them afresh
         wrong = misplaced(tensors) if misplaced is not None else []
         if wrong:
             raise RuntimeError(f"{wrong[0]} (and {len(wrong) - 1} more) hold another rank's mesh coordinate "
@@ -240,7 +243,7 @@ def load_live(state, live: dict, *, group=None, node_id: str = "") -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from rayflex.checkpoint.checkpointer import packed_hparams
+    from rayflex.checkpoint.checkpointer import OWN, packed_hparams
 
     infos = live["infos"]
     metadata = merge_metadata({int(r): pickle.loads(info["metadata"]) for r, info in infos.items()})
@@ -255,6 +258,7 @@ def load_live(state, live: dict, *, group=None, node_id: str = "") -> dict:
 
     reader = LiveReader(metadata, fetch)
     tensors = state.tensor_state(packed=packed_hparams(metadata.state_dict_metadata))
+    tensors.pop(OWN, None)  # no snapshot holds any
     t0 = time.perf_counter()
     dcp.load(tensors, storage_reader=reader, process_group=group if dist.is_initialized() else None,
              no_dist=not dist.is_initialized())

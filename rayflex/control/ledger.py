@@ -37,6 +37,16 @@ def replicate_tier(recs) -> dict:
         out["residual_norm"] = math.sqrt(sum(n * n for n in owed))
     return out
 
+
+def sent_by_tier(recs) -> dict:
+    """Bytes every rank sent in the step, by process-group role: each tier's traffic (inside a
+    replica, between replicas, between pipeline stages, the step's control all-reduce)."""
+    total: dict[str, int] = {}
+    for r in recs:
+        for role, n in (r.sent_bytes or {}).items():
+            total[role] = total.get(role, 0) + n
+    return {"sent_bytes": dict(sorted(total.items()))} if total else {}
+
 class StepLedger:
     def __init__(self, data: DataConfig, checkpoint: CheckpointConfig, recorder):
         self.data, self.checkpoint, self.recorder = data, checkpoint, recorder
@@ -247,6 +257,7 @@ class StepLedger:
                 # a straggler costs a step once one is named (rayflex.telemetry.cost).
                 "sync_wait_s": max(r.sync_wait_s for r in recs.values())}
         line.update(replicate_tier(recs.values()))
+        line.update(sent_by_tier(recs.values()))
         stages = range(plan.pp)
         line["activation_peak_bytes"] = [max(r.activation_peak_bytes for r in recs.values() if r.pp_index == s)
                                          for s in stages]

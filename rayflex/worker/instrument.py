@@ -133,3 +133,86 @@ def pipeline_wait_timer(pipelined: bool = True):
 
         _patch_once(schedules, "_wait_batch_p2p", "wait_s")
     return _accumulated("wait_s")
+
+
+# Of the collectives a step issues through ``torch.distributed``: the bytes a rank sends in
+# each, as a ring (or a pairwise exchange) sends them — all of it for a point-to-point send.
+# ``payload``: the argument whose size they follow; ``share(S)``: the fraction of it sent.
+_SENT_BY = {
+    "all_reduce": ("tensor", lambda s: 2 * (s - 1) / s),
+    "all_gather_single": ("output_tensor", lambda s: (s - 1) / s),
+    "all_gather_into_tensor": ("output_tensor", lambda s: (s - 1) / s),
+    "reduce_scatter_single": ("input", lambda s: (s - 1) / s),
+    "reduce_scatter_tensor": ("input", lambda s: (s - 1) / s),
+    "all_to_all_single": ("input", lambda s: (s - 1) / s),
+    "send": ("tensor", lambda s: 1.0),
+}
+
+
+def _add_sent(dist, group, tensor, share) -> None:
+    sent = getattr(_tls, "sent_bytes", None)
+    if sent is None or not isinstance(tensor, torch.Tensor):
+        return
+    group = group if group is not None else dist.group.WORLD
+    size = dist.get_world_size(group)
+    if size > 1:
+        name = str(group.group_name)
+        sent[name] = sent.get(name, 0) + int(round(share(size) * tensor.numel() * tensor.element_size()))
+
+
+def _counting(dist, name: str, original):
+    import functools
+    import inspect
+
+    payload, share = _SENT_BY[name]
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        if getattr(_tls, "sent_bytes", None) is not None:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            _add_sent(dist, bound.get("group"), bound.get(payload), share)
+        return original(*args, **kwargs)
+    return counted
+
+
+def _counting_batch(dist, original):
+    import functools
+
+    # ``dist.isend`` itself is left as it is: a P2POp accepts only torch's own function.
+    @functools.wraps(original)
+    def counted(p2p_op_list):
+        if getattr(_tls, "sent_bytes", None) is not None:
+            for op in p2p_op_list:
+                if op.op is dist.isend:
+                    _add_sent(dist, op.group, op.tensor, lambda s: 1.0)
+        return original(p2p_op_list)
+    return counted
+
+
+def _count_sends_once() -> None:
+    import torch.distributed as dist
+
+    with _patch_lock:
+        if (dist, "sent_bytes") in _patched:
+            return
+        for name in _SENT_BY:
+            if hasattr(dist, name):
+                setattr(dist, name, _counting(dist, name, getattr(dist, name)))
+        dist.batch_isend_irecv = _counting_batch(dist, dist.batch_isend_irecv)
+        _patched.add((dist, "sent_bytes"))
+
+
+@contextmanager
+def sent_bytes_counter():
+    """A context yielding a dict, process-group name -> the bytes this thread sent in the
+    collectives it issued through ``torch.distributed`` inside the block (FSDP2's all-gathers
+    and reduce-scatters, HSDP's and the slow tier's reductions, pipeline sends). Tensor
+    parallelism's functional collectives (DTensor) do not pass there and are not counted."""
+    _count_sends_once()
+    out: dict[str, int] = {}
+    _tls.sent_bytes = out
+    try:
+        yield out
+    finally:
+        _tls.sent_bytes = None

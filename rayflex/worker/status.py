@@ -57,6 +57,10 @@ class StepRecord:
     replicate_bytes: int = 0
     outer_synced: int = 0
     residual_norm: Optional[float] = None
+    # Bytes this rank sent in the step by process-group role (``dp_shard``: FSDP's all-gathers
+    # and reduce-scatters inside a replica; ``dp_replicate``; ``pp``; ``control``), counted
+    # as issued (instrument.sent_bytes_counter).
+    sent_bytes: dict = field(default_factory=dict)
 
 
 # Steps whose metrics a checkpoint carries (rank 0's): more than a poll interval's worth of

@@ -27,7 +27,8 @@ from rayflex.data.dataset import Prefetcher, open_dataset
 from rayflex.data.sampler import SAMPLE_ORDER
 from rayflex.worker.process_groups import open_process_groups, process_group_layout
 from rayflex.worker.rendezvous import RendezvousPort, rendezvous_store
-from rayflex.worker.instrument import ActivationCounter, collective_wait_timer, pipeline_wait_timer
+from rayflex.worker.instrument import (ActivationCounter, collective_wait_timer, pipeline_wait_timer,
+                                       sent_bytes_counter)
 from rayflex.mesh.plan import MeshPlan
 from rayflex.worker import flight_recorder, sharding_caches
 from rayflex.worker.collective_faults import collective_fault_for, committed
@@ -374,6 +375,14 @@ class TrainWorker:
         labels.add(self.groups.checkpoint, "checkpoint")
         return labels
 
+    def _by_role(self, by_group: dict[str, int]) -> dict[str, int]:
+        """Bytes by process-group name -> by the group's role (``dp_shard``, ``dp_replicate``, ...)."""
+        out: dict[str, int] = {}
+        for name, n in by_group.items():
+            role = self._group_labels.of(name)[0] if self._group_labels else name
+            out[role] = out.get(role, 0) + n
+        return out
+
     def _role_of(self, group) -> str:
         import torch.distributed as dist
 
@@ -393,7 +402,8 @@ class TrainWorker:
                           config={"run": self.spec.run.name, "world_size": self.plan.world_size,
                                   "pp": self.plan.pp, "dp": self.plan.dp, "tp": self.plan.tp,
                                   "dp_replicate": self.plan.dp_replicate},
-                          outer=self.slow_tier.checkpoint_state(), replica=replica, replicas=replicas)
+                          outer=self.slow_tier.checkpoint_state(), replica=replica, replicas=replicas,
+                          own=self.slow_tier.rank_own(self.plan, self.rank))
 
     # ----------------------------------------------------------------- loop
     def start(self, end_step: int) -> int:
@@ -425,22 +435,24 @@ class TrainWorker:
                     raise RuntimeError(failure.message)
                 t0 = time.perf_counter()
                 self._note_step_start(step)
-                with committed(self.collective_fault, step, self._role_of,
-                               on_fire=lambda message: _log_injected_failure(self.rank, step, message)):
-                    with collective_wait_timer() as comm:
-                        loss_sum, grad_norm, probe = self._train_step(step)
-                    self._set_phase("collective")
-                    # The step's last collective comes before its update: a rank that fails
-                    # in a collective of step s has not applied s, and a survivor's state is
-                    # always that of a finished step (live recovery reads it).
-                    agreed = self._agree(loss_sum)
-                # How long this rank waited for its peers in the step: inside its collectives
-                # (a slow rank holds the others up there) and at the closing agreement.
-                probe["sync_wait_s"] = comm["wait_s"] + agreed.wait_s
-                loss = agreed.loss
-                stop_agreed = agreed.stop
-                self._updating = step
-                self._apply_update(step)
+                with sent_bytes_counter() as sent:
+                    with committed(self.collective_fault, step, self._role_of,
+                                   on_fire=lambda message: _log_injected_failure(self.rank, step, message)):
+                        with collective_wait_timer() as comm:
+                            loss_sum, grad_norm, probe = self._train_step(step)
+                        self._set_phase("collective")
+                        # The step's last collective comes before its update: a rank that fails
+                        # in a collective of step s has not applied s, and a survivor's state is
+                        # always that of a finished step (live recovery reads it).
+                        agreed = self._agree(loss_sum)
+                    # How long this rank waited for its peers in the step: inside its collectives
+                    # (a slow rank holds the others up there) and at the closing agreement.
+                    probe["sync_wait_s"] = comm["wait_s"] + agreed.wait_s
+                    loss = agreed.loss
+                    stop_agreed = agreed.stop
+                    self._updating = step
+                    self._apply_update(step)
+                probe["sent_bytes"] = self._by_role(sent)
                 dt = time.perf_counter() - t0
                 record = StepRecord(step=step, loss=loss, step_time_s=dt, lr=self._lr_of_step(step),
                                     grad_norm=grad_norm, time=time.time(), samples=self.spec.data.global_batch,
@@ -460,6 +472,7 @@ class TrainWorker:
                     self._save(step, reason)
                     continue
                 self._maybe_save(step, end_step, agreed)
+            self.slow_tier.settle()  # DiLoCo: no reduction left in flight behind the loop
             if self.checkpointer is not None:
                 # The end of a run and a graceful stop both leave a checkpoint of the last
                 # step, so a resubmitted run loses nothing; a 0-step run exists to save its

@@ -64,7 +64,7 @@ class DiLoCo:
     parameters, FQN-keyed)."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], reducer: ReplicateReducer, *,
-                 inner_steps: int, lr: float, momentum: float, fragments: int = 1) -> None:
+                 inner_steps: int, lr: float, momentum: float, fragments: int = 1, overlap_steps: int = 0) -> None:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.reducer = reducer
@@ -79,6 +79,17 @@ class DiLoCo:
             self.anchor_tensors = [p.detach().clone() for p in self.params]
         self.anchor = [local_tensor(a) for a in self.anchor_tensors]
         self._synced_at: dict[int, int] = {}  # fragment -> the step it last synchronised at
+        # Overlap: a fragment's pseudo-gradient leaves ``overlap_steps`` steps before its outer
+        # step. At most one is in flight (overlap_steps < the steps between two fragments'
+        # syncs), so one buffer holds it (what this rank sent), and which fragment it is; both
+        # exist from the start, so a checkpoint's staged copy keeps pointing at them.
+        self.overlap_steps = overlap_steps
+        self.in_flight = torch.full((1,), -1, dtype=torch.int64)  # the fragment sent, -1: none
+        self._sent: Optional[torch.Tensor] = None
+        self._wait = None  # waits for the in-flight mean and returns it
+        if overlap_steps:
+            longest = max(sum(local_tensor(self.params[i]).numel() for i in r) for r in self.fragments)
+            self._sent = torch.zeros(longest, dtype=torch.float32, device=self.anchor[0].device)
 
     @torch.no_grad()
     def reset_anchor(self) -> None:
@@ -99,13 +110,20 @@ class DiLoCo:
 
     def sync(self, step: int, fragments: Optional[list[int]] = None) -> int:
         """Synchronise ``fragments`` (default: those due at ``step``; each at most once per
-        step); returns how many were synchronised. Collective over the replicate group: every
-        rank calls it at the same step with the same fragments."""
+        step); returns how many were synchronised. With ``overlap_steps``, also send the
+        fragment due that many steps later. Collective over the replicate group: every rank
+        calls it at the same step with the same fragments."""
         todo = self.due(step) if fragments is None else fragments
         todo = [f for f in todo if self._synced_at.get(f) != step]
         for f in todo:
-            self._sync_fragment(f)
+            if int(self.in_flight) == f:
+                self._apply_sent(f)
+            else:  # sent in no earlier step (the run's first round, or another mesh resumed)
+                self._sync_fragment(f)
             self._synced_at[f] = step
+        if fragments is None and self.overlap_steps:
+            for f in self.due(step + self.overlap_steps):
+                self._send(f)
         return len(todo)
 
     def sync_all(self, step: int) -> int:
@@ -116,7 +134,7 @@ class DiLoCo:
         idx = list(self.fragments[f])
         local = [local_tensor(self.params[i]) for i in idx]
         delta = torch.cat([(self.anchor[i] - t).reshape(-1).float() for i, t in zip(idx, local)])
-        self.reducer.mean_(delta, ("outer", f))
+        self.reducer.mean_(delta, f"outer.{f}")
         offset = 0
         for i, t in zip(idx, local):
             d = delta[offset:offset + t.numel()].view_as(t).to(t.dtype)
@@ -126,6 +144,79 @@ class DiLoCo:
             update = d.add(m, alpha=self.mu) if self.mu else d  # Nesterov
             self.anchor[i].sub_(update, alpha=self.lr)
             t.copy_(self.anchor[i])
+
+    def _local_delta(self, f: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """How far this rank's shard of fragment ``f`` moved since its last sync (fp32, flat)."""
+        parts = [(self.anchor[i] - local_tensor(self.params[i])).reshape(-1).float() for i in self.fragments[f]]
+        if out is None:
+            return torch.cat(parts)
+        n = sum(p.numel() for p in parts)
+        torch.cat(parts, out=out[:n])
+        return out[:n]
+
+    @torch.no_grad()
+    def _send(self, f: int) -> None:
+        """Start averaging fragment ``f``'s pseudo-gradient over the replicas, in the
+        background; its outer step waits for it (``_apply_sent``)."""
+        sent = self._local_delta(f, out=self._sent)
+        self.in_flight.fill_(f)
+        self._wait = self.reducer.start_mean_(sent.clone(), f"outer.{f}")
+
+    def resend(self) -> None:
+        """After a restore on the same mesh from a checkpoint saved with a fragment in flight
+        (:meth:`own_state`): send what it had sent again (collective, at setup)."""
+        f = int(self.in_flight)
+        if f >= 0:
+            n = sum(local_tensor(self.params[i]).numel() for i in self.fragments[f])
+            self._wait = self.reducer.start_mean_(self._sent[:n].clone(), f"outer.{f}")
+
+    def settle(self) -> None:
+        """Wait for a reduction still in flight (a loop that ends mid-overlap); what was sent
+        stays, so a save now still holds it and a resumed run sends it again."""
+        if self._wait is not None:
+            self._wait()
+            self._wait = None
+
+    @torch.no_grad()
+    def _apply_sent(self, f: int) -> None:
+        """Fragment ``f``'s outer step on the mean sent ``overlap_steps`` steps ago; the
+        progress each replica made since it sent is kept on top of the new anchor."""
+        mean = self._wait() if self._wait is not None else None
+        self._wait = None
+        if mean is None:  # sent by an attempt that ended: the bytes it sent, averaged again
+            self.resend()
+            mean, self._wait = self._wait(), None
+        idx = list(self.fragments[f])
+        offset = 0
+        for i in idx:
+            t = local_tensor(self.params[i])
+            n = t.numel()
+            d = mean[offset:offset + n].view_as(t).to(t.dtype)
+            progress = t - (self.anchor[i] - self._sent[offset:offset + n].view_as(t).to(t.dtype))
+            offset += n
+            m = local_tensor(self.momentum[i])
+            m.mul_(self.mu).add_(d)
+            update = d.add(m, alpha=self.mu) if self.mu else d  # Nesterov
+            self.anchor[i].sub_(update, alpha=self.lr)
+            t.copy_(self.anchor[i] + progress)
+        self.in_flight.fill_(-1)
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """What only this rank holds and a resume on the same mesh needs: the fragment in
+        flight, and what this rank sent for it (none without overlap)."""
+        if self._sent is None:
+            return {}
+        return {"in_flight": self.in_flight, "sent": self._sent}
+
+    def load_own_state(self, own: dict[str, torch.Tensor]) -> None:
+        if self._sent is not None and "in_flight" in own and own["sent"].shape == self._sent.shape:
+            self._sent.copy_(own["sent"].to(self._sent.device))
+            self.in_flight.copy_(own["in_flight"])
+
+    def forget_in_flight(self) -> None:
+        """A restore at another number of replicas: nothing sent before applies."""
+        self.in_flight.fill_(-1)
+        self._wait = None
 
     def state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The outer state for a checkpoint, by section: momentum and anchor, keyed by parameter."""

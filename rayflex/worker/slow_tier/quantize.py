@@ -35,23 +35,36 @@ class ErrorFeedback:
     steps nothing is dropped, only delayed (the residual stays bounded by half a
     quantization step per value).
 
-    One residual per ``key`` (a gradient bucket, a model fragment); a key whose buffer
-    changed size starts again from zero (a new mesh after an elastic restart)."""
+    One residual per ``key`` (a gradient bucket, a model fragment: a string); a key whose
+    buffer changed size starts again from zero (a new mesh after an elastic restart)."""
 
     def __init__(self) -> None:
-        self._residual: dict[object, torch.Tensor] = {}
+        self._residual: dict[str, torch.Tensor] = {}
 
-    def compensate(self, key: object, x: torch.Tensor) -> torch.Tensor:
+    def compensate(self, key: str, x: torch.Tensor) -> torch.Tensor:
         """``x`` plus the residual kept under ``key`` (a new fp32 tensor)."""
         residual = self._residual.get(key)
         out = x.float().clone()
-        if residual is not None and residual.shape == out.shape and residual.device == out.device:
-            out += residual
+        if residual is not None and residual.shape == out.shape:
+            out += residual.to(out.device)  # one read back from a checkpoint is on the host
         return out
 
-    def keep(self, key: object, wanted: torch.Tensor, sent: torch.Tensor) -> None:
-        """Remember ``wanted - sent``: what the quantized ``sent`` fell short by."""
-        self._residual[key] = wanted - sent
+    def keep(self, key: str, wanted: torch.Tensor, sent: torch.Tensor) -> None:
+        """Remember ``wanted - sent``: what the quantized ``sent`` fell short by. In place
+        when the buffer is the same: a checkpoint's staged copy keeps pointing at it."""
+        residual = self._residual.get(key)
+        if residual is not None and residual.shape == wanted.shape and residual.device == wanted.device:
+            torch.sub(wanted, sent, out=residual)
+        else:
+            self._residual[key] = wanted - sent
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The residuals by key (the tensors themselves: a checkpoint reads them)."""
+        return dict(self._residual)
+
+    def load(self, residuals: dict[str, torch.Tensor]) -> None:
+        """Carry on from ``residuals`` (a checkpoint's): each is added to its key's next buffer."""
+        self._residual.update(residuals)
 
     def norm(self) -> float:
         """L2 norm of every residual kept (what is still owed to the reductions)."""

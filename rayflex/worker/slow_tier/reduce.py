@@ -10,6 +10,8 @@ all-reduce, at a quarter of fp32's width — and no value is summed in int8.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -40,7 +42,7 @@ class ReplicateReducer:
         self._owned = ErrorFeedback()  # what its quantized mean of the chunk it owns lost
         self._bytes = 0
 
-    def mean_(self, flat: torch.Tensor, key: object) -> torch.Tensor:
+    def mean_(self, flat: torch.Tensor, key: str) -> torch.Tensor:
         """Replace ``flat`` (1-D) by its mean over the group; ``key`` names the buffer
         (a gradient bucket, a fragment) whose residuals carry to its next reduction."""
         if self.ranks == 1:
@@ -56,7 +58,27 @@ class ReplicateReducer:
         self._bytes += ring_bytes(flat.numel(), wire.element_size(), self.ranks)
         return flat
 
-    def _int8_mean(self, flat: torch.Tensor, key: object) -> torch.Tensor:
+    def start_mean_(self, flat: torch.Tensor, key: str) -> Callable[[], torch.Tensor]:
+        """Start replacing ``flat`` by its mean in the background (fp32 and bf16 wires: one
+        asynchronous all-reduce); returns the call that waits for it and returns ``flat``."""
+        if self.ranks == 1:
+            return lambda: flat
+        if self.wire == "int8":
+            raise ValueError("an int8 mean re-quantizes between its two collectives: it cannot run in the "
+                             "background; use the fp32 or bf16 wire")
+        wire = flat if flat.dtype == DTYPES[self.wire] else flat.to(DTYPES[self.wire])
+        work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._bytes += ring_bytes(flat.numel(), wire.element_size(), self.ranks)
+
+        def wait() -> torch.Tensor:
+            work.wait()
+            wire.div_(self.ranks)
+            if wire is not flat:
+                flat.copy_(wire)
+            return flat
+        return wait
+
+    def _int8_mean(self, flat: torch.Tensor, key: str) -> torch.Tensor:
         n, ranks, block = flat.numel(), self.ranks, self.block
         chunk = padded_length(-(-n // ranks), block)  # each rank owns one chunk of whole blocks
         wanted = torch.zeros(ranks * chunk, dtype=torch.float32, device=flat.device)
@@ -86,6 +108,17 @@ class ReplicateReducer:
         """Bytes this rank sent since the last call."""
         sent, self._bytes = self._bytes, 0
         return sent
+
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """What the int8 roundings still owe, by ``sent.<key>`` / ``owned.<key>`` (the
+        tensors themselves: a checkpoint of this rank reads them)."""
+        return {f"{side}.{key}": r for side, fb in (("sent", self._sent), ("owned", self._owned))
+                for key, r in fb.state().items()}
+
+    def load_residuals(self, residuals: dict[str, torch.Tensor]) -> None:
+        """Carry on from ``residuals`` (:meth:`residuals` of the same rank of the same mesh)."""
+        for side, fb in (("sent", self._sent), ("owned", self._owned)):
+            fb.load({name[len(side) + 1:]: r for name, r in residuals.items() if name.startswith(f"{side}.")})
 
     def residual_norm(self) -> float:
         """L2 norm of what the int8 reductions still owe (0 for fp32 and bf16)."""

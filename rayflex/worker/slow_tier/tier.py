@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from rayflex.checkpoint.checkpointer import RankOwn
 from rayflex.config import CommConfig
 from rayflex.mesh.plan import MeshPlan
 from rayflex.worker.slow_tier.diloco import ANCHOR, DiLoCo, local_tensor
@@ -36,7 +37,8 @@ class SlowTier:
             self.reducer = ReplicateReducer(group, comm.pseudo_grad, comm.block)
             named = [(name, p) for _, m in stages for name, p in m.named_parameters()]
             self.diloco = DiLoCo(named, self.reducer, inner_steps=comm.inner_steps, lr=comm.outer_lr,
-                                 momentum=comm.outer_momentum, fragments=comm.fragments)
+                                 momentum=comm.outer_momentum, fragments=comm.fragments,
+                                 overlap_steps=comm.overlap_steps)
         else:
             numel = sum(local_tensor(p).numel() for _, m in stages for p in m.parameters())
             element = torch.empty((), dtype=reduce_dtype).element_size()
@@ -46,6 +48,12 @@ class SlowTier:
         """DiLoCo: synchronise the fragments due at ``step`` (collective)."""
         if self.diloco is not None:
             self._synced += self.diloco.sync(step)
+
+    def settle(self) -> None:
+        """DiLoCo, when the training loop ends: wait for a pseudo-gradient still in flight
+        (overlap); a save after it still holds what was sent."""
+        if self.diloco is not None:
+            self.diloco.settle()
 
     def finish(self, step: int) -> None:
         """DiLoCo at the run's last step: synchronise every fragment, so the final
@@ -61,8 +69,12 @@ class SlowTier:
             return
         if ANCHOR not in restored.get("loaded_sections", ()):
             self.diloco.reset_anchor()
+            self.diloco.forget_in_flight()
         elif restored.get("replicas_changed"):
             self.diloco.start_from_anchor()
+            self.diloco.forget_in_flight()
+        else:
+            self.diloco.resend()  # a fragment in flight at the save (overlap): on its way again
 
     def checkpoint_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Sections a checkpoint keeps besides the model and optimizer (DiLoCo's outer state)."""
@@ -74,6 +86,33 @@ class SlowTier:
         if self.diloco is None:
             return 0, 1
         return plan.mesh_coords(rank).dp_replicate, plan.dp_replicate
+
+    def rank_own(self, plan: MeshPlan, rank: int) -> Optional[RankOwn]:
+        """What only this rank holds, for its checkpoints: int8's residuals (what its roundings
+        still owe) and DiLoCo's pseudo-gradient in flight (overlap). Read back by the same rank
+        of the same mesh, so a resume there carries on exactly; on another mesh the residuals
+        start from zero (at most one step's rounding is not carried) and nothing is in flight."""
+        int8 = self.reducer is not None and self.reducer.wire == "int8"
+        overlap = self.diloco is not None and self.diloco.overlap_steps > 0
+        if not (int8 or overlap):
+            return None
+
+        def tensors() -> dict:
+            out = {f"residual.{k}": t for k, t in self.reducer.residuals().items()} if int8 else {}
+            if overlap:
+                out.update((f"diloco.{k}", t) for k, t in self.diloco.own_state().items())
+            return out
+
+        def load(saved: dict) -> None:
+            if int8:
+                self.reducer.load_residuals({k[len("residual."):]: t for k, t in saved.items()
+                                             if k.startswith("residual.")})
+            if overlap:
+                self.diloco.load_own_state({k[len("diloco."):]: t for k, t in saved.items() if k.startswith("diloco.")})
+
+        prefix = (f"w{plan.world_size}_pp{plan.pp}_rep{plan.dp_replicate}_shard{plan.dp_shard}_tp{plan.tp}"
+                  f"_rank{rank}")
+        return RankOwn(prefix=prefix, tensors=tensors, load=load)
 
     def step_metrics(self) -> dict:
         """This rank's share of the step's metrics line: the bytes it sent over the replicate
