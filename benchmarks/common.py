@@ -19,7 +19,22 @@ def machine() -> dict:
     except ImportError:  # pragma: no cover
         ray_version = None
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__.split("+")[0], "ray": ray_version}
+            "torch": torch.__version__.split("+")[0], "ray": ray_version, "commit": _commit()}
+
+
+def _commit() -> str | None:
+    """The commit measured (with "+changes" when the tree differs from it), or None outside git."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if dirty else "")
 
 
 def emit(obj: dict, out: str | None = None) -> None:

@@ -17,6 +17,7 @@ steps of the same global batch, so after step ``s`` every option has seen the sa
 * ``hsdp_int8``: the replica reduction in int8 with error feedback (``CommConfig(replicate="int8")``);
 * ``diloco_h8`` / ``diloco_h32``: DiLoCo, the regions training apart for 8 / 32 steps;
 * ``streaming_h32``: DiLoCo H=32 in 4 fragments synchronised in turn;
+* ``streaming_h32_overlap``: the same, each fragment's pseudo-gradient sent 2 steps early;
 * ``diloco_h32_int8``: DiLoCo H=32 with the pseudo-gradient sent in int8.
 
 ``--phase speed`` (the default): options alternate within each round. Per run: tokens/s
@@ -58,6 +59,9 @@ OPTIONS = {
     "diloco_h8": ({"dp_shard": 2}, {"replicate": "diloco", "inner_steps": 8}, {}),
     "diloco_h32": ({"dp_shard": 2}, {"replicate": "diloco", "inner_steps": 32}, {}),
     "streaming_h32": ({"dp_shard": 2}, {"replicate": "diloco", "inner_steps": 32, "fragments": 4}, {}),
+    # The same, each fragment sent 2 steps before its outer step (behind those steps' compute).
+    "streaming_h32_overlap": ({"dp_shard": 2}, {"replicate": "diloco", "inner_steps": 32, "fragments": 4,
+                                               "overlap_steps": 2}, {}),
     "diloco_h32_int8": ({"dp_shard": 2}, {"replicate": "diloco", "inner_steps": 32, "pseudo_grad": "int8"}, {}),
     # The outer step as plain averaging (lr 1, no momentum): what the outer optimizer adds.
     "diloco_h32_average": ({"dp_shard": 2}, {"replicate": "diloco", "inner_steps": 32, "outer_lr": 1.0,
@@ -112,6 +116,8 @@ def _run(bed, root: str, option: str, steps: int, tag: str, phase: str = "speed"
             "tokens_per_s": tokens / seconds, "measured_steps": len(counted),
             "bytes_per_token": {k: v / tokens for k, v in traffic["by_tier"].items()},
             "replicate_bytes_per_token": sum(m.get("replicate_bytes", 0) for m in counted) / tokens,
+            "sent_bytes_per_token": {role: sum(m.get("sent_bytes", {}).get(role, 0) for m in counted) / tokens
+                                     for role in sorted({r for m in counted for r in m.get("sent_bytes", {})})},
             "losses": [m["loss"] for m in metrics],
             "final_loss": statistics.fmean(m["loss"] for m in metrics[-LOSS_WINDOW:]),
             "outer_syncs": sum(m.get("outer_synced", 0) for m in metrics)}
@@ -190,6 +196,8 @@ def summarise(bed: dict, options: list, steps: int) -> dict:
             "tokens_per_s": _spread([r["tokens_per_s"] for r in runs]),
             "slow_tier_bytes_per_token": _spread([r["bytes_per_token"].get(SLOW_TIER, 0.0) for r in runs]),
             "replicate_bytes_per_token": _spread([r["replicate_bytes_per_token"] for r in runs]),
+            "sent_bytes_per_token": {role: _spread([r.get("sent_bytes_per_token", {}).get(role, 0) for r in runs])
+                                     for role in sorted({k for r in runs for k in r.get("sent_bytes_per_token", {})})},
             "final_loss": _spread([r["final_loss"] for r in runs]),
             "outer_syncs": runs[0]["outer_syncs"],
             "losses_round0": runs[0]["losses"],
