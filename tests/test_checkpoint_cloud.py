@@ -65,7 +65,7 @@ def test_checkpoint_round_trip(cloud):
     assert mf.list_committed(root) == [3]
     manifest = mf.verify(root, 3)
     assert any(name.endswith(".metadata") for name in manifest.files)
-    assert all(f.fingerprint.startswith("crc32:") for f in manifest.files.values())
+    assert all(f.fingerprint.startswith("xxh3:") for f in manifest.files.values())
 
     fresh = tiny_state(seed=1)
     assert AsyncCheckpointer(root, rank=0, keep=2).load_latest(fresh)["step"] == 3

@@ -203,3 +203,26 @@ def test_a_checkpointer_given_another_root_commits_there(tmp_path):
         assert report.get("committed"), report.get("error")
     assert (mf.list_committed(first), mf.list_committed(second)) == ([1], [2])
     assert ckpt.load_latest(tiny_state(seed=1))["step"] == 2
+
+
+def test_a_flipped_byte_read_by_the_load_is_caught_by_its_check_and_the_older_step_loaded_over_it(tmp_path):
+    """The checksums are taken while the load reads the same files (one pass over the disk):
+    a step that fails them is withdrawn after it was loaded, and the older step loaded over it."""
+    from rayflex.checkpoint import manifest as mf
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
+
+    root = f"file://{tmp_path}/ckpt"
+    older, newer = tiny_state(seed=1), tiny_state(seed=2)
+    save_committed(root, older, step=3)
+    save_committed(root, newer, step=4)
+    [shard] = glob.glob(f"{tmp_path}/ckpt/step_00000004/*.distcp")
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(shard, "wb").write(bytes(data))
+
+    target = tiny_state(seed=9)
+    info = AsyncCheckpointer(root, rank=0).load_latest(target)
+    assert info["step"] == 3 and any("step 4" in s and "checksum differs" in s for s in info["skipped"]), info
+    for got, want in zip(target.modules[0].state_dict().values(), older.modules[0].state_dict().values()):
+        assert torch.equal(got, want)
+    assert mf.list_committed(root) == [3]  # step 4 withdrawn

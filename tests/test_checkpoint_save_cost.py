@@ -4,7 +4,7 @@ digests the writer took instead of reading every shard back."""
 
 from __future__ import annotations
 
-import zlib
+import xxhash
 
 import pytest
 import torch
@@ -98,7 +98,7 @@ def test_a_digest_file_that_is_not_a_digest_is_ignored_and_the_file_hashed(tmp_p
     (step / ("__0_0.distcp" + mf.DIGEST_SUFFIX)).write_text("not a digest\n")
     manifest = mf.commit(f"file://{tmp_path}/ckpt", 3, world_size=1, mesh={})
     assert manifest.files["__0_0.distcp"].fingerprint == mf.fingerprint_of(b"shard bytes") == \
-        f"crc32:{zlib.crc32(b'shard bytes'):08x}"
+        "xxh3:" + xxhash.xxh3_128_hexdigest(b"shard bytes")
     assert "not a digest this version writes" in caplog.text
     mf.verify(f"file://{tmp_path}/ckpt", 3)
 
@@ -120,6 +120,28 @@ def test_checkpoints_committed_with_blake2b_digests_still_commit_and_verify(tmp_
     manifest = mf.commit(f"file://{tmp_path}/ckpt", 3, world_size=1, mesh={})
     assert manifest.files["__0_0.distcp"].fingerprint == \
         "blake2b:" + hashlib.blake2b(b"shard bytes", digest_size=32).hexdigest()
+    mf.verify(f"file://{tmp_path}/ckpt", 3)
+    (step / "__0_0.distcp").write_bytes(b"shard bytez")
+    with pytest.raises(CheckpointError, match="checksum differs"):
+        mf.verify(f"file://{tmp_path}/ckpt", 3)
+
+
+def test_checkpoints_committed_with_crc32_fingerprints_still_commit_and_verify(tmp_path):
+    """Steps written before the XXH3 fingerprints: a writer's ``crc32:`` sidecar is still
+    recorded, and a manifest that recorded it verifies (and catches a flipped byte) as before."""
+    import zlib
+
+    from rayflex.errors import CheckpointError
+    from rayflex.checkpoint import manifest as mf
+
+    step = tmp_path / "ckpt" / "step_00000003"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"meta")
+    (step / "__0_0.distcp").write_bytes(b"shard bytes")
+    crc = f"crc32:{zlib.crc32(b'shard bytes'):08x}"
+    (step / ("__0_0.distcp" + mf.DIGEST_SUFFIX)).write_text(crc)
+    manifest = mf.commit(f"file://{tmp_path}/ckpt", 3, world_size=1, mesh={})
+    assert manifest.files["__0_0.distcp"].fingerprint == crc
     mf.verify(f"file://{tmp_path}/ckpt", 3)
     (step / "__0_0.distcp").write_bytes(b"shard bytez")
     with pytest.raises(CheckpointError, match="checksum differs"):

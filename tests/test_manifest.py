@@ -107,7 +107,7 @@ def test_commit_list_latest_and_verify(backend):
     assert mf.list_committed(root) == [10, 20] and mf.latest_committed(root) == 20
     assert set(m20.files) == {*SHARDS, mf.METADATA}  # nested paths included, marker not
     assert all(m20.files[rel].size == size for rel, size in SHARDS.items())
-    prefix = "etag:" if kind == "s3" else "crc32:"
+    prefix = "etag:" if kind == "s3" else "xxh3:"
     assert all(r.fingerprint.startswith(prefix) for r in m20.files.values())
     assert (m20.world_size, m20.mesh, m20.extra) == (4, {"pp": 2, "dp": 2}, {"tokens": 200})
     # The marker is the manifest, and verify returns it.

@@ -543,20 +543,18 @@ class AsyncCheckpointer:
     def load_latest(self, state: TrainState) -> Optional[dict]:
         """Load the newest committed, verified checkpoint into ``state``; None if none."""
         import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-
-        from rayflex.checkpoint.dcp_io import CheckpointReader
 
         # Rank 0 picks the newest committed step whose files are all there at their sizes;
-        # the ranks then reread them for their checksums, each its share (rank 0 alone would
-        # read the whole checkpoint, every rank's shards, before anyone loads). A step that
-        # fails is withdrawn and the next older one tried.
+        # every rank then loads it while rereading its share of the files for their checksums
+        # (one pass over the disk: the load reads what the check just read, or the other way
+        # round). A step that fails the check is withdrawn, and the next older one is loaded
+        # over it.
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         skipped: list[str] = []
         while True:
             choice: list[Any] = [None]
             if self.rank == 0:
-                found = mf.resolve_loadable(self.store, deep=world == 1)
+                found = mf.resolve_loadable(self.store, deep=False)
                 for s in found.skipped:  # corrupt: withdraw it so it is never tried again
                     mf.quarantine(self.store, s.step, s.reason)
                 skipped += [f"step {s.step}: {s.reason}" for s in found.skipped]
@@ -577,28 +575,36 @@ class AsyncCheckpointer:
             if dist.is_initialized():
                 dist.broadcast_object_list(choice, src=0, group=self.group)
             info = choice[0]
-            if info is None or world == 1:
-                break
-            problem = None
-            try:
-                share = info["files"][dist.get_rank(self.group)::world]
-                mf.verify(self.store, info["step"], deep=True, only=share)
-            except CheckpointError as err:
-                problem = str(err)
-            problems: list[Any] = [None] * world
-            dist.all_gather_object(problems, problem, group=self.group)
+            if info is None:
+                return None
+            share = info.pop("files")[(dist.get_rank(self.group) if dist.is_initialized() else 0)::world]
+            with ThreadPoolExecutor(1, thread_name_prefix="rayflex-verify") as pool:
+                checking = pool.submit(_problem_with, self.store, info["step"], share)
+                try:
+                    loaded, failure = self._load(state, info), None
+                except Exception as e:  # noqa: BLE001 - a corrupt file may fail the load itself
+                    loaded, failure = None, e
+                problems: list[Any] = [checking.result()]
+            if world > 1:
+                problems = [None] * world
+                dist.all_gather_object(problems, checking.result(), group=self.group)
             bad = [p for p in problems if p]
             if not bad:
-                break
+                if failure is not None:
+                    raise failure
+                return loaded
             if self.rank == 0:
                 reason = "; ".join(bad)
                 log.warning("skipping checkpoint step %d: %s", info["step"], reason)
                 mf.quarantine(self.store, info["step"], reason)
                 skipped.append(f"step {info['step']}: {reason}")
-        if info is not None:
-            info.pop("files", None)
-        if info is None:
-            return None
+
+    def _load(self, state: TrainState, info: dict) -> dict:
+        """Load the checkpoint ``info`` names into ``state``; ``info``, completed."""
+        import torch.distributed.checkpoint as dcp
+
+        from rayflex.checkpoint.dcp_io import CheckpointReader
+
         path = mf.step_dir(self.root, info["step"])
         self._staging = None  # loading replaces the optimizer's state tensors
         holders, missing = info.pop("holders", None), info.pop("missing", None)
@@ -630,6 +636,16 @@ class AsyncCheckpointer:
         info["sample_order"] = extra.get("sample_order")  # None: saved before it was recorded
         info["recent_steps"] = [r for r in extra.get("recent_steps") or [] if r["step"] <= info["step"]]
         return info
+
+
+def _problem_with(store, step: int, share: list[str]) -> Optional[str]:
+    """What is wrong with committed ``step`` (its files' sizes, and the checksums of those in
+    ``share``), or None."""
+    try:
+        mf.verify(store, step, deep=True, only=share)
+    except CheckpointError as err:
+        return str(err)
+    return None
 
 
 def commit_step(root: "str | Store", step: int, *, world_size: int, mesh: dict, keep: int) -> None:

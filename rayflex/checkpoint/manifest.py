@@ -24,17 +24,20 @@ Fingerprints, and why two kinds:
   and it cannot be recomputed if the checkpoint is copied to another kind of storage;
   such a copy is then checked by size only (with a warning). S3 itself checksums data at
   rest and TLS protects it in transit, so the ETag is the cheap check that matters.
-* ``crc32:<hex>`` elsewhere (local disk, GCS, Azure, memory): a checksum of the content.
+* ``xxh3:<hex>`` elsewhere (local disk, GCS, Azure, memory): a checksum of the content
+  (XXH3, 128 bits, through the ``xxhash`` package: ~26 GB/s on one core of this project's
+  host against CRC-32's 3.1 GB/s, so that writing and verifying a checkpoint are bounded by
+  the storage, not the checksum).
   The writer checksums each shard file as it writes it and leaves the result beside it
   (``<file>.digest``, :data:`DIGEST_SUFFIX`); commit records it instead of reading the file
   back (rank 0 would otherwise read the whole checkpoint, every rank's shards, after every
   save — a download on GCS or Azure). Files without one (small extras, an uploader
   process's shards) are read and checksummed at commit. Verify reads every byte again.
-  CRC-32, not a cryptographic hash: it guards against corruption, truncation and a file
-  replaced by another one (sizes are recorded too), not against an adversary who can write
-  the bucket, and the writer checksums every byte of every save beside training — 0.6 ms
-  for 2.6 MB where blake2b took 2.75 ms. Checkpoints committed before record ``blake2b:``
-  (writers' digests in ``<file>.blake2b``); those are still committed and verified as such.
+  Not a cryptographic hash: it guards against corruption, truncation and a file replaced by
+  another one (sizes are recorded too), not against an adversary who can write the bucket,
+  and the writer checksums every byte of every save beside training. Checkpoints committed
+  before record ``crc32:`` or ``blake2b:`` (writers' digests in ``<file>.blake2b``); those
+  are still committed and verified as such.
 
 Verification always compares the same kind the manifest recorded.
 
@@ -54,6 +57,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Iterable, Optional
 
+import xxhash
+
 from rayflex.errors import CheckpointError, ConfigError
 from rayflex.storage.fs import StorageOptions, Store, is_s3, join, redact_uri, resolve, with_retries
 
@@ -64,27 +69,33 @@ METADATA = ".metadata"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _HASH_CHUNK = 4 << 20
-# Beside a shard file: the fingerprint of its bytes (``crc32:<hex>``), written by the writer
+# Beside a shard file: the fingerprint of its bytes (``xxh3:<hex>``), written by the writer
 # (checkpoint.dcp_io) or a replica keeper; the commit records it as the file's fingerprint.
 DIGEST_SUFFIX = ".digest"
 # What writers left beside shard files before: a blake2b (32-byte) hex digest.
 LEGACY_DIGEST_SUFFIX = ".blake2b"
-_WRITTEN_FINGERPRINT = re.compile(r"crc32:[0-9a-f]{8}")
+_WRITTEN_FINGERPRINT = re.compile(r"xxh3:[0-9a-f]{32}|crc32:[0-9a-f]{8}")
 _LEGACY_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 class ContentDigest:
     """The fingerprint a writer computes over a shard file's bytes as it writes them (its
-    ``DIGEST_SUFFIX`` sidecar). zlib releases the GIL on large buffers."""
+    ``DIGEST_SUFFIX`` sidecar): XXH3-128 (``kind="crc32"``: the CRC-32 that checkpoints
+    committed before recorded). Both release the GIL on large buffers."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "xxh3") -> None:
+        self.kind = kind
+        self._xxh = xxhash.xxh3_128() if kind == "xxh3" else None
         self._crc = 0
 
     def update(self, data) -> None:
-        self._crc = zlib.crc32(data, self._crc)
+        if self._xxh is not None:
+            self._xxh.update(data)
+        else:
+            self._crc = zlib.crc32(data, self._crc)
 
     def fingerprint(self) -> str:
-        return f"crc32:{self._crc:08x}"
+        return f"xxh3:{self._xxh.hexdigest()}" if self._xxh is not None else f"crc32:{self._crc:08x}"
 
 
 def fingerprint_of(data) -> str:
@@ -115,7 +126,7 @@ def parse_step(name: str) -> Optional[int]:
 @dataclass(frozen=True)
 class FileRecord:
     size: int
-    fingerprint: str  # "etag:...", "crc32:..." (or "blake2b:..." in checkpoints committed before)
+    fingerprint: str  # "etag:...", "xxh3:..." (or "crc32:", "blake2b:..." in checkpoints committed before)
 
 
 @dataclass(frozen=True)
@@ -207,11 +218,11 @@ def _etag(info: dict) -> Optional[str]:
     return str(value).strip('"') if value else None
 
 
-def _file_fingerprint(fs, path: str, kind: str = "crc32", digest_size: int = 16) -> str:
-    """Read ``path`` and fingerprint it: ``crc32``, or ``blake2b`` (of ``digest_size``
-    bytes) for what checkpoints committed before recorded."""
+def _file_fingerprint(fs, path: str, kind: str = "xxh3", digest_size: int = 16) -> str:
+    """Read ``path`` and fingerprint it: ``xxh3``, or ``crc32`` / ``blake2b`` (of
+    ``digest_size`` bytes) for what checkpoints committed before recorded."""
     def _hash() -> str:
-        hasher = hashlib.blake2b(digest_size=digest_size) if kind == "blake2b" else ContentDigest()
+        hasher = hashlib.blake2b(digest_size=digest_size) if kind == "blake2b" else ContentDigest(kind)
         with fs.open(path, "rb") as f:
             for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
                 hasher.update(chunk)
@@ -264,8 +275,8 @@ def _written_digest(rel: str, digests: dict[str, bytes]) -> Optional[str]:
 def _current_fingerprint(fs, path: str, info: dict, recorded: str) -> Optional[str]:
     """The fingerprint of the same kind as ``recorded``; None where it cannot be taken."""
     kind = recorded.split(":", 1)[0]
-    if kind == "crc32":
-        return _file_fingerprint(fs, path)
+    if kind in ("xxh3", "crc32"):
+        return _file_fingerprint(fs, path, kind)
     if kind == "blake2b":  # 16 bytes when the commit hashed the file, 32 from a writer's digest
         return _file_fingerprint(fs, path, "blake2b", digest_size=len(recorded.split(":", 1)[1]) // 2)
     if kind == "etag" and is_s3(fs):
