@@ -118,6 +118,9 @@ def _run(bed, root: str, option: str, steps: int, tag: str, phase: str = "speed"
             "replicate_bytes_per_token": sum(m.get("replicate_bytes", 0) for m in counted) / tokens,
             "sent_bytes_per_token": {role: sum(m.get("sent_bytes", {}).get(role, 0) for m in counted) / tokens
                                      for role in sorted({r for m in counted for r in m.get("sent_bytes", {})})},
+            # A DiLoCo step that synchronised against the others: what overlap takes away.
+            "sync_step_s": _median([m["step_time_s"] for m in counted if m.get("outer_synced")]),
+            "other_step_s": _median([m["step_time_s"] for m in counted if not m.get("outer_synced")]),
             "losses": [m["loss"] for m in metrics],
             "final_loss": statistics.fmean(m["loss"] for m in metrics[-LOSS_WINDOW:]),
             "outer_syncs": sum(m.get("outer_synced", 0) for m in metrics)}
@@ -183,6 +186,10 @@ def summarise_loss(bed: dict, options: list, steps: int) -> dict:
     return out
 
 
+def _median(values: list):
+    return statistics.median(values) if values else None
+
+
 def _spread(values: list) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -200,6 +207,9 @@ def summarise(bed: dict, options: list, steps: int) -> dict:
                                      for role in sorted({k for r in runs for k in r.get("sent_bytes_per_token", {})})},
             "final_loss": _spread([r["final_loss"] for r in runs]),
             "outer_syncs": runs[0]["outer_syncs"],
+            "sync_step_s": (_spread([r["sync_step_s"] for r in runs])
+                            if all(r.get("sync_step_s") is not None for r in runs) else None),
+            "other_step_s": _spread([r["other_step_s"] for r in runs if r.get("other_step_s") is not None]),
             "losses_round0": runs[0]["losses"],
         }
     base = out.get(BASELINE)
