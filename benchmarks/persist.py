@@ -44,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import TENSOR_MB, emit, machine, rank_state, run_ranks, setup_logging  # noqa: E402
@@ -285,6 +286,36 @@ def _ratios(rows: list[dict], total_bytes: int, ours: str, theirs: str) -> dict:
     return out
 
 
+def _fio(root: str, ranks: int, gb_per_rank: float, rounds: int) -> Optional[list[dict]]:
+    """``fio``'s sequential write (``ranks`` jobs of ``gb_per_rank`` GB each, 8 MB blocks,
+    fsync at the end, as the other systems' ``os.sync``) and read (page cache dropped first) of
+    the same bytes in the same directory, ``rounds`` times: the disk's own floor. None where
+    fio is not installed (Debian: ``apt-get install fio``)."""
+    import shutil as sh
+    import subprocess
+
+    if sh.which("fio") is None:
+        return None
+    out = []
+    size = f"{int(gb_per_rank * 1024)}m"
+    common = ["fio", "--name=seq", f"--directory={root}", f"--numjobs={ranks}", f"--size={size}", "--bs=8m",
+              "--ioengine=psync", "--group_reporting", "--output-format=json"]
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        subprocess.run([*common, "--rw=write", "--end_fsync=1"], check=True, capture_output=True)
+        write_s = time.perf_counter() - t0
+        dropped = _drop_caches()
+        t0 = time.perf_counter()
+        subprocess.run([*common, "--rw=read"], check=True, capture_output=True)
+        read_s = time.perf_counter() - t0
+        for f in os.listdir(root):
+            if f.startswith("seq."):
+                os.remove(os.path.join(root, f))
+        total = gb_per_rank * ranks * (1 << 30)
+        out.append({"write_gbps": total / write_s / 1e9, "read_gbps": total / read_s / 1e9, "cache_dropped": dropped})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--storage", choices=("disk", "s3"), default="disk",
@@ -310,6 +341,7 @@ def main() -> None:
 
             _, server = start_s3()  # the ranks inherit its AWS_* environment
         got = run_ranks(_rank, args.ranks, cfg)
+        fio = _fio(root, args.ranks, args.gb_per_rank, args.rounds) if args.storage == "disk" else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if server is not None:
@@ -327,6 +359,10 @@ def main() -> None:
                        "cache_dropped_before_restore": (None if args.storage == "s3"
                                                         else all(r["cache_dropped"] for r in rows))},
           "results": _summary(rows, total),
+          # fio after the rounds above (not between them): the disk's sequential speed, process-start costs aside.
+          "fio": None if fio is None else {
+              "write_gbps": statistics.median(r["write_gbps"] for r in fio),
+              "read_gbps": statistics.median(r["read_gbps"] for r in fio), "rounds": fio},
           "best_persist": best,
           "ratios": {"rayflex_vs_floor": _ratios(rows, total, best["rayflex"], best["floor"]),
                      "rayflex_vs_dcp": _ratios(rows, total, best["rayflex"], best["dcp"])}},
