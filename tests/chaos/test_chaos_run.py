@@ -56,20 +56,23 @@ def test_chaos_short_overlap_seed(tmp_path):
     assert all(p["window"] in ("release", "outage", "placement", "first_step") for p in planned), planned
 
 
-@pytest.mark.slow  # make test-slow (2 min here: 114 steps, 7 restarts)
+@pytest.mark.slow  # make test-slow (2 min here each: 114 steps, 7 restarts)
 @pytest.mark.timeout(1200)
-def test_chaos_short_overlap_seed_with_diloco(tmp_path):
+@pytest.mark.parametrize("overlap_steps", [0, 1])
+def test_chaos_short_overlap_seed_with_diloco(tmp_path, overlap_steps):
     # The CI seed's faults and timing, with the two workers as DiLoCo replicas (dp_shard=1)
     # meeting every 4 steps and saving every 5: checkpoints land mid-round, restarts read each
     # replica's own model and inner state, and the run still equals its fault-free replay bit
-    # for bit, every sample once.
+    # for bit, every sample once. With overlap, a save or a fault may also land while a
+    # pseudo-gradient is in flight.
     import rayflex as rf
 
     timing = FaultTiming(long_notice_s=8.0, s3_down_s=9.0, node_return_s=1.0, min_steps_between=6)
     report = run_chaos(ChaosConfig(seed=0, faults=8, workers=2, nodes=3, cpus_per_node=1, timing=timing,
                                     workdir=str(tmp_path), restart_while_warming=False, mode="overlap",
                                     parallel=rf.ParallelConfig(dp_shard=1),
-                                    comm=rf.CommConfig(replicate="diloco", inner_steps=4)))
+                                    comm=rf.CommConfig(replicate="diloco", inner_steps=4,
+                                                       overlap_steps=overlap_steps)))
     print(json.dumps({k: report[k] for k in ("run_s", "wall_s", "steps", "restarts", "world_sizes", "recoveries")},
                      default=str))
     _assert_passed(report)
