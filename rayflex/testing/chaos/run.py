@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 from unittest import mock
@@ -197,10 +198,14 @@ def run_chaos(cfg: ChaosConfig) -> dict:
                                        **(SLOW_NODE_KNOBS if cfg.slow_node else {})}):
         import boto3
 
-        boto3.client("s3", endpoint_url=gate.url).create_bucket(Bucket="chaos")
+        # A bucket of this run's own: moto keeps its objects in the process, not in the server,
+        # so a second chaos run in one process (the same run name) would otherwise write beside
+        # the first one's checkpoints and resume from them.
+        bucket = f"chaos-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=gate.url).create_bucket(Bucket=bucket)
         data_uri = write_synthetic_dataset(f"file://{workdir}/data", num_samples=1024, seq_len=32,
                                            vocab_size=128, num_shards=3, seed=7)
-        trainer = _trainer(cfg, data_uri, "s3://chaos/runs", name)
+        trainer = _trainer(cfg, data_uri, f"s3://{bucket}/runs", name)
         spec = trainer.spec
         root = spec.checkpoint_uri
         injector = None
