@@ -152,7 +152,7 @@ def test_with_overlap_the_outer_step_uses_what_was_sent_and_keeps_the_progress_m
     with torch.no_grad():
         p -= torch.tensor([0.2, 0.4])  # step 1's inner step
     assert outer.sync(1) == 0 and int(outer.in_flight) == 0  # sent after step 1, for step 2
-    assert torch.allclose(outer.own_state()["sent"], torch.tensor([0.2, 0.4]))
+    assert torch.allclose(outer.own_state()["h2_f1_o1.sent"], torch.tensor([0.2, 0.4]))
     with torch.no_grad():
         p -= torch.tensor([0.1, 0.1])  # step 2's, while it crosses
     assert outer.sync(2) == 1 and int(outer.in_flight) == -1

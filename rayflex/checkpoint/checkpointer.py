@@ -178,9 +178,9 @@ class TrainState:
         for module, opt in zip(self.modules, self.optimizers):
             set_model_state_dict(module, model, options=StateDictOptions(strict=False))
             set_optimizer_state_dict(module, opt, optim, options=opts)
-        if state.get(OWN) and self.own is not None:
+        if self.own is not None:  # none read for this rank of this mesh: its own tensors start afresh
             cut = len(self.own.prefix) + 1
-            self.own.load({key[cut:]: t for key, t in state[OWN].items()})
+            self.own.load({key[cut:]: t for key, t in state.get(OWN, {}).items()})
 
     def extra_state(self) -> dict[str, Any]:
         buf = io.BytesIO()
@@ -549,8 +549,11 @@ class AsyncCheckpointer:
         # (one pass over the disk: the load reads what the check just read, or the other way
         # round). A step that fails the check is withdrawn, and the next older one is loaded
         # over it.
+        from torch.distributed.checkpoint.api import CheckpointException
+
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         skipped: list[str] = []
+        replica = state.replica
         while True:
             choice: list[Any] = [None]
             if self.rank == 0:
@@ -577,12 +580,14 @@ class AsyncCheckpointer:
             info = choice[0]
             if info is None:
                 return None
-            share = info.pop("files")[(dist.get_rank(self.group) if dist.is_initialized() else 0)::world]
+            rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+            share = _checked_by(info.pop("files"), rank, world, same_world=info["world_size"] == world)
+            state.replica = replica  # a step loaded before may have set it (fit_to)
             with ThreadPoolExecutor(1, thread_name_prefix="rayflex-verify") as pool:
                 checking = pool.submit(_problem_with, self.store, info["step"], share)
                 try:
                     loaded, failure = self._load(state, info), None
-                except Exception as e:  # noqa: BLE001 - a corrupt file may fail the load itself
+                except CheckpointException as e:  # a corrupt file may fail the load itself (on every rank)
                     loaded, failure = None, e
                 problems: list[Any] = [checking.result()]
             if world > 1:
@@ -636,6 +641,18 @@ class AsyncCheckpointer:
         info["sample_order"] = extra.get("sample_order")  # None: saved before it was recorded
         info["recent_steps"] = [r for r in extra.get("recent_steps") or [] if r["step"] <= info["step"]]
         return info
+
+
+def _checked_by(files: list[str], rank: int, world: int, *, same_world: bool) -> list[str]:
+    """The files ``rank`` checksums: at the world size that saved them, the shard files it
+    loads itself (``__<rank>_*``, read once for both), and a share of the others."""
+    if not same_world:
+        return files[rank::world]
+    import re
+
+    own = [f for f in files if f.startswith(f"__{rank}_")]
+    rest = [f for f in files if not re.match(r"__\d+_", f)]
+    return own + rest[rank::world]
 
 
 def _problem_with(store, step: int, share: list[str]) -> Optional[str]:

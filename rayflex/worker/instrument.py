@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
+from typing import Optional
 
 import torch
 
@@ -149,15 +150,24 @@ _SENT_BY = {
 }
 
 
+# The step's count: one training loop per process, and on GPUs autograd runs backward (and
+# FSDP2's reduce-scatters, HSDP's and the slow tier's reductions in its hooks) on threads of
+# its own, so the count is the process's, not a thread's. None: not counting.
+_sent_lock = threading.Lock()
+_sent_by_group: Optional[dict] = None
+
+
 def _add_sent(dist, group, tensor, share) -> None:
-    sent = getattr(_tls, "sent_bytes", None)
-    if sent is None or not isinstance(tensor, torch.Tensor):
+    if _sent_by_group is None or not isinstance(tensor, torch.Tensor):
         return
     group = group if group is not None else dist.group.WORLD
     size = dist.get_world_size(group)
     if size > 1:
         name = str(group.group_name)
-        sent[name] = sent.get(name, 0) + int(round(share(size) * tensor.numel() * tensor.element_size()))
+        n = int(round(share(size) * tensor.numel() * tensor.element_size()))
+        with _sent_lock:
+            if _sent_by_group is not None:
+                _sent_by_group[name] = _sent_by_group.get(name, 0) + n
 
 
 def _counting(dist, name: str, original):
@@ -169,7 +179,7 @@ def _counting(dist, name: str, original):
 
     @functools.wraps(original)
     def counted(*args, **kwargs):
-        if getattr(_tls, "sent_bytes", None) is not None:
+        if _sent_by_group is not None:
             bound = signature.bind_partial(*args, **kwargs).arguments
             _add_sent(dist, bound.get("group"), bound.get(payload), share)
         return original(*args, **kwargs)
@@ -182,7 +192,7 @@ def _counting_batch(dist, original):
     # ``dist.isend`` itself is left as it is: a P2POp accepts only torch's own function.
     @functools.wraps(original)
     def counted(p2p_op_list):
-        if getattr(_tls, "sent_bytes", None) is not None:
+        if _sent_by_group is not None:
             for op in p2p_op_list:
                 if op.op is dist.isend:
                     _add_sent(dist, op.group, op.tensor, lambda s: 1.0)
@@ -190,7 +200,9 @@ def _counting_batch(dist, original):
     return counted
 
 
-def _count_sends_once() -> None:
+def count_sends() -> None:
+    """Wrap ``torch.distributed``'s collectives to count what they send (once per process;
+    call it at setup, before anything else wraps them for a while and puts its own back)."""
     import torch.distributed as dist
 
     with _patch_lock:
@@ -205,14 +217,18 @@ def _count_sends_once() -> None:
 
 @contextmanager
 def sent_bytes_counter():
-    """A context yielding a dict, process-group name -> the bytes this thread sent in the
-    collectives it issued through ``torch.distributed`` inside the block (FSDP2's all-gathers
-    and reduce-scatters, HSDP's and the slow tier's reductions, pipeline sends). Tensor
-    parallelism's functional collectives (DTensor) do not pass there and are not counted."""
-    _count_sends_once()
+    """A context yielding a dict, process-group name -> the bytes this process sent in the
+    collectives issued through ``torch.distributed`` inside the block, from any thread
+    (FSDP2's all-gathers and reduce-scatters, HSDP's and the slow tier's reductions, pipeline
+    sends; a checkpoint upload's, under its own group). Tensor parallelism's functional
+    collectives (DTensor) do not pass there and are not counted."""
+    global _sent_by_group
+    count_sends()
     out: dict[str, int] = {}
-    _tls.sent_bytes = out
+    with _sent_lock:
+        _sent_by_group = out
     try:
         yield out
     finally:
-        _tls.sent_bytes = None
+        with _sent_lock:
+            _sent_by_group = None

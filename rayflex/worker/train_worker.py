@@ -27,8 +27,8 @@ from rayflex.data.dataset import Prefetcher, open_dataset
 from rayflex.data.sampler import SAMPLE_ORDER
 from rayflex.worker.process_groups import open_process_groups, process_group_layout
 from rayflex.worker.rendezvous import RendezvousPort, rendezvous_store
-from rayflex.worker.instrument import (ActivationCounter, collective_wait_timer, pipeline_wait_timer,
-                                       sent_bytes_counter)
+from rayflex.worker.instrument import (ActivationCounter, collective_wait_timer, count_sends,
+                                       pipeline_wait_timer, sent_bytes_counter)
 from rayflex.mesh.plan import MeshPlan
 from rayflex.worker import flight_recorder, sharding_caches
 from rayflex.worker.collective_faults import collective_fault_for, committed
@@ -249,6 +249,7 @@ class TrainWorker:
         self.dp_mesh = data_parallel_mesh(self.mesh, self.plan, replicas_by_fsdp=not comm.custom)
         self.tp_mesh = self.mesh["tp"] if self.plan.tp > 1 else None
         self._group_labels = self._label_groups()
+        count_sends()  # before any audit wraps the collectives for a while (it puts back what it found)
         pipelined = self.plan.pp > 1
         if self._p2p_log is not None:
             self._p2p_log.reset()

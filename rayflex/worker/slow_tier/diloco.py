@@ -87,16 +87,18 @@ class DiLoCo:
         self.in_flight = torch.full((1,), -1, dtype=torch.int64)  # the fragment sent, -1: none
         self._sent: Optional[torch.Tensor] = None
         self._wait = None  # waits for the in-flight mean and returns it
+        self._mean: Optional[torch.Tensor] = None  # the mean, once waited for before its outer step
         if overlap_steps:
             longest = max(sum(local_tensor(self.params[i]).numel() for i in r) for r in self.fragments)
             self._sent = torch.zeros(longest, dtype=torch.float32, device=self.anchor[0].device)
 
     @torch.no_grad()
     def reset_anchor(self) -> None:
-        """The parameters as they are become the replicas' common point (a restore from a
-        checkpoint saved without DiLoCo)."""
-        for a, p in zip(self.anchor, self.params):
+        """The parameters as they are become the replicas' common point, with no momentum yet
+        (a restore from a checkpoint saved without DiLoCo)."""
+        for a, p, m in zip(self.anchor, self.params, self.momentum):
             a.copy_(local_tensor(p))
+            local_tensor(m).zero_()
 
     @torch.no_grad()
     def start_from_anchor(self) -> None:
@@ -160,6 +162,7 @@ class DiLoCo:
         background; its outer step waits for it (``_apply_sent``)."""
         sent = self._local_delta(f, out=self._sent)
         self.in_flight.fill_(f)
+        self._mean = None
         self._wait = self.reducer.start_mean_(sent.clone(), f"outer.{f}")
 
     def resend(self) -> None:
@@ -171,18 +174,18 @@ class DiLoCo:
             self._wait = self.reducer.start_mean_(self._sent[:n].clone(), f"outer.{f}")
 
     def settle(self) -> None:
-        """Wait for a reduction still in flight (a loop that ends mid-overlap); what was sent
-        stays, so a save now still holds it and a resumed run sends it again."""
+        """Wait for a reduction still in flight (a loop that ends mid-overlap) and keep its
+        mean for the outer step; what was sent stays, so a save now still holds it and a
+        resumed run sends it again."""
         if self._wait is not None:
-            self._wait()
-            self._wait = None
+            self._mean, self._wait = self._wait(), None
 
     @torch.no_grad()
     def _apply_sent(self, f: int) -> None:
         """Fragment ``f``'s outer step on the mean sent ``overlap_steps`` steps ago; the
         progress each replica made since it sent is kept on top of the new anchor."""
-        mean = self._wait() if self._wait is not None else None
-        self._wait = None
+        mean = self._wait() if self._wait is not None else self._mean
+        self._wait = self._mean = None
         if mean is None:  # sent by an attempt that ended: the bytes it sent, averaged again
             self.resend()
             mean, self._wait = self._wait(), None
@@ -201,22 +204,31 @@ class DiLoCo:
             t.copy_(self.anchor[i] + progress)
         self.in_flight.fill_(-1)
 
+    def _cut(self) -> str:
+        """How the fragments are cut and when they sync: what an index in flight refers to."""
+        return f"h{self.inner_steps}_f{len(self.fragments)}_o{self.overlap_steps}"
+
     def own_state(self) -> dict[str, torch.Tensor]:
         """What only this rank holds and a resume on the same mesh needs: the fragment in
-        flight, and what this rank sent for it (none without overlap)."""
+        flight, and what this rank sent for it (none without overlap); keyed by the cut, so
+        a run that syncs its fragments otherwise reads none of it."""
         if self._sent is None:
             return {}
-        return {"in_flight": self.in_flight, "sent": self._sent}
+        return {f"{self._cut()}.in_flight": self.in_flight, f"{self._cut()}.sent": self._sent}
 
     def load_own_state(self, own: dict[str, torch.Tensor]) -> None:
-        if self._sent is not None and "in_flight" in own and own["sent"].shape == self._sent.shape:
-            self._sent.copy_(own["sent"].to(self._sent.device))
-            self.in_flight.copy_(own["in_flight"])
+        """Carry on with what ``own`` (:meth:`own_state` of a checkpoint) had in flight; none:
+        nothing is."""
+        self.forget_in_flight()
+        sent, in_flight = own.get(f"{self._cut()}.sent"), own.get(f"{self._cut()}.in_flight")
+        if self._sent is not None and sent is not None and in_flight is not None and sent.shape == self._sent.shape:
+            self._sent.copy_(sent.to(self._sent.device))
+            self.in_flight.copy_(in_flight)
 
     def forget_in_flight(self) -> None:
         """A restore at another number of replicas: nothing sent before applies."""
         self.in_flight.fill_(-1)
-        self._wait = None
+        self._wait = self._mean = None
 
     def state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The outer state for a checkpoint, by section: momentum and anchor, keyed by parameter."""

@@ -7,6 +7,8 @@ so an outlier costs the precision of its own block only. Bytes on the wire per v
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 LEVELS = 127  # symmetric: -127..127, so negation is exact and 0 is representable
@@ -63,14 +65,13 @@ class ErrorFeedback:
         return dict(self._residual)
 
     def load(self, residuals: dict[str, torch.Tensor]) -> None:
-        """Carry on from ``residuals`` (a checkpoint's): each is added to its key's next buffer."""
-        self._residual.update(residuals)
+        """Carry on from ``residuals`` (a checkpoint's; none: from zero): each is added to its
+        key's next buffer."""
+        self._residual = dict(residuals)
 
     def norm(self) -> float:
-        """L2 norm of every residual kept (what is still owed to the reductions)."""
-        if not self._residual:
-            return 0.0
-        return float(torch.stack([r.float().norm() for r in self._residual.values()]).norm())
+        """L2 norm of every residual kept (what is still owed to the reductions), wherever each is."""
+        return math.sqrt(sum(float(r.float().norm()) ** 2 for r in self._residual.values()))
 
     def clear(self) -> None:
         self._residual.clear()

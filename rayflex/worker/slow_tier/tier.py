@@ -25,6 +25,7 @@ class SlowTier:
     def __init__(self, comm: CommConfig, plan: MeshPlan, mesh, stages: list[tuple[int, nn.Module]],
                  reduce_dtype: torch.dtype = torch.float32) -> None:
         self.mode = comm.replicate
+        self._device = next((local_tensor(p).device for _, m in stages for p in m.parameters()), torch.device("cpu"))
         group = mesh["dp_replicate"].get_group() if plan.dp_replicate > 1 else None
         self.reducer: Optional[ReplicateReducer] = None
         self.diloco: Optional[DiLoCo] = None
@@ -103,9 +104,9 @@ class SlowTier:
                 out.update((f"diloco.{k}", t) for k, t in self.diloco.own_state().items())
             return out
 
-        def load(saved: dict) -> None:
+        def load(saved: dict) -> None:  # none saved for this rank of this mesh: from zero, nothing in flight
             if int8:
-                self.reducer.load_residuals({k[len("residual."):]: t for k, t in saved.items()
+                self.reducer.load_residuals({k[len("residual."):]: t.to(self._device) for k, t in saved.items()
                                              if k.startswith("residual.")})
             if overlap:
                 self.diloco.load_own_state({k[len("diloco."):]: t for k, t in saved.items() if k.startswith("diloco.")})
