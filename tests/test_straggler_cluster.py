@@ -65,7 +65,11 @@ def test_a_throttled_node_is_left_kept_out_while_slow_and_readmitted_once_health
     assert kept_out is not None and grown is not None, story
     named = [e for e in events if e["kind"] == "straggler_detected"]
     assert [e["rank"] for e in named] == [2] and named[0]["node_id"] == node, story
-    (decided,) = [e for e in events if e["kind"] == "straggler_decided"]
+    # A window in which the slow rank arrived last less often than it was named at is a "keep"
+    # (never acted on noise); one eviction, of that node, follows.
+    decisions = [e for e in events if e["kind"] == "straggler_decided"]
+    (decided,) = [e for e in decisions if e["action"] != "keep"]
+    assert all(e["node_id"] == node for e in decisions), story
     assert decided["action"] == "evict_node" and decided["node_id"] == node, decided
     assert decided["gain_s"] > 0 and decided["to_world"] == 2 and decided["slow_step_s"] > decided["healthy_step_s"]
     left, back = [e for e in events if e["kind"] == "restarted"]
