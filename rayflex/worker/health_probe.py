@@ -3,8 +3,13 @@ advertises are there and compute correctly, and how fast one computes (a matrix 
 timed for a fixed span). ``probe_node`` runs as a Ray task pinned to a node that is about
 to be used (growth, a node held out and checked again); ``compute_speed`` runs in every
 rank at setup, so the controller holds the speed of the nodes it trains on to judge a
-newcomer against (``faults.health``). Torch is imported inside, never at import: the
-controller references ``probe_node`` without loading torch.
+newcomer against (``faults.health``).
+
+On CPUs both time one BLAS thread through numpy, not torch: a check starts in a new worker
+process, where importing torch (~1.4 CPU-s) was most of the check, and on a throttled node
+most of its wall time (a tenth of a core: ~15 s before the first multiply). The GPU path
+imports torch, inside, never at import: the controller references ``probe_node`` without
+loading it.
 """
 
 from __future__ import annotations
@@ -18,45 +23,63 @@ MEASURE_S = 0.05
 # The multiply timed: on a CPU a 256-square fp32 one (~34 MFLOP, dozens per span on one
 # core); on a GPU a 4096-square bf16 one (~137 GFLOP, ~0.2 ms on an H100: bound by the
 # tensor cores, not by kernel launches, so a throttled GPU shows).
-_SHAPES = {"cpu": (256, "float32"), "cuda": (4096, "bfloat16")}
+CPU_SIZE = 256
+GPU_SIZE = 4096
 
 
 def compute_speed(device: str = "cpu", min_s: float = MEASURE_S) -> float:
     """GFLOP/s of repeated square matrix multiplies on ``device`` for at least ``min_s``
     seconds of wall time (what this process gets of its device now)."""
+    if device.split(":")[0] == "cpu":
+        return _cpu_speed(min_s)
     import torch
 
     dev = torch.device(device)
-    size, dtype = _SHAPES.get(dev.type, _SHAPES["cpu"])
     # Constant operands: the speed does not depend on the values, and a rank's random number
     # generators (restored from a checkpoint at setup) must not move.
-    a = torch.full((size, size), 0.5, device=dev, dtype=getattr(torch, dtype))
-    b = torch.full((size, size), 0.25, device=dev, dtype=getattr(torch, dtype))
+    a = torch.full((GPU_SIZE, GPU_SIZE), 0.5, device=dev, dtype=torch.bfloat16)
+    b = torch.full((GPU_SIZE, GPU_SIZE), 0.25, device=dev, dtype=torch.bfloat16)
     torch.mm(a, b)  # first-call setup is not the device's speed
-    _sync(dev)
+    torch.cuda.synchronize(dev)
+    done = _timed(lambda: torch.mm(a, b), lambda: torch.cuda.synchronize(dev), min_s, GPU_SIZE)
+    del a, b
+    torch.cuda.empty_cache()  # the rank's own allocations come next
+    return done
+
+
+def _cpu_speed(min_s: float) -> float:
+    """One BLAS thread's GFLOP/s (a rank trains on one thread; BLAS would otherwise take
+    every core of the machine for the multiply)."""
+    import numpy as np
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        a = np.full((CPU_SIZE, CPU_SIZE), 0.5, dtype=np.float32)
+        b = np.full((CPU_SIZE, CPU_SIZE), 0.25, dtype=np.float32)
+        a @ b  # first-call setup is not the core's speed
+        return _timed(lambda: a @ b, lambda: None, min_s, CPU_SIZE)
+
+
+def _timed(multiply, sync, min_s: float, size: int) -> float:
+    """GFLOP/s of ``multiply`` (a ``size``-square product) repeated for ``min_s``."""
     done, start = 0, time.perf_counter()
     while True:
-        torch.mm(a, b)
+        multiply()
         done += 1
         if done % 4 == 0:
-            _sync(dev)
+            sync()
             elapsed = time.perf_counter() - start
             if elapsed >= min_s:
-                del a, b
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()  # the rank's own allocations come next
                 return 2.0 * size ** 3 * done / elapsed / 1e9
-
-
-def _sync(dev) -> None:
-    if dev.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(dev)
 
 
 def _computes_correctly(device: str) -> bool:
     """A product whose exact answer is known: identity times a small integer matrix."""
+    if device == "cpu":
+        import numpy as np
+
+        m = np.arange(64, dtype=np.float32).reshape(8, 8)
+        return bool(np.array_equal(np.eye(8, dtype=np.float32) @ m, m))
     import torch
 
     m = torch.arange(64, dtype=torch.float32).reshape(8, 8).to(device)
@@ -78,9 +101,9 @@ def probe_node(expected_gpus: int = 0, start_at: Optional[float] = None) -> dict
     t0 = time.perf_counter()
     report: dict = {"gflops": 0.0, "devices": 0, "error": ""}
     try:
-        import torch
-
         if expected_gpus > 0:
+            import torch
+
             found = torch.cuda.device_count() if torch.cuda.is_available() else 0
             report["devices"] = found
             if found < expected_gpus:
