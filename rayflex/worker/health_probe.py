@@ -41,10 +41,10 @@ def compute_speed(device: str = "cpu", min_s: float = MEASURE_S) -> float:
     b = torch.full((GPU_SIZE, GPU_SIZE), 0.25, device=dev, dtype=torch.bfloat16)
     torch.mm(a, b)  # first-call setup is not the device's speed
     torch.cuda.synchronize(dev)
-    done = _timed(lambda: torch.mm(a, b), lambda: torch.cuda.synchronize(dev), min_s, GPU_SIZE)
-    del a, b
+    speed = _timed(lambda: torch.mm(a, b), lambda: torch.cuda.synchronize(dev), min_s, GPU_SIZE)
+    a = b = None
     torch.cuda.empty_cache()  # the rank's own allocations come next
-    return done
+    return speed
 
 
 def _cpu_speed(min_s: float) -> float:
