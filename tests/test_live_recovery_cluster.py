@@ -70,15 +70,17 @@ def _assert_live_recovered(trainer, tmp_path, name, result, fault_free, lost_ran
     loaded = [e for e in events if e["kind"] == "checkpoint_loaded"]
     committed = [e for e in events if e["kind"] == "checkpoint_committed"]
     assert 4 <= chosen[0]["step"] < EVERY, "recovered past every checkpoint (there was none yet)"
-    for live, lost, restart, load in zip(chosen, lost_ranks_per_fault, restarted, loaded, strict=True):
-        if live["source"] == "checkpoint":  # the survivors a step apart: the last commit
-            last = max(c["step"] for c in committed if c["time"] < restart["time"])
-            assert restart["from_step"] == load["step"] == last and load["uri"] != "live peers", (restart, load)
+    for live, lost, restart in zip(chosen, lost_ranks_per_fault, restarted, strict=True):
+        load = next((e for e in loaded if live["time"] <= e["time"] <= restart["time"]), None)
+        if live["source"] == "checkpoint":  # the survivors a step apart: the last commit, or the start
+            last = max((c["step"] for c in committed if c["time"] < restart["time"]), default=0)
+            assert restart["from_step"] == last, (restart, load)
+            assert (load is None) if last == 0 else (load["step"] == last and load["uri"] != "live peers"), load
             continue
         step = live["step"]
         assert not set(lost) & set(live["holders"]), f"the lost shards were read from their live replicas: {live}"
         assert restart["lost_steps"] == 0 and restart["from_step"] == step, restart
-        assert load["uri"] == "live peers" and load["step"] == step, load
+        assert load is not None and load["uri"] == "live peers" and load["step"] == step, load
         # Committed after the first resumed step, so a second failure cannot roll back past it.
         after = next(c for c in committed if c["step"] > step)
         assert after["step"] == step + 1 and after["reason"] == "live_recovery", after
@@ -157,4 +159,6 @@ def test_a_frozen_worker_loses_no_step(two_node_cluster, dataset_uri, tmp_path, 
     handle, victim = _signal_rank_once_running(trainer, 2, signal.SIGSTOP)
     result = wait_then_end_frozen(handle, victim["pid"])
     assert any(e["kind"] == "hang_detected" for e in run_events(tmp_path, "live-freeze"))
-    _assert_live_recovered(trainer, tmp_path, "live-freeze", result, fault_free, [[2]])
+    # Frozen inside the step's closing all-reduce, having sent its share: some survivors finish
+    # the step and some do not (CI, 2026-12-07: steps 5 and 6), as with a node lost there.
+    _assert_live_recovered(trainer, tmp_path, "live-freeze", result, fault_free, [[2]], may_disagree=(0,))
