@@ -96,7 +96,10 @@ def rank_state(rank: int, world: int, port: int, gb_per_rank: float):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     n = int(gb_per_rank * 1024 // TENSOR_MB)
     module = nn.Module()
-    module.weights = nn.ParameterList(
-        [nn.Parameter(torch.full((TENSOR_MB * 2**20 // 4,), float(rank * n + i))) for i in range(n)])
+    # Named per rank, as a sharded model's shards are distinct entries: under one name on
+    # every rank, DCP takes the tensors for replicas and writes each name once (half the
+    # bytes of two ranks on disk, and a restore reads them back on both ranks).
+    setattr(module, f"weights_rank{rank}", nn.ParameterList(
+        [nn.Parameter(torch.full((TENSOR_MB * 2**20 // 4,), float(rank * n + i))) for i in range(n)]))
     opt = torch.optim.SGD(module.parameters(), lr=0.0)  # no state: the checkpoint is the tensors
-    return [p.data for p in module.weights], TrainState(modules=[module], optimizers=[opt], get_step=lambda: 1)
+    return [p.data for p in module.parameters()], TrainState(modules=[module], optimizers=[opt], get_step=lambda: 1)

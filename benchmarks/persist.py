@@ -191,6 +191,11 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
                                      upload_threads=int(threads))
             ckpt.save(state, step=1)
             ckpt.wait()
+            dist.barrier()
+            if rank == 0 and not s3:  # every rank's bytes, not one copy of names the ranks share
+                on_disk = sum(os.path.getsize(os.path.join(d, f))
+                              for d, _, files in os.walk(os.path.join(cfg["dir"], f"{system}-warmup")) for f in files)
+                assert on_disk >= world * nbytes, f"the checkpoint holds {on_disk} bytes of {world} x {nbytes}"
             ckpt.load_latest(state)
             checkpointers[system] = ckpt
     # And one untimed restore each (DCP's too): a process's first load imports DCP's loading
