@@ -20,6 +20,7 @@ import base64
 import io
 import json
 import logging
+import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -648,11 +649,12 @@ def _checked_by(files: list[str], rank: int, world: int, *, same_world: bool) ->
     loads itself (``__<rank>_*``, read once for both), and a share of the others."""
     if not same_world:
         return files[rank::world]
-    import re
-
     own = [f for f in files if f.startswith(f"__{rank}_")]
-    rest = [f for f in files if not re.match(r"__\d+_", f)]
+    rest = [f for f in files if not _SHARD_FILE.match(f)]
     return own + rest[rank::world]
+
+
+_SHARD_FILE = re.compile(r"__\d+_")  # DCP's per-rank data files: __<rank>_<n>.distcp
 
 
 def _problem_with(store, step: int, share: list[str]) -> Optional[str]:
