@@ -4,7 +4,6 @@ spot notice at the step a test names. No Ray, no processes, no sleeping."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import itertools
 from dataclasses import dataclass, field
@@ -324,15 +323,19 @@ class FakeGroup:
                            died={r: "ActorDiedError: the actor died" for r in ranks
                                  if not self._live(r) or r in leaving},
                            uploading=uploading & frozenset(ranks))
-        if snapshot:  # each rank that left hands over the step it finished (a test may say one failed)
-            broken = getattr(self.cluster, "snapshot_errors", {})
-            released = dataclasses.replace(released, live={
-                r: ({"rank": r, "step": self.step, **({"error": broken[r]} if r in broken else {})}, f"files-{r}")
-                for r in released.left | released.uploading})
         for act in self.cluster.after_release:  # what happens once they were let go (a node declared dead)
             act(self)
         self.cluster.after_release = []
         return released
+
+    def held_steps(self, ranks) -> dict:
+        return {r: {"rank": r, "step": self.step, "pending": None, "recent": None} for r in ranks}
+
+    def take_live(self, ranks, roll_forward=None) -> dict:
+        """Each rank that left hands over the step it finished (a test may say one failed)."""
+        broken = getattr(self.cluster, "snapshot_errors", {})
+        return {r: ({"rank": r, "step": self.step, **({"error": broken[r]} if r in broken else {})}, f"files-{r}")
+                for r in ranks}
 
     def shutdown(self, graceful_s: float = 5.0) -> None:
         self.kill(range(len(self.actors)))

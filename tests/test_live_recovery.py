@@ -9,6 +9,7 @@ import torch
 
 from conftest import SEQ_LEN, small_gpt
 
+from rayflex.faults.live_recovery import roll_forward
 from rayflex.testing.chaos.local_workers import LocalWorkerPool
 from rayflex.local_ray import free_ports
 
@@ -51,7 +52,7 @@ def _final_model(root):
 
 
 @pytest.mark.multiproc
-def test_survivors_state_resumes_at_another_size_bitwise_like_a_checkpoint(dataset_uri, tmp_path):
+def test_survivors_state_resumes_at_another_size_bitwise_like_a_checkpoint(dataset_uri, tmp_path, monkeypatch):
     world4, world2 = [0, 1, 2, 3], [0, 1]
     with LocalWorkerPool(4, timeout_s=240) as pool:
         # The reference: a fault-free run that saves step 4 at 4 ranks (HSDP 2 x 2) and
@@ -71,10 +72,14 @@ def test_survivors_state_resumes_at_another_size_bitwise_like_a_checkpoint(datas
         _wait(pool, world2, {"done"})
         _call(pool, world2, "release", 30, 0)
 
-    # A pool of its own: a process keeps the spec it was started with.
+    # Rank 1 stays inside step 4's closing agreement (the step's second all-reduce on the world
+    # group) after its share went out, as a rank frozen there would: its peers finish step 4.
+    monkeypatch.setenv("RAYFLEX_COLLECTIVE_FAULT", f"1:{FAIL_AT - 1}:hold:all_reduce:world:2")
+    # A pool of its own: a process keeps the spec (and environment) it was started with.
     with LocalWorkerPool(4, timeout_s=240) as pool:
         # Live: rank 0 raises at step 5 and the others are aborted out of its collectives;
-        # ranks 1, 2, 3 hand over step 4, which no checkpoint holds (saves only at the end).
+        # ranks 1, 2, 3 hand over step 4, which no checkpoint holds (saves only at the end) —
+        # rank 1 first applies step 4's update, whose reduced gradients it holds.
         run = _spec(dataset_uri, tmp_path / "run", every_steps=STEPS)
         pool.each(world4, "assign", lambda k: (run, k, 4))
         port = free_ports(1)[0]
@@ -85,10 +90,17 @@ def test_survivors_state_resumes_at_another_size_bitwise_like_a_checkpoint(datas
         survivors = [1, 2, 3]
         left = _call(pool, survivors, "release", 30, 0, True, True)
         assert [str(x) for x in left] == ["left"] * 3
-        taken = dict(zip(survivors, _call(pool, survivors, "take_live")))
+        held = dict(zip(survivors, _call(pool, survivors, "held_step")))
+        assert {r: (h["step"], h["pending"]) for r, h in held.items()} == {
+            1: (FAIL_AT - 2, FAIL_AT - 1), 2: (FAIL_AT - 1, None), 3: (FAIL_AT - 1, None)}, held
+        forward = roll_forward(held)
+        assert forward is not None and forward.ranks == (1,) and forward.step == FAIL_AT - 1, forward
+        taken = dict(zip(survivors, pool.each(survivors, "call", lambda k: (
+            "take_live", (dict(forward.agreed) if survivors[k] in forward.ranks else None,), {}))))
         _call(pool, [0], "release", 30, 0, True)
         infos = {r: info for r, (info, _) in taken.items()}
         assert all("error" not in i and i["step"] == FAIL_AT - 1 for i in infos.values()), infos
+        assert infos[1]["rolled_forward"] == FAIL_AT - 1 and "rolled_forward" not in infos[2], infos
         live = {"step": FAIL_AT - 1, "infos": infos, "files": {r: files for r, (_, files) in taken.items()},
                 "world_size": 4}
         # The new attempt: processes 1 and 2 (old ranks 1 and 2) become ranks 0 and 1.

@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from rayflex.faults.live_recovery import FromCheckpoint, LiveRecovery, decide, lost_shard
+from rayflex.faults.live_recovery import FromCheckpoint, LiveRecovery, RollForward, decide, lost_shard, roll_forward
 from rayflex.mesh.plan import MeshPlan
 
 HSDP = MeshPlan(pp=1, dp=4, dp_replicate=2)  # ranks 0, 2 hold shard 0; 1, 3 shard 1
@@ -26,6 +26,35 @@ def test_survivors_at_different_steps_recover_the_newest_step_the_holders_cover(
     mixed = {**_at(8, 0), **_at(7, 3)}
     choice = decide(HSDP, mixed)
     assert isinstance(choice, FromCheckpoint) and "different steps (7, 8)" in choice.reason
+
+
+def _held(step, pending=None, recent_step=None):
+    recent = None if recent_step is None else {"step": recent_step, "loss": 2.5, "lr": 0.01}
+    return {"step": step, "pending": pending, "recent": recent}
+
+
+def test_ranks_left_inside_an_agreement_a_peer_finished_roll_forward_to_it():
+    # Rank 0 finished step 6's agreement; ranks 1 and 3 were left inside it (a frozen rank 2
+    # had sent its share): they hold step 6's gradients, and apply them with rank 0's record.
+    held = {0: _held(6, recent_step=6), 1: _held(5, pending=6, recent_step=5), 3: _held(5, pending=6, recent_step=5)}
+    assert roll_forward(held) == RollForward(step=6, ranks=(1, 3), agreed={"step": 6, "loss": 2.5, "lr": 0.01})
+    # Then every survivor holds step 6, and the reason says who rolled forward.
+    after = {0: {"step": 6}, 1: {"step": 6, "rolled_forward": 6}, 3: {"step": 6, "rolled_forward": 6}}
+    choice = decide(HSDP, after)
+    assert choice.step == 6 and choice.holders == (0, 1)
+    assert "ranks 1, 3 were left inside step 6's closing agreement" in choice.reason
+
+
+def test_no_roll_forward_without_a_peer_past_the_agreement_or_a_rank_inside_it():
+    # Nobody finished step 6: the survivors all hold step 5 (the step re-runs, none is lost).
+    assert roll_forward({0: _held(5, pending=6, recent_step=5), 1: _held(5, recent_step=5)}) is None
+    # All finished: nothing to apply.
+    assert roll_forward({0: _held(6, recent_step=6), 1: _held(6, recent_step=6)}) is None
+    # A rank behind that was not inside step 6's agreement holds no gradients of it.
+    assert roll_forward({0: _held(6, recent_step=6), 1: _held(5, recent_step=5)}) is None
+    # A finisher without its record (a fresh process: nothing trained) gives nothing to apply with.
+    assert roll_forward({0: _held(6), 1: _held(5, pending=6)}) is None
+    assert roll_forward({}) is None
 
 
 def test_what_stands_in_the_way_is_named():

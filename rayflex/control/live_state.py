@@ -1,6 +1,7 @@
 """Live recovery, the controller's side: whether to ask a failure's survivors for their
-state, the policy's choice over what they handed over (``faults.live_recovery``), its
-``recovery_chosen`` event, and what the next attempt's ranks then read."""
+state, taking it (rolled forward where the policy says), the policy's choice over what
+they handed over (``faults.live_recovery``), its ``recovery_chosen`` event, and what the
+next attempt's ranks then read."""
 
 from __future__ import annotations
 
@@ -29,6 +30,20 @@ def worth_asking(ctx, plan: MeshPlan, lost: set[int]) -> tuple[bool, Optional[ev
     if missing is None:
         return True, None
     return False, _event(ctx, live_recovery.FromCheckpoint(reason=missing))
+
+
+def take(group, ranks: list[int]) -> dict:
+    """The snapshots of the ranks that left keeping their state: rank -> (info, files
+    reference). Ranks left inside a step's closing agreement that a peer finished first
+    apply that step (the policy's ``RollForward``), so the survivors hold one step."""
+    if not ranks:
+        return {}
+    forward = live_recovery.roll_forward(group.held_steps(ranks))
+    if forward is None:
+        return group.take_live(ranks)
+    log.info("ranks %s were left inside step %d's closing agreement, which a peer finished: they apply its update",
+             ", ".join(map(str, forward.ranks)), forward.step)
+    return group.take_live(ranks, {r: dict(forward.agreed) for r in forward.ranks})
 
 
 def choose(ctx, plan: MeshPlan, snapshots: dict[int, tuple[dict, Any]]) -> tuple[Optional[dict], ev.RecoveryChosen]:

@@ -8,6 +8,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from rayflex.constants import knob
+from rayflex.control import live_state
 from rayflex.control.states import Attempt
 from rayflex.group.worker_group import Release
 from rayflex.telemetry import events as ev
@@ -40,7 +41,8 @@ def collect_survivors(ctx, attempt: Attempt, bad_ranks: set[int], raised: frozen
                               abort=bool(kill_now or raised), snapshot=snapshots is not None)
                 if others else Release())
     if snapshots is not None:
-        snapshots.update(released.live)
+        # A rank still uploading is not reused, but its state is a finished step's all the same.
+        snapshots.update(live_state.take(group, sorted(released.left | released.uploading)))
     survivors = {}
     for r in others:
         actor = group.actors[r]

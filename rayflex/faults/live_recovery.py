@@ -4,7 +4,9 @@ A mesh that replicates its shards (HSDP: ``dp_replicate >= 2``) holds every shar
 model and optimizer on several ranks. When a failure leaves at least one rank holding each
 shard, the state of the last finished step still exists in live memory: the restart
 resumes from it (``LiveRecovery``) and loses no step, instead of rolling back to the last
-commit. When a shard lost every copy (both replicas of it gone), or the survivors stopped
+commit. Survivors a step apart — some finished step s's closing agreement, the rest were
+left inside it — first bring the rest to step s (``RollForward``: they hold its gradients).
+When a shard lost every copy (both replicas of it gone), or the survivors still stopped
 at different steps, or a snapshot failed, the restart loads a checkpoint as before
 (``FromCheckpoint``: memory replicas, then storage), and the reason says which shard or
 rank stood in the way.
@@ -55,6 +57,10 @@ def _describe(plan: MeshPlan, shard: tuple[int, int, int]) -> str:
     return ", ".join(parts)
 
 
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]} was" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} were"
+
+
 def lost_shard(plan: MeshPlan, alive: set[int]) -> Optional[str]:
     """Why the ranks ``alive`` cannot hold the whole state (a shard none of them holds,
     naming its lost ranks), or None when they can."""
@@ -71,6 +77,35 @@ def lost_shard(plan: MeshPlan, alive: set[int]) -> Optional[str]:
     return None
 
 
+@dataclass(frozen=True)
+class RollForward:
+    """Ranks left inside step ``step``'s closing agreement, which another survivor finished,
+    apply that step's update before their snapshots, with ``agreed`` (its record, from that
+    survivor): the survivors then all hold step ``step``."""
+
+    step: int
+    ranks: tuple[int, ...]
+    agreed: Mapping
+
+
+def roll_forward(held: Mapping[int, Mapping]) -> Optional[RollForward]:
+    """``held``: old rank -> its last finished ``step``, the step it was left inside the
+    closing agreement of (``pending``), and its last finished step's agreed record
+    (``recent``). The agreement is one all-reduce over every rank: a survivor that finished
+    step s's proves that every rank entered it, its gradient collectives done, so a survivor
+    still inside it holds step s's gradients and can apply them. Without that, survivors a
+    step apart hold no common step (a ring all-reduce completes on some ranks before others)."""
+    if not held:
+        return None
+    newest = max(int(h["step"]) for h in held.values())
+    finished = [r for r in sorted(held) if int(held[r]["step"]) == newest
+                and (held[r].get("recent") or {}).get("step") == newest]
+    behind = tuple(r for r in sorted(held) if int(held[r]["step"]) == newest - 1 and held[r].get("pending") == newest)
+    if not finished or not behind:
+        return None
+    return RollForward(step=newest, ranks=behind, agreed=dict(held[finished[0]]["recent"]))
+
+
 def decide(plan: MeshPlan, snapshots: Mapping[int, Mapping]) -> RecoveryChoice:
     """``snapshots``: old rank -> what its snapshot said (``step``, or ``error``) for every
     survivor asked. The newest step whose snapshots hold every shard wins; the holders are
@@ -85,9 +120,12 @@ def decide(plan: MeshPlan, snapshots: Mapping[int, Mapping]) -> RecoveryChoice:
             for r in sorted(at_step):
                 chosen.setdefault(shard_of(plan, r), r)
             holders = tuple(sorted(chosen.values()))
+            rolled = sorted(r for r in at_step if snapshots[r].get("rolled_forward") == step)
             return LiveRecovery(step=step, holders=holders, reason=(
                 f"every shard of step {step} is held by a survivor: reading ranks "
-                f"{', '.join(map(str, holders))} of the failed attempt ({plan.describe()})"))
+                f"{', '.join(map(str, holders))} of the failed attempt ({plan.describe()})"
+                + (f"; {_ranks(rolled)} left inside step {step}'s closing agreement, which a peer finished, "
+                   "and applied its update" if rolled else "")))
     why = lost_shard(plan, set(usable))
     if why is None and usable:
         steps = sorted(set(usable.values()))

@@ -166,7 +166,7 @@ class RayWorkerGroup:
                 abort: bool = False, snapshot: bool = False) -> "Release":
         """Ask surviving ranks to leave the attempt (``abort``: the attempt is broken, fail
         its pending collectives); says which left cleanly and which died meanwhile.
-        ``snapshot``: each rank that left hands over its state in memory (``live``)."""
+        ``snapshot``: each rank that leaves keeps its state for ``take_live``."""
         import ray
         from ray.exceptions import RayActorError
 
@@ -196,17 +196,31 @@ class RayWorkerGroup:
                 left.add(r)
             elif answer == Leaving.UPLOADING:
                 uploading.add(r)
-        # A rank still uploading is not reused, but its state is a finished step's all the same.
-        live = self._take_live(sorted(left | uploading)) if snapshot else {}
-        return Release(frozenset(left), died, frozenset(uploading), live)
+        return Release(frozenset(left), died, frozenset(uploading))
 
-    def _take_live(self, ranks: list[int]) -> dict:
-        """rank -> (what its snapshot says, a reference to its files). The files stay in
-        the object store of the rank's node, owned by this process: they outlive the rank
-        (one let go, or replaced) until the next attempt has read them."""
+    def held_steps(self, ranks: list[int]) -> dict:
+        """After ``release(snapshot=True)``: rank -> what it holds (``TrainWorker.held_step``)
+        for each of ``ranks`` that answers in time; the live-recovery policy decides on them."""
         import ray
 
-        pending = {r: self.actors[r].take_live.options(num_returns=2).remote() for r in ranks}
+        deadline = time.time() + knob("ACTOR_CALL_TIMEOUT_S")
+        out = {}
+        for r, ref in [(r, self.actors[r].held_step.remote()) for r in ranks]:
+            try:
+                out[r] = ray.get(ref, timeout=max(0.0, deadline - time.time()))
+            except Exception:  # noqa: BLE001 - its take_live says why it has no live state
+                pass
+        return out
+
+    def take_live(self, ranks: list[int], roll_forward: Optional[dict] = None) -> dict:
+        """rank -> (what its snapshot says, a reference to its files). ``roll_forward``:
+        rank -> the agreed record of the step it applies first (``TrainWorker.take_live``).
+        The files stay in the object store of the rank's node, owned by this process: they
+        outlive the rank (one let go, or replaced) until the next attempt has read them."""
+        import ray
+
+        roll_forward = roll_forward or {}
+        pending = {r: self.actors[r].take_live.options(num_returns=2).remote(roll_forward.get(r)) for r in ranks}
         deadline = time.time() + knob("ACTOR_CALL_TIMEOUT_S")  # one wait for all: they snapshot at once
         out = {}
         for r, (info_ref, files_ref) in pending.items():
@@ -236,7 +250,6 @@ class Release:
     left: frozenset = frozenset()
     died: dict = field(default_factory=dict)
     uploading: frozenset = frozenset()
-    live: dict = field(default_factory=dict)  # rank -> (snapshot info, files reference), with snapshot=True
 
 
 def _gather(refs: list, timeout_s: float, phase: str, ranks: Optional[list] = None,

@@ -14,7 +14,8 @@ import gc
 # TrainWorker's public methods, callable on the actor (tests/test_architecture.py keeps
 # this list equal to the class's).
 ACTOR_METHODS = ("reconfigure", "node_info", "ping", "setup", "start", "poll", "flight_record", "request_stop",
-                 "request_checkpoint", "set_fail_at", "join", "release", "take_live", "shutdown")
+                 "request_checkpoint", "set_fail_at", "join", "release", "held_step", "take_live",
+                 "shutdown")
 
 
 class TrainWorkerActor:

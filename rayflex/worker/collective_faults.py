@@ -9,6 +9,9 @@ omitted), is replaced by ACTION:
 * ``skip``: the call is not made (it returns as if done: the rank goes on);
 * ``broadcast``: a broadcast of the same tensor from the group's first rank instead;
 * ``grow``: the same op on a tensor one element longer;
+* ``hold``: the call is made, then the rank stays inside it (as one frozen after its share
+  went out) until its attempt is stopped, and the call raises: its peers finish the
+  collective, it does not;
 * ``drop_send`` (OP ``p2p``: the pipeline schedule's point-to-point call,
   ``schedules._batch_p2p``): the call's sends are not posted, its receives are (one
   microbatch too few sent).
@@ -20,12 +23,13 @@ way ``CollectiveAudit`` patches them), so no other step, rank or run pays for it
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 ENV = "RAYFLEX_COLLECTIVE_FAULT"
-ACTIONS = ("skip", "broadcast", "grow", "drop_send")
+ACTIONS = ("skip", "broadcast", "grow", "hold", "drop_send")
 
 
 @dataclass(frozen=True)
@@ -71,10 +75,13 @@ class _DoneWork:
 
 @contextmanager
 def committed(fault: Optional[CollectiveFault], step: int, role_of: Callable[[Any], str],
-              on_fire: Callable[[str], None] = lambda message: None) -> Iterator[None]:
+              on_fire: Callable[[str], None] = lambda message: None,
+              stopped: Callable[[], bool] = lambda: True) -> Iterator[None]:
     """While the body runs (one training step), commit ``fault`` if it is due at ``step``.
     ``role_of(group)``: the role of a process group (None: the world group).
-    ``on_fire``: told once when the fault is committed (the harness's ground truth)."""
+    ``on_fire``: told when the fault is committed (the harness's ground truth); a ``hold``
+    also once its call returned.
+    ``stopped``: whether the rank's attempt was asked to stop (ends a ``hold``)."""
     if fault is None or fault.step != step:
         yield
         return
@@ -115,6 +122,16 @@ def committed(fault: Optional[CollectiveFault], step: int, role_of: Callable[[An
             if fault.action == "broadcast":
                 src = dist.get_process_group_ranks(group)[0] if group is not None else 0
                 return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+            if fault.action == "hold":
+                work = original(*args, **kwargs)
+                if async_op:
+                    work.wait()
+                on_fire(f"injected collective fault: rank {fault.rank} step {step}: its {fault.op} returned; "
+                        "holding inside it")
+                while not stopped():
+                    time.sleep(0.05)
+                raise RuntimeError(f"injected collective fault: rank {fault.rank} held inside its {fault.op} "
+                                   "until its attempt stopped")
             if fault.action == "grow":
                 import torch
 

@@ -168,6 +168,9 @@ class TrainWorker:
         self._request_reason: Optional[str] = None  # of the request a save taken now or pending serves
         self._pending_save: Optional[int] = None  # the step a deferred save fell due at
         self._updating: Optional[int] = None  # the step whose optimizer update is being applied
+        # The step whose closing agreement this rank entered and has not yet applied: it holds
+        # that step's reduced gradients (live recovery may roll it forward).
+        self._agreeing: Optional[int] = None
         self._save_at_start: Optional[str] = None  # a save after the first step of the attempt (live recovery)
         # An armed injected failure belongs to this attempt: a reused process forgets it.
         self.fail_at: Optional[InjectedFailure] = _fail_at_from_env(rank)
@@ -438,20 +441,23 @@ class TrainWorker:
                 self._note_step_start(step)
                 with sent_bytes_counter() as sent:
                     with committed(self.collective_fault, step, self._role_of,
-                                   on_fire=lambda message: _log_injected_failure(self.rank, step, message)):
+                                   on_fire=lambda message: _log_injected_failure(self.rank, step, message),
+                                   stopped=self._stop.is_set):
                         with collective_wait_timer() as comm:
                             loss_sum, grad_norm, probe = self._train_step(step)
                         self._set_phase("collective")
                         # The step's last collective comes before its update: a rank that fails
                         # in a collective of step s has not applied s, and a survivor's state is
-                        # always that of a finished step (live recovery reads it).
+                        # always that of a finished step (live recovery reads it) — or, failing
+                        # inside this agreement, that step's gradients ready to apply.
+                        self._agreeing = step
                         agreed = self._agree(loss_sum)
                     # How long this rank waited for its peers in the step: inside its collectives
                     # (a slow rank holds the others up there) and at the closing agreement.
                     probe["sync_wait_s"] = comm["wait_s"] + agreed.wait_s
                     loss = agreed.loss
                     stop_agreed = agreed.stop
-                    self._updating = step
+                    self._updating, self._agreeing = step, None
                     self._apply_update(step)
                 probe["sent_bytes"] = self._by_role(sent)
                 dt = time.perf_counter() - t0
@@ -764,19 +770,57 @@ class TrainWorker:
             log.warning("rank %d: no live snapshot: %s", self.rank, e, exc_info=True)
             return {**base, "error": f"snapshot failed: {type(e).__name__}: {e}"}, {}
 
-    def take_live(self) -> tuple[dict, dict]:
+    def held_step(self) -> dict:
+        """After ``release(snapshot=True)``: the last finished step, the step whose closing
+        agreement this rank was left inside (``pending``: its gradients reduced, its update
+        not applied), and the agreed record of its last finished step — what live
+        recovery's roll-forward decides on (``faults.live_recovery.roll_forward``)."""
+        kept = self._keeping_for_snapshot
+        return {"rank": self.rank, "step": self._step, "pending": self._agreeing if kept else None,
+                "recent": dict(self._recent[-1]) if kept and self._recent else None}
+
+    def take_live(self, roll_forward: Optional[dict] = None) -> tuple[dict, dict]:
         """After ``release(snapshot=True)``: the state of the last finished step written
-        into memory, (info, files), then the attempt's state dropped. The caller owns the
+        into memory, (info, files), then the attempt's state dropped. ``roll_forward``: the
+        agreed record of the step this rank was left inside the agreement of, which a peer
+        finished: its update is applied first (``_roll_forward``). The caller owns the
         result (Ray keeps a returned value for whoever called), so it outlives this process."""
         if not self._keeping_for_snapshot:
             return {"rank": self.rank, "node_id": self.node_id, "step": self._step,
                     "error": "it did not keep its state when it left"}, {}
         try:
+            if roll_forward is not None:
+                try:
+                    self._roll_forward(roll_forward)
+                except Exception as e:  # noqa: BLE001 - no live copy from this rank: said, not raised
+                    log.warning("rank %d: could not roll forward: %s", self.rank, e, exc_info=True)
+                    return {"rank": self.rank, "node_id": self.node_id, "step": self._step,
+                            "error": f"could not apply step {roll_forward.get('step')}: {type(e).__name__}: {e}"}, {}
+                info, files = self._snapshot()
+                return {**info, "rolled_forward": self._step}, files
             return self._snapshot()
         finally:
             self._keeping_for_snapshot = False
             if self._state == WorkerState.RELEASED:  # else still uploading: the controller kills it
                 self.shutdown(checkpoint_grace_s=0)
+
+    def _roll_forward(self, agreed: dict) -> None:
+        """Apply the update of step ``agreed["step"]``, whose closing agreement this rank was
+        left inside. A peer finished that agreement, so every rank had entered it, each with
+        the step's gradient collectives (and clipping) done: the gradients this rank holds
+        are the step's, and its update is local work — the same bytes the peer's update gave.
+        The step's agreed record (loss, LR, grad norm) is the peer's."""
+        step = int(agreed["step"])
+        if self._agreeing != step or self._step != step - 1:
+            raise RuntimeError(f"it holds step {self._step} (inside the agreement of {self._agreeing}), "
+                               f"not step {step}'s gradients")
+        sharding_caches.in_this_thread()  # an actor call thread may have served an earlier attempt
+        self._updating, self._agreeing = step, None
+        self._apply_update(step)
+        with self._lock:
+            self._step = step
+        self._updating = None
+        self._recent.append(dict(agreed))
 
     def _wait_for_save(self, timeout_s: float) -> None:
         if self.checkpointer is not None and timeout_s > 0:
