@@ -87,19 +87,28 @@ def rank_state(rank: int, world: int, port: int, gb_per_rank: float):
     (tensors, ``TrainState``): the checkpoint is exactly the tensors."""
     import torch
     import torch.distributed as dist
-    from torch import nn
-
-    from rayflex.checkpoint.checkpointer import TrainState
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    return state_of_rank(rank, gb_per_rank)
+
+
+def state_of_rank(rank: int, gb_per_rank: float, fill: bool = True):
+    """(tensors, ``TrainState``) of ``rank_state`` without joining a group: also what a new
+    attempt's rank restores into (``fill=False``: the same names, zeros)."""
+    import torch
+    from torch import nn
+
+    from rayflex.checkpoint.checkpointer import TrainState
+
     n = int(gb_per_rank * 1024 // TENSOR_MB)
     module = nn.Module()
     # Named per rank, as a sharded model's shards are distinct entries: under one name on
     # every rank, DCP takes the tensors for replicas and writes each name once (half the
     # bytes of two ranks on disk, and a restore reads them back on both ranks).
     setattr(module, f"weights_rank{rank}", nn.ParameterList(
-        [nn.Parameter(torch.full((TENSOR_MB * 2**20 // 4,), float(rank * n + i))) for i in range(n)]))
+        [nn.Parameter(torch.full((TENSOR_MB * 2**20 // 4,), float(rank * n + i) if fill else 0.0))
+         for i in range(n)]))
     opt = torch.optim.SGD(module.parameters(), lr=0.0)  # no state: the checkpoint is the tensors
     return [p.data for p in module.parameters()], TrainState(modules=[module], optimizers=[opt], get_step=lambda: 1)

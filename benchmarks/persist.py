@@ -26,6 +26,11 @@ through s3fs; DCP uses its
 shares its 2 cores with the ranks, so the figures are this endpoint's, not a cloud bucket's:
 what compares is the three systems against one endpoint.
 
+Every restore reads into a second set of tensors of the same names (a new attempt's rank;
+the first and last tensor are checked against the saved ones after each): a restore into
+the saving state would re-create its optimizer's state dict, and each next rayflex save would
+then rebuild its staging buffers — a run's first save after a restore, not its steady saves.
+
 Every persist time ends with ``os.sync()`` on each rank (the bytes on disk, not in the page
 cache: a local-disk checkpoint that a power loss takes is no checkpoint), and before every
 restore the page cache is dropped (``/proc/sys/vm/drop_caches``, as root; the JSON says
@@ -47,7 +52,7 @@ import time
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import TENSOR_MB, emit, machine, rank_state, run_ranks, setup_logging  # noqa: E402
+from common import TENSOR_MB, emit, machine, rank_state, run_ranks, setup_logging, state_of_rank  # noqa: E402
 
 
 
@@ -144,13 +149,23 @@ def _floor_download(tensors: list, prefix: str, threads: int) -> None:
 
 
 def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
+    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from rayflex.checkpoint.checkpointer import AsyncCheckpointer
 
     tensors, state = rank_state(rank, world, port, cfg["gb_per_rank"])
+    # Restores go into a state of their own, as a new attempt's rank would: loading into the
+    # saving state would re-create its optimizer state (``opt.state``) and make every next
+    # save rebuild its staging buffers — a save after a restore, not a run's steady save.
+    into, into_state = state_of_rank(rank, cfg["gb_per_rank"], fill=False)
     nbytes = sum(t.numel() * 4 for t in tensors)
+
+    def restored_right() -> None:
+        for i in (0, len(tensors) - 1):
+            assert torch.equal(into[i], tensors[i]), f"rank {rank}: tensor {i} restored wrong"
+            into[i].zero_()
 
     def timed(fn) -> float:
         dist.barrier()
@@ -196,7 +211,9 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
                 on_disk = sum(os.path.getsize(os.path.join(d, f))
                               for d, _, files in os.walk(os.path.join(cfg["dir"], f"{system}-warmup")) for f in files)
                 assert on_disk >= world * nbytes, f"the checkpoint holds {on_disk} bytes of {world} x {nbytes}"
-            ckpt.load_latest(state)
+            # Read back as every timed restore is, by a new attempt's checkpointer (the saving
+            # one drops its staging when it loads).
+            AsyncCheckpointer(uri(f"{system}-warmup"), rank=rank, use_async=False).load_latest(into_state)
             checkpointers[system] = ckpt
     # And one untimed restore each (DCP's too): a process's first load imports DCP's loading
     # modules, which the cache drops before every timed restore would make each round's first
@@ -207,6 +224,7 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
 
         dcp.save({"t": tensors[0]}, storage_writer=FileSystemWriter(warm))
         dcp.load({"t": tensors[0]}, storage_reader=FileSystemReader(warm))
+    os.sync()  # the warm-ups' bytes on disk now, not in the first timed write's sync
     dist.barrier()
     rows = []
     for rnd in range(cfg["rounds"]):
@@ -224,11 +242,11 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
             if kind == "floor" and s3:
                 prefix = f"persist/{system}/rank{rank}"
                 write_s = timed(lambda: _floor_upload(tensors, prefix, threads))
-                read_fn = lambda: _floor_download(tensors, prefix, threads)  # noqa: E731
+                read_fn = lambda: _floor_download(into, prefix, threads)  # noqa: E731
             elif kind == "floor":
                 mine = fresh(os.path.join(root, f"rank{rank}"))
                 write_s = timed(lambda: _floor_write(tensors, mine, threads))
-                read_fn = lambda: _floor_read(tensors, mine, threads)  # noqa: E731
+                read_fn = lambda: _floor_read(into, mine, threads)  # noqa: E731
             elif kind == "rayflex":
                 ckpt = checkpointers[system]
                 ckpt.root = uri(system)  # this round's own directory: the cache drop makes it cold
@@ -242,20 +260,22 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
                 write_s = timed(save)
                 blocked = saved.get("blocked_s")
                 # A restore is a new attempt's: its own checkpointer (the saving one keeps its staging).
-                read_fn = lambda: AsyncCheckpointer(uri(system), rank=rank, use_async=False).load_latest(state)  # noqa: E731,E501
+                read_fn = lambda: AsyncCheckpointer(uri(system), rank=rank, use_async=False).load_latest(into_state)  # noqa: E731,E501
             else:
                 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
                 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
                 sd = {f"r{rank}.w{i}": t for i, t in enumerate(tensors)}  # each rank's own entries
+                sd_into = {f"r{rank}.w{i}": t for i, t in enumerate(into)}
                 writer, reader = (FsspecWriter, FsspecReader) if s3 else (FileSystemWriter, FileSystemReader)
                 path = uri(system) if s3 else root
                 write_s = timed(lambda: dcp.save(sd, storage_writer=writer(
                     path, thread_count=threads, single_file_per_rank=True, sync_files=False)))
-                read_fn = lambda: dcp.load(sd, storage_reader=reader(path))  # noqa: E731
+                read_fn = lambda: dcp.load(sd_into, storage_reader=reader(path))  # noqa: E731
             dist.barrier()
             dropped = (None if s3 else _drop_caches()) if rank == 0 else None
             read_s = timed(read_fn)
+            restored_right()
             if rank == 0:
                 rows.append({"round": rnd, "system": system, "write_s": write_s, "read_s": read_s,
                              "blocked_s": blocked, "cache_dropped": dropped})
