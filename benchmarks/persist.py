@@ -195,26 +195,27 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
         else:
             shutil.rmtree(os.path.join(cfg["dir"], system), ignore_errors=True)
 
-    # One checkpointer per thread count for the whole run, as a training run keeps its own:
-    # a save reuses its staging buffers and save plan (what a run's first save builds, in an
-    # untimed save here).
-    checkpointers = {}
+    # One checkpointer for the whole run, as a training run keeps one: a save reuses its
+    # staging buffers and save plan (what a run's first save builds, in an untimed save here);
+    # each rayflex_T row sets its writer threads. (One per thread count held 2 GB of staging
+    # each: with the state and the restore target, 10 GB a rank of this host's 24, which
+    # left the page cache too little for every system.)
+    ckpt = None
     for system in cfg["systems"]:
         kind, threads = system.rsplit("_", 1)
-        if kind == "rayflex":
-            ckpt = AsyncCheckpointer(uri(f"{system}-warmup"), rank=rank, use_async=True, keep=1, upload="thread",
+        if kind == "rayflex" and ckpt is None:
+            ckpt = AsyncCheckpointer(uri("rayflex-warmup"), rank=rank, use_async=True, keep=1, upload="thread",
                                      upload_threads=int(threads))
             ckpt.save(state, step=1)
             ckpt.wait()
             dist.barrier()
             if rank == 0 and not s3:  # every rank's bytes, not one copy of names the ranks share
                 on_disk = sum(os.path.getsize(os.path.join(d, f))
-                              for d, _, files in os.walk(os.path.join(cfg["dir"], f"{system}-warmup")) for f in files)
+                              for d, _, files in os.walk(os.path.join(cfg["dir"], "rayflex-warmup")) for f in files)
                 assert on_disk >= world * nbytes, f"the checkpoint holds {on_disk} bytes of {world} x {nbytes}"
             # Read back as every timed restore is, by a new attempt's checkpointer (the saving
             # one drops its staging when it loads).
-            AsyncCheckpointer(uri(f"{system}-warmup"), rank=rank, use_async=False).load_latest(into_state)
-            checkpointers[system] = ckpt
+            AsyncCheckpointer(uri("rayflex-warmup"), rank=rank, use_async=False).load_latest(into_state)
     # And one untimed restore each (DCP's too): a process's first load imports DCP's loading
     # modules, which the cache drops before every timed restore would make each round's first
     # system read from disk (0.19x the floor in round 1 otherwise, 1.26-1.31x after).
@@ -248,7 +249,7 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
                 write_s = timed(lambda: _floor_write(tensors, mine, threads))
                 read_fn = lambda: _floor_read(into, mine, threads)  # noqa: E731
             elif kind == "rayflex":
-                ckpt = checkpointers[system]
+                ckpt.upload_threads = threads
                 ckpt.root = uri(system)  # this round's own directory: the cache drop makes it cold
                 saved: dict = {}
 
@@ -284,11 +285,10 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
             dist.barrier()
             if rank == 0:
                 remove(system)
-    for ckpt in checkpointers.values():
+    if ckpt is not None:
         ckpt.close()
-    if rank == 0:
-        for system in checkpointers:
-            remove(f"{system}-warmup")
+        if rank == 0:
+            remove("rayflex-warmup")
     if rank == 0:
         results.put({"bytes_per_rank": nbytes, "rows": rows})
     dist.destroy_process_group()
