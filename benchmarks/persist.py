@@ -254,7 +254,10 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
                 saved: dict = {}
 
                 def save():
-                    ckpt.save(state, step=rnd + 2)
+                    # As a save after the training loop ("final"): nothing trains beside it, so
+                    # its upload runs at the process's priority, as DCP's does (a periodic
+                    # save's yields to the steps beside it: save_backlog.py measures those).
+                    ckpt.save(state, step=rnd + 2, reason="final")
                     [report] = ckpt.wait()
                     assert report.get("committed") or rank != 0, report
                     saved["blocked_s"] = report.get("blocked_s")

@@ -115,8 +115,9 @@ _KNOBS: dict[str, Knob] = {
     # keepers' uploads before giving the step up (the restart then resumes from the last
     # committed one).
     "HANDOFF_UPLOAD_TIMEOUT_S": Knob(900.0),
-    # CPU niceness of the checkpoint upload thread (0 = as training): uploads take the
-    # cycles training leaves idle.
+    # CPU niceness of the checkpoint upload thread while the training loop runs (0 = as
+    # training): uploads take the cycles training leaves idle. Saves after the loop (final,
+    # stop, emergency) upload at the process's own priority.
     "UPLOAD_NICE": Knob(10, minimum=0, maximum=19, kind=int),
     # Worker setup (rendezvous, model build, checkpoint load).
     "SETUP_TIMEOUT_S": Knob(300.0),

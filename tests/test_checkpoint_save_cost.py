@@ -270,3 +270,34 @@ def test_the_cheap_flattening_matches_dcps_for_rayflexs_state_and_declines_the_r
     assert list(flat_view(state)[0]) == list(flatten_state_dict(state)[0]), "the same order: the same plan"
     for other in ({"a": {"b": {"c": 1}}}, {"a": [torch.ones(1)]}, {"a": {"b": [1, 2]}}, {"a.b": 1, "a": {"b": 2}}):
         assert flat_view(other) is None, other
+
+
+def test_uploads_yield_to_training_only_while_the_loop_runs(tmp_path, monkeypatch):
+    # A periodic save's upload runs at RAYFLEX_UPLOAD_NICE beside the next steps; a final,
+    # stop or emergency save (the loop has ended: a spot notice's deadline) runs at the
+    # process's own priority, and a lowered thread is raised back after its upload.
+    import os
+    import threading
+
+    from rayflex.checkpoint import dcp_io
+    from rayflex.checkpoint.checkpointer import AsyncCheckpointer
+
+    if os.geteuid() != 0:
+        pytest.skip("raising a thread's priority back needs root (CAP_SYS_NICE)")
+    monkeypatch.setenv("RAYFLEX_UPLOAD_NICE", "7")
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    seen = []
+    write = dcp_io.CheckpointWriter._write_data
+
+    def noting(self, *args, **kwargs):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(dcp_io.CheckpointWriter, "_write_data", noting)
+    ckpt = AsyncCheckpointer(f"file://{tmp_path}/ckpt", rank=0, use_async=True, keep=3)
+    state = tiny_state()
+    for step, reason in ((1, "periodic"), (2, "emergency"), (3, "periodic"), (4, "final")):
+        ckpt.save(state, step=step, reason=reason)
+        [report] = ckpt.wait(timeout_s=60)
+        assert report.get("committed"), report
+    assert seen == [7, own, 7, own], seen

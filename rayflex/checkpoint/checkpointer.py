@@ -439,7 +439,11 @@ class AsyncCheckpointer:
         if self.use_async:
             # Planning (a gather on the checkpoint group) and the upload both run in the
             # background thread; training only waited for the copy above.
-            upload = self._uploader.submit(_low_priority(dcp.save), tensors, storage_writer=writer,
+            # Beside a training step the upload yields the CPU to it; once the loop has ended
+            # (a final, stop or emergency save: a spot notice's deadline) there is nothing to
+            # yield to, and a lowered priority would only hand the cores to other processes.
+            save = dcp.save if reason in LOOP_ENDED else _low_priority(dcp.save)
+            upload = self._uploader.submit(save, tensors, storage_writer=writer,
                                            planner=self._plans.planner(), process_group=group)
         else:
             dcp.save(tensors, storage_writer=writer, planner=self._plans.planner(), process_group=group)
@@ -695,6 +699,10 @@ def commit_if_whole(root: str, step: int, *, world_size: int, mesh: dict, keep: 
     commit_step(store, step, world_size=world_size, mesh=mesh, keep=keep)
 
 
+# Save reasons of a training loop that has ended (TrainWorker._loop): no step runs beside them.
+LOOP_ENDED = frozenset({"final", "stop", "emergency"})
+
+
 def _low_priority(fn: Callable) -> Callable:
     """Run ``fn`` with this thread's CPU priority lowered (``RAYFLEX_UPLOAD_NICE``, Linux):
     serializing and sending shards then uses the cycles training leaves idle instead of
@@ -717,20 +725,21 @@ def _low_priority(fn: Callable) -> Callable:
         nice = int(knob("UPLOAD_NICE"))
         if not nice:
             return fn(*args, **kwargs)
-        renice(threading.get_native_id(), nice)
-        # s3fs sends from fsspec's shared event-loop thread: lowered for this upload only
-        # (an unprivileged process may not raise it back; then it stays low, which only
-        # slows other background I/O of this worker).
+        # This thread (the checkpointer's uploader, reused by its next save) and fsspec's
+        # shared event-loop thread, which s3fs sends from: lowered for this upload only (an
+        # unprivileged process may not raise them back; then they stay low, which only slows
+        # this worker's later background I/O).
         from fsspec.asyn import get_loop, iothread
 
         get_loop()
-        io_tid = getattr(iothread[0], "native_id", None)
-        before = renice(io_tid, nice)
+        tids = [threading.get_native_id(), getattr(iothread[0], "native_id", None)]
+        before = [renice(tid, nice) for tid in tids]
         try:
             return fn(*args, **kwargs)
         finally:
-            if before is not None:
-                renice(io_tid, before)
+            for tid, value in zip(tids, before):
+                if value is not None:
+                    renice(tid, value)
 
     return run
 
