@@ -112,3 +112,20 @@ def state_of_rank(rank: int, gb_per_rank: float, fill: bool = True):
          for i in range(n)]))
     opt = torch.optim.SGD(module.parameters(), lr=0.0)  # no state: the checkpoint is the tensors
     return [p.data for p in module.parameters()], TrainState(modules=[module], optimizers=[opt], get_step=lambda: 1)
+
+
+def on_linkbed(topology: str, scale: float, call: str, env: dict, tmp: str) -> dict:
+    """Run ``call`` (``MODULE:FUNCTION`` of a module in benchmarks/) in the link bed of
+    ``topology`` at ``scale`` (``python -m rayflex.testing.linkbed``), with ``env`` added to
+    this environment; the bed's JSON (its plan, the bytes per link, the call's result),
+    written under ``tmp``."""
+    import subprocess
+
+    raw = os.path.join(tmp, "bed.json")
+    path = os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")]))
+    subprocess.run([sys.executable, "-m", "rayflex.testing.linkbed", "--topology", str(topology),
+                    "--scale", str(scale), "--out", raw, "--call", call],
+                   env={**os.environ, **env, "PYTHONPATH": path}, check=True)
+    with open(raw) as f:
+        return json.load(f)
+

@@ -23,16 +23,14 @@ Rounds alternate over tiers and collectives; medians per size. Prints one JSON o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import emit, machine, setup_logging  # noqa: E402
+from common import emit, machine, on_linkbed, setup_logging  # noqa: E402
 
 TOPOLOGY = os.path.join(os.path.dirname(__file__), "..", "examples", "topologies", "linkbed_tiers.yaml")
 PAIRS = {"same_node": ("a0", "a0"), "same_domain": ("a0", "a1"), "same_zone": ("a0", "b0"), "cross_zone": ("a0", "c0")}
@@ -156,16 +154,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="rayflex-calibrate-") as tmp:
-        raw = os.path.join(tmp, "bed.json")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
-                                                                         os.environ.get("PYTHONPATH")])),
-               "CALIBRATE_ROUNDS": str(args.rounds), "CALIBRATE_REPEATS": str(args.repeats)}
-        t0 = time.time()
-        subprocess.run([sys.executable, "-m", "rayflex.testing.linkbed", "--topology", TOPOLOGY,
-                        "--scale", str(args.scale), "--out", raw, "--call", "linkbed_calibrate:measure"],
-                       env=env, check=True)
-        bed = json.load(open(raw))
+        bed = on_linkbed(TOPOLOGY, args.scale, "linkbed_calibrate:measure",
+                         {"CALIBRATE_ROUNDS": str(args.rounds), "CALIBRATE_REPEATS": str(args.repeats)}, tmp)
     emit({"benchmark": "linkbed_calibrate", "machine": machine(), "scale": args.scale, "rounds": args.rounds,
           "repeats": args.repeats, "wall_s": round(time.time() - t0, 1), "tiers": fit(bed["result"]["rows"]),
           "plan": bed["plan"]}, args.out)

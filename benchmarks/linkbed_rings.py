@@ -27,16 +27,14 @@ does with a ring, the ground the placement model is checked on.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import emit, machine, setup_logging  # noqa: E402
+from common import emit, machine, on_linkbed, setup_logging  # noqa: E402
 
 TOPOLOGY = os.path.join(os.path.dirname(__file__), "..", "examples", "topologies", "two_racks_small.yaml")
 ORDERS = {"contiguous": ("n0", "n0", "n1", "n1"), "interleaved": ("n0", "n1", "n0", "n1")}
@@ -159,16 +157,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="rayflex-rings-") as tmp:
-        raw = os.path.join(tmp, "bed.json")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)),
-                                                                         os.environ.get("PYTHONPATH")])),
-               "RINGS_ROUNDS": str(args.rounds), "RINGS_REPEATS": str(args.repeats), "RINGS_MB": str(args.mb_per_rank)}
-        t0 = time.time()
-        subprocess.run([sys.executable, "-m", "rayflex.testing.linkbed", "--topology", TOPOLOGY,
-                        "--scale", str(args.scale), "--out", raw, "--call", "linkbed_rings:measure"],
-                       env=env, check=True)
-        bed = json.load(open(raw))
+        bed = on_linkbed(TOPOLOGY, args.scale, "linkbed_rings:measure", {
+            "RINGS_ROUNDS": str(args.rounds), "RINGS_REPEATS": str(args.repeats), "RINGS_MB": str(args.mb_per_rank)}, tmp)
     emit({"benchmark": "linkbed_rings", "machine": machine(), "scale": args.scale, "mb_per_rank": args.mb_per_rank,
           "rounds": args.rounds, "repeats": args.repeats, "wall_s": round(time.time() - t0, 1),
           "results": summarize(bed["result"], args.mb_per_rank), "plan": bed["plan"]}, args.out)

@@ -34,8 +34,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -253,17 +251,14 @@ def remodel(path: Path) -> dict:
 
 
 def run(topologies: list, rounds: int, steps: int, scale: float) -> list:
+    from common import on_linkbed
+
     results = []
     for path in topologies:
         with tempfile.TemporaryDirectory(prefix="rayflex-placement-") as tmp:
-            raw = os.path.join(tmp, "bed.json")
-            env = {**os.environ, "MEASURE_DIR": tmp, "MEASURE_STEPS": str(steps), "MEASURE_ROUNDS": str(rounds),
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))}
             t0 = time.time()
-            subprocess.run([sys.executable, "-m", "rayflex.testing.linkbed", "--topology", str(path),
-                            "--scale", str(scale), "--out", raw, "--call", "placement_measured:measure_on_bed"],
-                           env=env, check=True)
-            bed = json.loads(Path(raw).read_text())
+            bed = on_linkbed(path, scale, "placement_measured:measure_on_bed",
+                             {"MEASURE_DIR": tmp, "MEASURE_STEPS": str(steps), "MEASURE_ROUNDS": str(rounds)}, tmp)
         results.append({**summarise(Path(path), bed), "wall_s": round(time.time() - t0, 1),
                         "traffic_total": bed["traffic"]["by_tier"]})
     return results

@@ -43,7 +43,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -245,7 +244,7 @@ def summarise(bed: dict, options: list, steps: int) -> dict:
 
 
 def main(argv=None) -> None:
-    from common import emit, machine
+    from common import emit, machine, on_linkbed
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--phase", choices=("speed", "loss"), default="speed")
@@ -274,16 +273,11 @@ def main(argv=None) -> None:
     if BASELINE not in options:
         options.insert(0, BASELINE)
     with tempfile.TemporaryDirectory(prefix="rayflex-slow-links-") as tmp:
-        raw = os.path.join(tmp, "bed.json")
-        env = {**os.environ, "MEASURE_DIR": tmp, "MEASURE_STEPS": str(args.steps), "MEASURE_PHASE": args.phase,
-               "MEASURE_ROUNDS": str(args.seeds if args.phase == "loss" else args.rounds),
-               "MEASURE_OPTIONS": ",".join(options),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))}
         t0 = time.time()
-        subprocess.run([sys.executable, "-m", "rayflex.testing.linkbed", "--topology", args.topology,
-                        "--scale", str(args.scale), "--out", raw, "--call", "slow_links:measure_on_bed"],
-                       env=env, check=True)
-        bed = json.loads(Path(raw).read_text())
+        bed = on_linkbed(args.topology, args.scale, "slow_links:measure_on_bed",
+                         {"MEASURE_DIR": tmp, "MEASURE_STEPS": str(args.steps), "MEASURE_PHASE": args.phase,
+                          "MEASURE_ROUNDS": str(args.seeds if args.phase == "loss" else args.rounds),
+                          "MEASURE_OPTIONS": ",".join(options)}, tmp)
     summary = summarise(bed, options, args.steps) if args.phase == "speed" else summarise_loss(bed, options, args.steps)
     emit({"benchmark": "slow_links", "phase": args.phase, "machine": machine(),
           "command": " ".join(["python", *sys.argv]), "rounds": args.rounds, "seeds": args.seeds,
