@@ -1,22 +1,26 @@
 """How a ring of four ranks on two nodes uses the link between them: ranks in node order
 (one crossing each way) against interleaved (two crossings each way, over the same link).
 
-    sudo python benchmarks/linkbed_rings.py [--scale 4e-3] [--mb-per-rank 16] [--rounds 3]
+    sudo python benchmarks/linkbed_rings.py [--topology examples/topologies/two_racks_small.yaml]
+                                            [--orders "contiguous=n0,n0,n1,n1;interleaved=n0,n1,n0,n1"]
+                                            [--scale 4e-3] [--mb-per-rank 16] [--rounds 3]
                                             [--out benchmarks/results/linkbed_rings.json]
 
 On the link bed of ``examples/topologies/two_racks_small.yaml`` (two nodes of two slots in
 two racks), four Ray actors (two per node) form a gloo group whose rank order is either
 ``n0 n0 n1 n1`` (contiguous: the ring crosses the racks once in each direction) or
 ``n0 n1 n0 n1`` (interleaved: twice in each direction), and time an all-gather and an
-all-reduce of ``--mb-per-rank`` MB a rank, rounds alternating. Beside each median, two
+all-reduce of ``--mb-per-rank`` MB a rank, rounds alternating. ``--topology`` and ``--orders``
+compare other rings (a rank per node of ``bed_two_racks.yaml``: the planner's order against
+node order). Beside each median, two
 predictions of the same ring:
 
 * ``per_rank_link_s``: the cost model's (``planning.cost_model``): what one rank sends
-  over one rank's share of the tier (the topology's per-rank bandwidth x the scale), the
-  same for any order of the ranks;
+  over one rank's share of the slowest pair its ring crosses (the topology's per-rank
+  bandwidth x the scale), the same for any order of the ranks over the same pairs' tier;
 * ``shared_link_s``: the bytes every crossing hop sends one way, summed over the hops that
   share a node pair's link, over that link's rate (the bed gives a node pair
-  ``slots`` x the per-rank rate, one class for all its flows).
+  ``slots`` x the per-rank rate, one class for all its flows), the slowest pair's.
 
 and the bytes each directed node pair carried (tc's counters). gloo's rings follow rank
 order; NCCL builds its rings from the topology (and uses one channel per NIC), so on GPUs
@@ -39,6 +43,15 @@ from common import emit, machine, on_linkbed, setup_logging  # noqa: E402
 TOPOLOGY = os.path.join(os.path.dirname(__file__), "..", "examples", "topologies", "two_racks_small.yaml")
 ORDERS = {"contiguous": ("n0", "n0", "n1", "n1"), "interleaved": ("n0", "n1", "n0", "n1")}
 OPS = ("all_gather", "all_reduce")
+
+
+def orders_from(env: str) -> dict:
+    """``NAME=n0,n1,...;NAME=...`` (RINGS_ORDERS) -> {name: nodes in rank order}."""
+    out = {}
+    for item in filter(None, env.split(";")):
+        name, nodes = item.split("=")
+        out[name] = tuple(nodes.split(","))
+    return out
 
 
 class RingRank:
@@ -100,9 +113,10 @@ def measure(bed) -> dict:
     from rayflex.testing.linkbed.links import subtract
 
     rounds, repeats, mb = (int(os.environ[k]) for k in ("RINGS_ROUNDS", "RINGS_REPEATS", "RINGS_MB"))
+    orders = orders_from(os.environ["RINGS_ORDERS"])
     actor = ray.remote(num_cpus=0)(RingRank)
     groups = {}
-    for name, order in ORDERS.items():
+    for name, order in orders.items():
         ranks = [actor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(bed.ray_node_id(n), soft=False)).remote()
                  for n in order]
         addr, port = ray.get(ranks[0].ip.remote()), free_ports(1)[0]
@@ -112,45 +126,50 @@ def measure(bed) -> dict:
     rows = []
     for rnd in range(rounds):
         for op in OPS:
-            for name in ORDERS:
+            for name in orders:
                 before = bed.counters()
                 times = ray.get([r.run.remote(op, mb, repeats) for r in groups[name]])
                 traffic = subtract(bed.counters(), before)
                 rows.append({"round": rnd, "op": op, "order": name,
                              "seconds": statistics.median(max(t[i] for t in times) for i in range(repeats)),
                              "by_pair_per_op": {k: v / repeats for k, v in traffic["by_pair"].items()}})
-    link = bed.plan.link("n0", "n1")
-    return {"rows": rows, "pair_rate_bytes_s": link.rate_bytes_s,
-            "per_rank_rate_bytes_s": link.rate_bytes_s / bed.topology.node("n0").slots}
+    return {"rows": rows, "orders": {k: list(v) for k, v in orders.items()},
+            "rates_bytes_s": {f"{l.src}->{l.dst}": l.rate_bytes_s for l in bed.plan.links},
+            "slots": {n.node_id: n.slots for n in bed.topology.nodes}}
 
 
 def summarize(raw: dict, mb: int) -> dict:
-    pair_rate, rank_rate = raw["pair_rate_bytes_s"], raw["per_rank_rate_bytes_s"]
+    rates, slots = raw["rates_bytes_s"], raw["slots"]
     out: dict = {}
     for op in OPS:
-        for name, order in ORDERS.items():
+        for name, order in raw["orders"].items():
             sel = [r for r in raw["rows"] if r["op"] == op and r["order"] == name]
             hop = hop_bytes(op, mb, len(order))
-            shared = max(hop * k / pair_rate for k in crossings(order).values())
+            pairs = crossings(order)
+            # The hops that share a pair's class, over its rate; and one rank's bytes over
+            # one rank's share of the slowest pair it sends over (the cost model's).
+            shared = max(hop * k / rates[p] for p, k in pairs.items())
+            per_rank = max(hop / (rates[p] / max(1, slots[p.split("->")[0]])) for p in pairs)
             seconds = [r["seconds"] for r in sel]
             measured = statistics.median(seconds)
             out[f"{op}/{name}"] = {
-                "order": list(order), "crossings": crossings(order), "measured_s": round(measured, 4),
+                "order": list(order), "crossings": pairs, "measured_s": round(measured, 4),
                 "spread_s": [round(min(seconds), 4), round(max(seconds), 4)],
-                "per_rank_link_s": round(hop / rank_rate, 4), "shared_link_s": round(shared, 4),
-                "measured_over_per_rank_link": round(measured / (hop / rank_rate), 3),
+                "per_rank_link_s": round(per_rank, 4), "shared_link_s": round(shared, 4),
+                "measured_over_per_rank_link": round(measured / per_rank, 3),
                 "measured_over_shared_link": round(measured / shared, 3),
                 "bytes_per_op": {k: round(statistics.median(r["by_pair_per_op"].get(k, 0) for r in sel))
                                  for k in sel[0]["by_pair_per_op"]},
                 "hop_bytes": round(hop)}
-        out[f"{op}/interleaved_over_contiguous"] = round(out[f"{op}/interleaved"]["measured_s"]
-                                                         / out[f"{op}/contiguous"]["measured_s"], 3)
     return out
 
 
 def main() -> None:
     setup_logging()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--topology", default=TOPOLOGY)
+    p.add_argument("--orders", default=";".join(f"{k}={','.join(v)}" for k, v in ORDERS.items()),
+                   help="NAME=NODE,NODE,...;... : the rank orders to compare (default: contiguous and interleaved)")
     p.add_argument("--scale", type=float, default=4e-3)
     p.add_argument("--mb-per-rank", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
@@ -159,9 +178,12 @@ def main() -> None:
     args = p.parse_args()
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="rayflex-rings-") as tmp:
-        bed = on_linkbed(TOPOLOGY, args.scale, "linkbed_rings:measure", {
-            "RINGS_ROUNDS": str(args.rounds), "RINGS_REPEATS": str(args.repeats), "RINGS_MB": str(args.mb_per_rank)}, tmp)
-    emit({"benchmark": "linkbed_rings", "machine": machine(), "scale": args.scale, "mb_per_rank": args.mb_per_rank,
+        bed = on_linkbed(args.topology, args.scale, "linkbed_rings:measure", {
+            "RINGS_ROUNDS": str(args.rounds), "RINGS_REPEATS": str(args.repeats), "RINGS_MB": str(args.mb_per_rank),
+            "RINGS_ORDERS": args.orders}, tmp)
+    emit({"benchmark": "linkbed_rings", "machine": machine(), "command": " ".join(["python", *sys.argv]),
+          "topology": os.path.relpath(args.topology, os.path.join(os.path.dirname(__file__), "..")),
+          "scale": args.scale, "mb_per_rank": args.mb_per_rank,
           "rounds": args.rounds, "repeats": args.repeats, "wall_s": round(time.time() - t0, 1),
           "results": summarize(bed["result"], args.mb_per_rank), "plan": bed["plan"]}, args.out)
 
