@@ -62,8 +62,10 @@ def run(w: wl.Workload, *, runner: str, float8: bool = False, cpu: bool = False,
     """One run: throughput figures, peak memory, the settings it ran with."""
     import ray.cloudpickle
 
+    if root is None:  # the run's files go with it (every suite run left one directory a run behind)
+        with tempfile.TemporaryDirectory(prefix="rayflex-gpu-kit-") as tmp:
+            return run(w, runner=runner, float8=float8, cpu=cpu, root=tmp)
     ray.cloudpickle.register_pickle_by_value(gpu_smoke)  # the probe travels with the spec
-    root = root or tempfile.mkdtemp(prefix="rayflex-gpu-kit-")
     t_launch = time.time()
     t = trainer(w, runner=runner, float8=float8, cpu=cpu, root=root)
     got = gpu_smoke.run_in_process(t) if runner == "in-process" else gpu_smoke.run_with_ray(t)
