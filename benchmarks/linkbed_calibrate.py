@@ -53,12 +53,12 @@ class PairRank:
 
         return ray.util.get_node_ip_address()
 
-    def join(self, rank: int, addr: str, port: int) -> None:
+    def join(self, rank: int, addr: str, port: int, world: int = 2) -> None:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=2)
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
         self.rank = rank
 
     def run(self, op: str, nbytes: int, repeats: int) -> float:

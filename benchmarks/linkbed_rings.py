@@ -39,6 +39,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import emit, machine, on_linkbed, setup_logging  # noqa: E402
+from linkbed_calibrate import PairRank  # noqa: E402
 
 TOPOLOGY = os.path.join(os.path.dirname(__file__), "..", "examples", "topologies", "two_racks_small.yaml")
 ORDERS = {"contiguous": ("n0", "n0", "n1", "n1"), "interleaved": ("n0", "n1", "n0", "n1")}
@@ -54,20 +55,8 @@ def orders_from(env: str) -> dict:
     return out
 
 
-class RingRank:
+class RingRank(PairRank):
     """One rank of a four-rank gloo group (made a Ray actor on the bed)."""
-
-    def ip(self) -> str:
-        import ray
-
-        return ray.util.get_node_ip_address()
-
-    def join(self, rank: int, world: int, addr: str, port: int) -> None:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
 
     def run(self, op: str, mb: int, repeats: int) -> list[float]:
         import torch
@@ -120,7 +109,7 @@ def measure(bed) -> dict:
         ranks = [actor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(bed.ray_node_id(n), soft=False)).remote()
                  for n in order]
         addr, port = ray.get(ranks[0].ip.remote()), free_ports(1)[0]
-        ray.get([r.join.remote(i, len(order), addr, port) for i, r in enumerate(ranks)])
+        ray.get([r.join.remote(i, addr, port, len(order)) for i, r in enumerate(ranks)])
         ray.get([r.run.remote("all_gather", 1, 1) for r in ranks])  # connections made, buffers touched
         groups[name] = ranks
     rows = []
