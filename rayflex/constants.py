@@ -119,6 +119,9 @@ _KNOBS: dict[str, Knob] = {
     # training): uploads take the cycles training leaves idle. Saves after the loop (final,
     # stop, emergency) upload at the process's own priority.
     "UPLOAD_NICE": Knob(10, minimum=0, maximum=19, kind=int),
+    # On an object store a rank's checkpoint shard is cut into objects of about this many MB,
+    # each written in one PUT (checkpoint.dcp_io.CheckpointWriter.write_data).
+    "CHECKPOINT_OBJECT_MB": Knob(64, minimum=1, kind=int),
     # Worker setup (rendezvous, model build, checkpoint load).
     "SETUP_TIMEOUT_S": Knob(300.0),
     # How long a worker started ahead of a growth restart may take to come up before the

@@ -30,6 +30,7 @@ from typing import Optional
 
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecReader, FsspecWriter
 
+from rayflex.constants import knob
 from rayflex.storage import fs as rfs
 from rayflex.checkpoint import manifest as mf
 from rayflex.checkpoint.save_plan import PackedWriteResults, SavePlanCache, metadata_file_bytes, storage_index_of
@@ -65,7 +66,8 @@ class PrefixFileSystem(FileSystem):
     """DCP's fsspec filesystem, except that ``mkdir`` never reaches a bucket, no file is
     opened for writing once ``abandoned`` is set, and each shard file gets the fingerprint
     of its bytes beside it (``manifest.DIGEST_SUFFIX``; not on S3, where the commit uses the
-    ETag): the commit then records it without reading the file back."""
+    ETag): the commit then records it without reading the file back. On an object store a
+    shard file leaves in one PUT (``_one_put``)."""
 
     abandoned: Optional[threading.Event] = None
 
@@ -81,15 +83,40 @@ class PrefixFileSystem(FileSystem):
         writing = "w" in mode
         if writing:
             self.check_abandoned()
-        shard = writing and os.fspath(path).endswith(SHARD_SUFFIX) and not rfs.is_s3(self.fs)
-        hasher = mf.ContentDigest() if shard else None
-        with super().create_stream(path, mode) as stream:
+        shard = writing and os.fspath(path).endswith(SHARD_SUFFIX)
+        hasher = mf.ContentDigest() if shard and not rfs.is_s3(self.fs) else None
+        opened = (self._one_put(path, mode) if shard and rfs.is_object_store(self.fs)
+                  else super().create_stream(path, mode))
+        with opened as stream:
             yield stream if hasher is None else _HashingStream(stream, hasher)
         if hasher is None:
             return
         digest_path = f"{os.fspath(path)}{mf.DIGEST_SUFFIX}"
         rfs.with_retries(lambda: self.fs.pipe_file(digest_path, hasher.fingerprint().encode()),
                          what=f"write {rfs.redact_uri(digest_path)}")
+
+
+    @contextlib.contextmanager
+    def _one_put(self, path, mode: str):
+        """A shard file on an object store, buffered whole up to twice ``object_bytes()``, so
+        one of ``CheckpointWriter.write_data``'s objects leaves in one PUT (fsspec's default
+        block, 5-50 MB, makes it a multipart upload: two more round trips, and an endpoint
+        that assembles parts itself copies the object once more). Removed if writing fails,
+        as DCP's own stream is."""
+        path = os.fspath(path)
+        # (5 MB: the least block s3fs accepts, S3's smallest multipart part.)
+        with self.fs.open(path, mode, block_size=max(2 * object_bytes(), 5 << 20)) as stream:
+            try:
+                yield stream
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.rm_file(path)
+                raise
+
+
+def object_bytes() -> int:
+    """About how large one object of a rank's shard on an object store is."""
+    return int(knob("CHECKPOINT_OBJECT_MB")) << 20
 
 
 class CheckpointWriter(FsspecWriter):
@@ -124,6 +151,24 @@ class CheckpointWriter(FsspecWriter):
         if self.fs.exists(final):
             self.fs.rm_file(final)
         self.fs.rename(tmp_path, final)
+
+    def write_data(self, plan, planner):
+        """DCP's ``write_data``, except on an object store: there a rank's entries go into
+        objects of about ``object_bytes()`` (at least ``thread_count`` of them), each one
+        PUT, ``thread_count`` in flight at once — DCP's one file per thread is a multipart
+        upload whose parts leave one after another."""
+        if not (self.single_file_per_rank and rfs.is_object_store(self.fs.fs)):
+            return super().write_data(plan, planner)
+        from torch.distributed.checkpoint.filesystem import _item_size, _split_by_size_and_type
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        tensor_bytes = sum(_item_size(i) for i in plan.items if i.type != WriteItemType.BYTE_IO)
+        objects = max(self.thread_count, math.ceil(tensor_bytes / object_bytes()))
+        file_queue: queue.Queue = queue.Queue()
+        for i, bucket in enumerate(b for b in _split_by_size_and_type(objects, plan.items) if b):
+            name = f"{plan.storage_data.prefix}{i}{SHARD_SUFFIX}"
+            file_queue.put((self.fs.concat_path(self.path, name), name, bucket))
+        return self._write_data(planner, file_queue)
 
     def _write_data(self, planner, file_queue: queue.Queue):
         """DCP's ``_write_data`` (the files of this rank's plan, ``thread_count`` at a time),

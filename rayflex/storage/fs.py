@@ -363,6 +363,11 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in _protocols(fs) or "local" in _protocols(fs)
 
 
+def is_object_store(fs: fsspec.AbstractFileSystem) -> bool:
+    """S3, GCS or Azure Blob: neither a local disk nor ``memory://``."""
+    return not is_local(fs) and "memory" not in _protocols(fs)
+
+
 def can_append(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether files on ``fs`` can be appended to in place (local disk, memory); an object
     store cannot, so a file that grows is rewritten whole there."""
