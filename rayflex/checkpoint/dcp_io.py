@@ -157,7 +157,8 @@ class CheckpointWriter(FsspecWriter):
         objects of about ``object_bytes()`` (at least ``thread_count`` of them), each one
         PUT, ``thread_count`` in flight at once — DCP's one file per thread is a multipart
         upload whose parts leave one after another."""
-        if not (self.single_file_per_rank and rfs.is_object_store(self.fs.fs)):
+        fs = getattr(self.fs, "fs", None)  # a live snapshot's writer has a dict for a filesystem
+        if not (self.single_file_per_rank and fs is not None and rfs.is_object_store(fs)):
             return super().write_data(plan, planner)
         from torch.distributed.checkpoint.filesystem import _item_size, _split_by_size_and_type
         from torch.distributed.checkpoint.planner import WriteItemType
