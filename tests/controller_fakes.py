@@ -334,8 +334,12 @@ class FakeGroup:
     def take_live(self, ranks, roll_forward=None) -> dict:
         """Each rank that left hands over the step it finished (a test may say one failed)."""
         broken = getattr(self.cluster, "snapshot_errors", {})
+        self.cluster.live_asked.append(tuple(ranks))
         return {r: ({"rank": r, "step": self.step, **({"error": broken[r]} if r in broken else {})}, f"files-{r}")
                 for r in ranks}
+
+    def drop_live(self, ranks) -> None:
+        self.cluster.live_dropped.append(tuple(ranks))
 
     def shutdown(self, graceful_s: float = 5.0) -> None:
         self.kill(range(len(self.actors)))
@@ -347,6 +351,8 @@ class FakeCluster:
 
     def __init__(self, nodes: dict[str, int], clock: FakeClock, *, every_steps: int = 0, watch: bool = False):
         self.nodes, self.clock, self.every_steps = dict(nodes), clock, every_steps
+        self.live_asked: list[tuple] = []  # the survivors asked for snapshots, per take_live
+        self.live_dropped: list[tuple] = []  # the survivors told to drop their kept state
         self.alive = set(nodes)
         self.watch = watch
         self.actors: dict[str, FakeActor] = {}

@@ -904,6 +904,8 @@ def test_a_killed_rank_whose_shard_has_a_live_replica_loses_no_step(tmp_path):
     chosen, = _recovery(c)
     assert chosen.source == "live_peers" and chosen.step == 3, chosen
     assert chosen.holders == [0, 3], "one survivor per shard: shard 1's only copy left is rank 3's"
+    # Only they were asked for a snapshot: rank 2 holds shard 0 again, and dropped its state.
+    assert cluster.live_asked == [(0, 3)] and cluster.live_dropped == [(2,)]
     live = cluster.live_restores[1]
     assert live["step"] == 3 and sorted(live["infos"]) == [0, 3] and live["files"] == {0: "files-0", 3: "files-3"}
     assert live["save"], "past the last commit (none yet): the ranks save it first thing"
@@ -968,6 +970,8 @@ def test_a_failed_snapshot_falls_back_naming_the_rank(tmp_path):
     chosen, = _recovery(c)
     assert chosen.source == "checkpoint"
     assert "every copy of FSDP shard 1 was lost" in chosen.reason and "rank 3: snapshot failed: MemoryError" in chosen.reason
+    assert cluster.live_asked == [(0, 3), (2,)], "a holder failed: the other survivor was asked too"
+    assert cluster.live_dropped == []
 
 
 def test_live_recovery_off_asks_no_survivor_for_its_state(tmp_path):

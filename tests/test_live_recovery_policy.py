@@ -2,7 +2,8 @@
 
 import dataclasses
 
-from rayflex.faults.live_recovery import FromCheckpoint, LiveRecovery, RollForward, decide, lost_shard, roll_forward
+from rayflex.faults.live_recovery import (FromCheckpoint, LiveRecovery, RollForward, decide, holders_to_ask, lost_shard,
+                                         roll_forward)
 from rayflex.mesh.plan import MeshPlan
 
 HSDP = MeshPlan(pp=1, dp=4, dp_replicate=2)  # ranks 0, 2 hold shard 0; 1, 3 shard 1
@@ -38,11 +39,23 @@ def test_ranks_left_inside_an_agreement_a_peer_finished_roll_forward_to_it():
     # had sent its share): they hold step 6's gradients, and apply them with rank 0's record.
     held = {0: _held(6, recent_step=6), 1: _held(5, pending=6, recent_step=5), 3: _held(5, pending=6, recent_step=5)}
     assert roll_forward(held) == RollForward(step=6, ranks=(1, 3), agreed={"step": 6, "loss": 2.5, "lr": 0.01})
-    # Then every survivor holds step 6, and the reason says who rolled forward.
-    after = {0: {"step": 6}, 1: {"step": 6, "rolled_forward": 6}, 3: {"step": 6, "rolled_forward": 6}}
+    # Then every shard is held at step 6, and one survivor per shard is asked for it (rank 3
+    # holds rank 1's shard again): only rank 1 rolls forward, and the reason says so.
+    forward = roll_forward(held)
+    assert holders_to_ask(HSDP, held, forward) == (0, 1)
+    after = {0: {"step": 6}, 1: {"step": 6, "rolled_forward": 6}}
     choice = decide(HSDP, after)
     assert choice.step == 6 and choice.holders == (0, 1)
-    assert "ranks 1, 3 were left inside step 6's closing agreement" in choice.reason
+    assert "rank 1 was left inside step 6's closing agreement" in choice.reason
+
+
+def test_no_survivor_is_asked_for_shards_another_already_holds():
+    held = {r: _held(7, recent_step=7) for r in (0, 2, 3)}  # rank 1 died
+    assert holders_to_ask(HSDP, held, None) == (0, 3)  # shard 0: ranks 0, 2; shard 1: rank 3 alone
+    # No step with every shard (rank 3 a step behind, not inside the agreement): everyone is
+    # asked, and decide says why.
+    behind = {0: _held(7, recent_step=7), 2: _held(7, recent_step=7), 3: _held(6, recent_step=6)}
+    assert holders_to_ask(HSDP, behind, roll_forward(behind)) is None
 
 
 def test_no_roll_forward_without_a_peer_past_the_agreement_or_a_rank_inside_it():

@@ -32,18 +32,31 @@ def worth_asking(ctx, plan: MeshPlan, lost: set[int]) -> tuple[bool, Optional[ev
     return False, _event(ctx, live_recovery.FromCheckpoint(reason=missing))
 
 
-def take(group, ranks: list[int]) -> dict:
+def take(group, plan: MeshPlan, ranks: list[int]) -> dict:
     """The snapshots of the ranks that left keeping their state: rank -> (info, files
-    reference). Ranks left inside a step's closing agreement that a peer finished first
-    apply that step (the policy's ``RollForward``), so the survivors hold one step."""
+    reference). Only one rank per shard takes one (``holders_to_ask``); the others drop
+    their state. Ranks left inside a step's closing agreement that a peer finished first
+    apply that step (the policy's ``RollForward``), so the holders hold one step. A holder
+    whose snapshot failed brings the others in (each may hold its shard)."""
     if not ranks:
         return {}
-    forward = live_recovery.roll_forward(group.held_steps(ranks))
-    if forward is None:
-        return group.take_live(ranks)
-    log.info("ranks %s were left inside step %d's closing agreement, which a peer finished: they apply its update",
-             ", ".join(map(str, forward.ranks)), forward.step)
-    return group.take_live(ranks, {r: dict(forward.agreed) for r in forward.ranks})
+    held = group.held_steps(ranks)
+    forward = live_recovery.roll_forward(held)
+    if forward is not None:
+        log.info("ranks %s were left inside step %d's closing agreement, which a peer finished: they apply its "
+                 "update", ", ".join(map(str, forward.ranks)), forward.step)
+    asked = live_recovery.holders_to_ask(plan, held, forward)
+
+    def snapshot(of: list[int]) -> dict:
+        return group.take_live(of, {r: dict(forward.agreed) for r in forward.ranks if r in of} if forward else None)
+
+    snapshots = snapshot(sorted(asked) if asked is not None else ranks)
+    rest = [r for r in ranks if r not in snapshots]
+    if any(info.get("error") for info, _ in snapshots.values()):
+        snapshots.update(snapshot(rest))
+    else:
+        group.drop_live(rest)
+    return snapshots
 
 
 def choose(ctx, plan: MeshPlan, snapshots: dict[int, tuple[dict, Any]]) -> tuple[Optional[dict], ev.RecoveryChosen]:

@@ -42,7 +42,7 @@ def collect_survivors(ctx, attempt: Attempt, bad_ranks: set[int], raised: frozen
                 if others else Release())
     if snapshots is not None:
         # A rank still uploading is not reused, but its state is a finished step's all the same.
-        snapshots.update(live_state.take(group, sorted(released.left | released.uploading)))
+        snapshots.update(live_state.take(group, attempt.plan, sorted(released.left | released.uploading)))
     survivors = {}
     for r in others:
         actor = group.actors[r]

@@ -106,26 +106,47 @@ def roll_forward(held: Mapping[int, Mapping]) -> Optional[RollForward]:
     return RollForward(step=newest, ranks=behind, agreed=dict(held[finished[0]]["recent"]))
 
 
-def decide(plan: MeshPlan, snapshots: Mapping[int, Mapping]) -> RecoveryChoice:
-    """``snapshots``: old rank -> what its snapshot said (``step``, or ``error``) for every
-    survivor asked. The newest step whose snapshots hold every shard wins; the holders are
-    one rank per shard (the lowest)."""
-    usable = {r: int(s["step"]) for r, s in snapshots.items() if not s.get("error")}
-    failed = {r: s["error"] for r, s in snapshots.items() if s.get("error")}
-    for step in sorted(set(usable.values()), reverse=True):
-        at_step = {r for r, s in usable.items() if s == step}
-        missing = lost_shard(plan, at_step)
-        if missing is None:
+def _cover(plan: MeshPlan, steps: Mapping[int, int]) -> Optional[tuple[int, tuple[int, ...]]]:
+    """(step, holders): the newest step whose ranks (old rank -> the step it holds) hold
+    every shard, and one rank per shard of it (the lowest); None when no step does."""
+    for step in sorted(set(steps.values()), reverse=True):
+        at_step = {r for r, s in steps.items() if s == step}
+        if lost_shard(plan, at_step) is None:
             chosen: dict[tuple, int] = {}
             for r in sorted(at_step):
                 chosen.setdefault(shard_of(plan, r), r)
-            holders = tuple(sorted(chosen.values()))
-            rolled = sorted(r for r in at_step if snapshots[r].get("rolled_forward") == step)
-            return LiveRecovery(step=step, holders=holders, reason=(
-                f"every shard of step {step} is held by a survivor: reading ranks "
-                f"{', '.join(map(str, holders))} of the failed attempt ({plan.describe()})"
-                + (f"; {_ranks(rolled)} left inside step {step}'s closing agreement, which a peer finished, "
-                   "and applied its update" if rolled else "")))
+            return step, tuple(sorted(chosen.values()))
+    return None
+
+
+def holders_to_ask(plan: MeshPlan, held: Mapping[int, Mapping],
+                   forward: Optional[RollForward]) -> Optional[tuple[int, ...]]:
+    """The survivors whose snapshots a live recovery reads (``held``: old rank -> its
+    ``held_step``; ``forward``: the ranks that first apply a step): one per shard, at the
+    newest step that has them all. Only they take one — the others' are the same bytes
+    again. None when no step has every shard: every survivor is then asked, and ``decide``
+    says why."""
+    steps = {r: (forward.step if forward is not None and r in forward.ranks else int(h["step"]))
+             for r, h in held.items()}
+    cover = _cover(plan, steps)
+    return None if cover is None else cover[1]
+
+
+def decide(plan: MeshPlan, snapshots: Mapping[int, Mapping]) -> RecoveryChoice:
+    """``snapshots``: old rank -> what its snapshot said (``step``, or ``error``) for every
+    survivor asked (``holders_to_ask``'s, or all). The newest step whose snapshots hold
+    every shard wins; the holders are one rank per shard (the lowest)."""
+    usable = {r: int(s["step"]) for r, s in snapshots.items() if not s.get("error")}
+    failed = {r: s["error"] for r, s in snapshots.items() if s.get("error")}
+    cover = _cover(plan, usable)
+    if cover is not None:
+        step, holders = cover
+        rolled = sorted(r for r in holders if snapshots[r].get("rolled_forward") == step)
+        return LiveRecovery(step=step, holders=holders, reason=(
+            f"every shard of step {step} is held by a survivor: reading ranks "
+            f"{', '.join(map(str, holders))} of the failed attempt ({plan.describe()})"
+            + (f"; {_ranks(rolled)} left inside step {step}'s closing agreement, which a peer finished, "
+               "and applied its update" if rolled else "")))
     why = lost_shard(plan, set(usable))
     if why is None and usable:
         steps = sorted(set(usable.values()))

@@ -230,6 +230,15 @@ class RayWorkerGroup:
                 out[r] = ({"rank": r, "error": f"its snapshot did not arrive: {_short_error(e)}"}, None)
         return out
 
+    def drop_live(self, ranks: list[int]) -> None:
+        """After ``release(snapshot=True)``: ``ranks`` drop the state they kept (no snapshot
+        of theirs is needed); waited for, so a reused process holds one attempt's state."""
+        import ray
+
+        refs = [self.actors[r].drop_live.remote() for r in ranks]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=knob("ACTOR_CALL_TIMEOUT_S"))
+
     def shutdown(self, graceful_s: float = 5.0) -> None:
         """Let ranks release their process groups, then kill every actor."""
         import ray

@@ -15,7 +15,7 @@ import gc
 # this list equal to the class's).
 ACTOR_METHODS = ("reconfigure", "node_info", "ping", "setup", "start", "poll", "flight_record", "request_stop",
                  "request_checkpoint", "set_fail_at", "join", "release", "held_step", "take_live",
-                 "shutdown")
+                 "drop_live", "shutdown")
 
 
 class TrainWorkerActor:

@@ -800,9 +800,14 @@ class TrainWorker:
                 return {**info, "rolled_forward": self._step}, files
             return self._snapshot()
         finally:
-            self._keeping_for_snapshot = False
-            if self._state == WorkerState.RELEASED:  # else still uploading: the controller kills it
-                self.shutdown(checkpoint_grace_s=0)
+            self.drop_live()  # written into memory (or failed): the attempt's state goes
+
+    def drop_live(self) -> None:
+        """After ``release(snapshot=True)``: another survivor's snapshot holds this rank's
+        shards, so the state it kept for one is dropped."""
+        self._keeping_for_snapshot = False
+        if self._state == WorkerState.RELEASED:  # else still uploading: the controller kills it
+            self.shutdown(checkpoint_grace_s=0)
 
     def _roll_forward(self, agreed: dict) -> None:
         """Apply the update of step ``agreed["step"]``, whose closing agreement this rank was
