@@ -4,9 +4,10 @@ and loaded by the next attempt's ranks at whatever size the cluster now has.
 A survivor that left a broken attempt still holds its shards of the model and optimizer
 (the update of its last finished step applied, the next one not begun). ``take_snapshot``
 writes them with DCP, without collectives (the attempt's are aborted), into memory: the
-same raw-tensor shard file and ``.metadata`` a checkpoint has, one set per survivor. The
-controller holds them in Ray's object store (it owns what the survivors return, so they
-outlive a survivor it lets go) and hands their references to the next attempt.
+same raw-tensor shard file and ``.metadata`` a checkpoint has, one set per survivor, each
+file the views of the tensors DCP wrote. The controller holds them in Ray's object store
+(it owns what the survivors return — Ray copies them in once — so they outlive a survivor
+it lets go) and hands their references to the next attempt.
 
 ``merge_metadata`` makes one checkpoint of several survivors' files: every chunk of every
 tensor once (HSDP replicas hold the same chunks; the lowest rank's copy is read), each
