@@ -9,6 +9,8 @@ by name, then reads what a user would open: TensorBoard's event files and MLflow
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -341,3 +343,16 @@ def test_killed_and_resumed_run_keeps_one_curve_per_tracker(two_node_cluster, da
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert not [e for e in events if e["kind"] == "tracker_failed"], "no tracker failed"
     _assert_wandb_sessions(tmp_path, run_dir, 2)
+
+
+def test_a_killed_process_leaves_wandbs_temporary_directories_in_the_run_not_in_tmp(tmp_path):
+    # Importing wandb makes two temporary directories that only the interpreter's exit
+    # removes: a process killed with its run leaves them — inside the W&B directory.
+    code = ("import os, sys\n"
+            "from rayflex.telemetry.trackers.wandb import _import_wandb\n"
+            "_import_wandb(sys.argv[1])\n"
+            "os._exit(0)  # as a kill: no exit handlers\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    left = {p.name.rsplit("wandb-", 1)[-1] for p in (tmp_path / ".tmp").iterdir()}
+    assert left == {"artifacts", "media"}, left

@@ -9,6 +9,8 @@ Files go to ``directory``, else to a local run directory, else to W&B's default.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import uuid
 from typing import Optional
 
@@ -29,8 +31,7 @@ class WandbTracker(Tracker):
         self.run = None
 
     def open(self, state: Optional[dict]) -> dict:
-        import wandb
-
+        wandb = _import_wandb(self.directory)
         state = state or {}
         run_id = state.get("run_id") if state.get("project") == self.project else None
         run_id = run_id or uuid.uuid4().hex[:12]
@@ -51,3 +52,24 @@ class WandbTracker(Tracker):
             self.run.summary["run/goodput"] = goodput
         self.run.summary["rayflex/end"] = end.value
         self.run.finish(exit_code=0 if end is RunEnd.FINISHED else 1)
+
+
+def _import_wandb(directory: Optional[str]):
+    """``wandb``, imported with Python's temporary directory inside ``directory``: the
+    import makes two temporary directories (media, artifacts) that only the interpreter's
+    exit removes, so a process killed with its run (a controller on a lost node) left them
+    in /tmp; under the run's W&B directory they go with it."""
+    import sys
+
+    if directory is None or "wandb" in sys.modules:
+        import wandb
+
+        return wandb
+    tmp = os.path.join(directory, ".tmp")
+    os.makedirs(tmp, exist_ok=True)
+    before, tempfile.tempdir = tempfile.tempdir, tmp
+    try:
+        import wandb
+    finally:
+        tempfile.tempdir = before
+    return wandb
