@@ -2,7 +2,8 @@
 checkpoint path and torch DCP's own writer and reader, on the same bytes, in alternating rounds.
 
     python benchmarks/persist.py [--storage disk|s3] [--gb-per-rank 2] [--ranks 2] [--rounds 3]
-                                 [--threads 1,2,4] [--dir /var/tmp] [--out benchmarks/results/persist.json]
+                                 [--threads 1,2,4] [--dir /var/tmp] [--release-staging]
+                                 [--out benchmarks/results/persist.json]
 
 Each rank (a process; gloo process group) holds ``--gb-per-rank`` GB of float32 tensors
 (64 MB each) and, per round and per system, in turn:
@@ -21,10 +22,13 @@ With ``--storage s3`` the same three go to moto's S3 server on 127.0.0.1 (starte
 this process; every rank talks HTTP to it): the floor is a plain boto3 PUT per 64 MB tensor from
 each writer thread (copied to bytes as boto3 takes them; no request checksums; not multipart, which
 moto assembles slowly in Python) and a GET per tensor read back into it; rayflex writes ``s3://``
-through s3fs; DCP uses its
-``FsspecWriter(thread_count=T)`` / ``FsspecReader``. moto keeps the bytes on this machine and
+through s3fs (objects of about 64 MB, each one PUT); DCP uses its
+``FsspecWriter(thread_count=T)`` / ``FsspecReader`` (a multipart object per thread). moto keeps the bytes on this machine and
 shares its 2 cores with the ranks, so the figures are this endpoint's, not a cloud bucket's:
-what compares is the three systems against one endpoint.
+what compares is the three systems against one endpoint. moto completes a multipart object in
+Python, holding it twice in memory: at 2 GB a rank DCP's completions need ~10 GB beside the
+ranks, which ``--release-staging`` makes room for (rayflex's staging freed after each save, so
+each of its saves stages afresh — slower than a run's steady save).
 
 Every restore reads into a second set of tensors of the same names (a new attempt's rank;
 the first and last tensor are checked against the saved ones after each): a restore into
@@ -263,6 +267,8 @@ def _rank(rank: int, world: int, port: int, cfg: dict, results) -> None:
                     saved["blocked_s"] = report.get("blocked_s")
                 write_s = timed(save)
                 blocked = saved.get("blocked_s")
+                if cfg["release_staging"]:
+                    ckpt.close()  # its next save stages afresh: a run's first save, not a steady one
                 # A restore is a new attempt's: its own checkpointer (the saving one keeps its staging).
                 read_fn = lambda: AsyncCheckpointer(uri(system), rank=rank, use_async=False).load_latest(into_state)  # noqa: E731,E501
             else:
@@ -363,6 +369,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", default="1,2,4", help="writer threads per rank to try, for every system")
     ap.add_argument("--dir", default=None, help="where the files go (default: a new directory under /var/tmp)")
+    ap.add_argument("--release-staging", action="store_true",
+                    help="free rayflex's staging buffers after each of its saves (each save then stages afresh, "
+                         "as a run's first save does): with --storage s3 at 2 GB a rank, room for moto to "
+                         "assemble DCP's multipart objects beside the ranks on a 24 GB host")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     setup_logging()
@@ -371,7 +381,7 @@ def main() -> None:
     systems = [f"{kind}_{t}" for t in threads for kind in ("floor", "rayflex", "dcp")]
     root = tempfile.mkdtemp(prefix="rayflex-persist-", dir=args.dir or "/var/tmp")
     cfg = {"gb_per_rank": args.gb_per_rank, "rounds": args.rounds, "systems": systems, "dir": root,
-           "storage": args.storage}
+           "storage": args.storage, "release_staging": args.release_staging}
     server = None
     try:
         if args.storage == "s3":
@@ -393,7 +403,7 @@ def main() -> None:
           "workload": {"ranks": args.ranks, "bytes_per_rank": got["bytes_per_rank"], "tensor_mb": TENSOR_MB,
                        "storage": ("moto S3 server on 127.0.0.1 in the benchmark's process" if args.storage == "s3"
                                    else f"local disk ({root.rsplit('/', 1)[0]})"),
-                       "rounds": args.rounds,
+                       "rounds": args.rounds, "rayflex_staging_released_after_each_save": args.release_staging,
                        "cache_dropped_before_restore": (None if args.storage == "s3"
                                                         else all(r["cache_dropped"] for r in rows))},
           "results": _summary(rows, total),
