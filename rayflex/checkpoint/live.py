@@ -19,6 +19,7 @@ of the same step give the same bytes.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import io
@@ -194,8 +195,6 @@ class _PartsView(io.RawIOBase):
         return self._at
 
     def readinto(self, buffer) -> int:
-        import bisect
-
         target = memoryview(buffer).cast("B")
         done = 0
         while done < len(target) and self._at < self._size:
