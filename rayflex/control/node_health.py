@@ -10,7 +10,10 @@ device at setup. On CPUs the cores may be shared with the run's ranks (several e
 nodes on one machine; a CPU node's other tenants), and a check beside a training step gets
 only part of a core: there, each round of checks also runs one on a node the run trains
 on, timed in the same window (a load that swings by the second hits both alike), and that is
-the yardstick (the setup figure if it fails).
+the yardstick (the setup figure if it fails). A check is judged only against a yardstick
+timed with it: one whose new worker started after the window (a slow node's raylet and
+Python start slowly too) is run again at once, with a lead that covers the start each node
+was seen to take, at most ``WINDOW_ROUNDS`` rounds.
 
 Restarts after a failure place on the nodes Ray lists without a check (a restart is
 latency-bound); they never place on a held-out node.
@@ -26,14 +29,29 @@ from typing import Any, Optional
 from rayflex.constants import knob
 from rayflex.faults.health import HealthPolicy, HealthVerdict, reference_speed
 from rayflex.telemetry import events as ev
+from rayflex.worker.health_probe import WINDOW_S
 
 log = logging.getLogger(__name__)
+
+
+# Rounds of a node's check whose window missed the yardstick's before it is judged against
+# the setup figure instead (each round waits longer, for the start the last one took).
+WINDOW_ROUNDS = 3
 
 
 @dataclass(frozen=True)
 class HeldOut:
     reason: str
     check_at: float  # when it is checked again
+
+
+@dataclass(frozen=True)
+class _Check:
+    probe: Any  # what ``cluster.check_health`` returned for it
+    node_id: str
+    node: Any  # the topology's node (None for the yardstick, a node the run trains on)
+    started: float  # the controller's clock
+    submitted_at: float  # epoch seconds, as the probe's ``window_at``
 
 
 class NodeHealth:
@@ -44,9 +62,13 @@ class NodeHealth:
         self.passed: set[str] = set()  # checked and healthy, or trained on, in this run
         self.reference: Optional[float] = None  # GFLOP/s of the nodes the run trains on, at setup
         self.training_on: set[str] = set()  # the current attempt's nodes
-        self._probes: dict[str, tuple[Any, float]] = {}  # node -> (its probe, started at)
-        self._yardstick: Optional[tuple[str, Any, float]] = None  # CPU: (training node, its probe, started at)
+        self._probes: dict[str, _Check] = {}  # node -> its check under way
+        self._yardstick: Optional[_Check] = None  # CPU: a check of a node the run trains on
         self._yardstick_gflops: Optional[float] = None
+        self._yardstick_at: Optional[float] = None  # epoch seconds its timing began
+        self._late_once: set[str] = set()  # nodes a check began late on (a new worker's start)
+        self._start_s: dict[str, float] = {}  # node -> how long a check took to begin timing there
+        self._rounds: dict[str, int] = {}  # node -> rounds of its check not timed beside the yardstick
         self._times: dict[str, int] = {}  # node -> how often it was held out in this run
 
     @property
@@ -94,24 +116,61 @@ class NodeHealth:
         now = self._clock.time()
         timeout = knob("HEALTH_PROBE_TIMEOUT_S")
         if self._yardstick is not None:
-            node, probe, started = self._yardstick
-            report = self._cluster.health_reports({node: probe}).get(node)
-            if report is None and now - started > timeout:
+            check = self._yardstick
+            report = self._cluster.health_reports({check.node_id: check.probe}).get(check.node_id)
+            if report is None and now - check.started > timeout:
                 report = {"error": "did not run"}
             if report is not None:
                 self._yardstick = None
-                self._yardstick_gflops = None if report.get("error") else report.get("gflops") or None
+                self._learn(check, report)
+                failed = bool(report.get("error")) or not report.get("gflops")
+                self._yardstick_gflops = None if failed else report["gflops"]
+                self._yardstick_at = None if failed else report.get("window_at")
         if self._probes and self._yardstick is None:  # judged against a yardstick of the same moment
-            reports = self._cluster.health_reports({n: p for n, (p, _) in self._probes.items()})
-            for node, (_, started) in list(self._probes.items()):
-                if node not in reports and now - started > timeout:
+            reports = self._cluster.health_reports({n: c.probe for n, c in self._probes.items()})
+            for node, check in list(self._probes.items()):
+                if node not in reports and now - check.started > timeout:
                     reports[node] = {"error": f"the check did not run within {timeout:g} s"}
+            again = []
             for node, report in reports.items():
-                del self._probes[node]
-                self._judge(ctx, node, report, now)
+                check = self._probes.pop(node)
+                self._learn(check, report)
+                timed_beside = self._timed_beside_yardstick(node, report)
+                if timed_beside is None:
+                    again.append(check.node)
+                    continue
+                self._rounds.pop(node, None)
+                reference = self._yardstick_gflops if timed_beside else None
+                self._judge(ctx, node, report, now, reference or self.reference)
+            self._start(again)
         due = {n for n, held in self.held_out.items() if n not in self._probes and now >= held.check_at}
         if due:
             self._start([n for n in topology_of().nodes if n.node_id in due])
+
+    def _learn(self, check: _Check, report: dict) -> None:
+        """How long a check that began late took to begin timing on its node. The first late
+        start there is a new worker's, which the next check finds started: only a second
+        one sets the lead."""
+        if not (report.get("late_s") and report.get("window_at")):
+            return
+        if check.node_id in self._late_once:
+            self._start_s[check.node_id] = report["window_at"] - check.submitted_at
+        self._late_once.add(check.node_id)
+
+    def _timed_beside_yardstick(self, node: str, report: dict) -> Optional[bool]:
+        """Whether ``node``'s check may be judged against the yardstick (True), against the
+        setup figure (False: its windows kept missing), or runs again (None)."""
+        at = report.get("window_at")
+        if report.get("error") or at is None or self._yardstick_at is None:
+            return True
+        if abs(at - self._yardstick_at) <= WINDOW_S / 2:
+            return True
+        self._rounds[node] = self._rounds.get(node, 0) + 1
+        if self._rounds[node] >= WINDOW_ROUNDS:
+            return False
+        log.info("node %s: its check was timed %.1f s apart from the run's node beside it; checking again",
+                 node[:12], at - self._yardstick_at)
+        return None
 
     def _start(self, nodes) -> None:
         if not nodes:
@@ -125,16 +184,21 @@ class NodeHealth:
             yardstick = min(peers)
             expected[yardstick] = 0
         # On CPUs the yardstick and the checks are timed in one window, a lead from now that
-        # covers a check's start (a new worker process, torch imported).
-        start_at = time.time() + knob("HEALTH_PROBE_LEAD_S") if yardstick is not None else None
-        probes = self._cluster.check_health(expected, start_at)
+        # covers a check's start (a new worker process, numpy imported) on every node of the
+        # round: as long as the start seen there, half as long again.
+        submitted_at = time.time()
+        lead = max([knob("HEALTH_PROBE_LEAD_S")] + [1.5 * self._start_s.get(n, 0.0) for n in expected])
+        lead = min(lead, knob("HEALTH_PROBE_TIMEOUT_S") / 2)
+        probes = self._cluster.check_health(expected, submitted_at + lead if yardstick is not None else None)
         now = self._clock.time()
         if yardstick is not None:
-            self._yardstick, self._yardstick_gflops = (yardstick, probes.pop(yardstick), now), None
-        self._probes.update({n: (p, now) for n, p in probes.items()})
+            self._yardstick = _Check(probes.pop(yardstick), yardstick, None, now, submitted_at)
+            self._yardstick_gflops = self._yardstick_at = None
+        self._probes.update({n.node_id: _Check(probes[n.node_id], n.node_id, n, now, submitted_at)
+                             for n in nodes})
 
-    def _judge(self, ctx, node: str, report: dict, now: float) -> None:
-        verdict: HealthVerdict = self.policy.judge(node, report, self._yardstick_gflops or self.reference)
+    def _judge(self, ctx, node: str, report: dict, now: float, reference: Optional[float]) -> None:
+        verdict: HealthVerdict = self.policy.judge(node, report, reference)
         held = self.held_out.get(node)
         if verdict.passed:
             self.passed.add(node)

@@ -93,11 +93,12 @@ WINDOW_S = 0.3
 
 def probe_node(expected_gpus: int = 0, start_at: Optional[float] = None) -> dict:
     """The health report of the node this runs on: ``{"gflops", "devices", "error",
-    "probe_s", "late_s"}``. ``expected_gpus`` > 0: that many GPUs must be visible and each
-    must compute correctly; the slowest one's speed is the node's. ``start_at`` (epoch
-    seconds): the speed is timed from then for ``WINDOW_S``, so checks started together on
-    several nodes are timed in the same window (``late_s``: how late this one began). Never
-    raises: a check that cannot run is the report's ``error``."""
+    "probe_s", "late_s", "window_at"}``. ``expected_gpus`` > 0: that many GPUs must be
+    visible and each must compute correctly; the slowest one's speed is the node's.
+    ``start_at`` (epoch seconds): the speed is timed from then for ``WINDOW_S``, so checks
+    started together on several nodes are timed in the same window (``late_s``: how late
+    this one began; ``window_at``: when its timing began, epoch seconds). Never raises: a
+    check that cannot run is the report's ``error``."""
     t0 = time.perf_counter()
     report: dict = {"gflops": 0.0, "devices": 0, "error": ""}
     try:
@@ -124,6 +125,7 @@ def probe_node(expected_gpus: int = 0, start_at: Optional[float] = None) -> dict
                 time.sleep(wait)
             report["late_s"] = max(0.0, -wait)
             span = WINDOW_S
+        report["window_at"] = time.time()
         report["gflops"] = min(compute_speed(d, span) for d in devices)
     except Exception as e:  # noqa: BLE001 - a broken driver, out of memory: the node is unhealthy
         report["error"] = f"{type(e).__name__}: {e}"
