@@ -156,7 +156,7 @@ _KNOBS: dict[str, Knob] = {
     "HEALTH_PROBE_TIMEOUT_S": Knob(120.0),
     # On CPUs a round of checks is timed in one window this long after it starts: a check
     # begins in a new worker process (Ray and numpy imported, ~0.5 CPU-s; one that starts
-    # later still measures, outside the window, and says how late: ``late_s``).
+    # later is timed outside the window and runs again: ``control/node_health.py``).
     "HEALTH_PROBE_LEAD_S": Knob(3.0),
     "RUNDIR_FLUSH_S": Knob(1.0),
     "RESOURCE_POLL_S": Knob(1.0),
