@@ -2,9 +2,10 @@
 core (a CPU quota around its raylet and everything the raylet starts,
 rayflex.testing.throttle). Its rank is named, weighed, and left: the run restarts on the two
 healthy nodes without losing a step. While the node stays slow its health check fails and
-it is kept out; once it is fast again it passes, is re-admitted, and the run grows back to
-3 ranks — every step trained once, the losses an uninterrupted run's. How fast that happens
-is measured by benchmarks/stragglers.py, not here."""
+it is kept out (a check on a saturated machine may pass it: it is evicted again); once it
+is fast again it passes, is re-admitted, and the run grows back to 3 ranks — every step
+trained once, the losses an uninterrupted run's. How fast that happens is measured by
+benchmarks/stragglers.py, not here."""
 
 import time
 
@@ -35,14 +36,16 @@ def three_nodes(monkeypatch):
         yield cluster
 
 
-def _wait_for(handle, predicate):
-    """The first event ``predicate`` accepts, or None once the run ended without one."""
+def _wait_for(handle, predicate, after: int = 0):
+    """(index, event) of the first event from index ``after`` that ``predicate`` accepts, or
+    (None, None) once the run ended without one."""
     while not handle.done():
-        found = next((e for e in handle.events() if predicate(e)), None)
+        events = handle.events()
+        found = next(((i, e) for i, e in enumerate(events) if i >= after and predicate(e)), None)
         if found is not None:
             return found
         time.sleep(0.5)
-    return None
+    return None, None
 
 
 def test_a_throttled_node_is_left_kept_out_while_slow_and_readmitted_once_healthy(three_nodes, dataset_uri, tmp_path):
@@ -55,31 +58,38 @@ def test_a_throttled_node_is_left_kept_out_while_slow_and_readmitted_once_health
     victim = next(w for w in st["workers"] if w["rank"] == 2)
     node = victim["node_id"]
     with cpu_throttled(node_processes(three_nodes, node), 0.1):
-        # Slow until its health check, after the eviction, has failed (or the run ended).
-        kept_out = _wait_for(handle, lambda e: e["kind"] == "node_health_checked" and e["node_id"] == node)
-    grown = _wait_for(handle, lambda e: e["kind"] == "restarted" and e["world_size"] == 3)
+        # Slow until a health check of it has failed (or the run ended). A check timed while
+        # the machine is saturated (the other pytest worker starting a cluster: a dozen busy
+        # processes, each with a few percent of a core, the slow node's as much as any) finds
+        # it as fast as the run's nodes and passes: the run grows back onto it, and the
+        # straggler detector evicts it again; a later check, on a calmer machine, fails.
+        at, kept_out = _wait_for(handle, lambda e: e["kind"] == "node_health_checked" and e["node_id"] == node
+                                 and e["action"] == "kept_out")
+    _, grown = _wait_for(handle, lambda e: e["kind"] == "restarted" and e["world_size"] == 3, after=at or 0)
     result = handle.stop(timeout_s=240)
     events = run_events(tmp_path, "slow")
     story = "\n".join(str((e["kind"], e.get("step"), e.get("rank"), (e.get("node_id") or "")[:8], e.get("action"),
                            (e.get("reason") or "")[:200])) for e in events)
     assert kept_out is not None and grown is not None, story
     named = [e for e in events if e["kind"] == "straggler_detected"]
-    assert [e["rank"] for e in named] == [2] and named[0]["node_id"] == node, story
+    assert named[0]["rank"] == 2 and all(e["node_id"] == node for e in named), story
     # A window in which the slow rank arrived last less often than it was named at is a "keep"
-    # (never acted on noise); one eviction, of that node, follows.
+    # (never acted on noise); each eviction is of that node.
     decisions = [e for e in events if e["kind"] == "straggler_decided"]
-    (decided,) = [e for e in decisions if e["action"] != "keep"]
+    evictions = [e for e in decisions if e["action"] != "keep"]
     assert all(e["node_id"] == node for e in decisions), story
-    assert decided["action"] == "evict_node" and decided["node_id"] == node, decided
+    assert evictions and all(e["action"] == "evict_node" and e["node_id"] == node for e in evictions), story
+    decided = evictions[0]
     assert decided["gain_s"] > 0 and decided["to_world"] == 2 and decided["slow_step_s"] > decided["healthy_step_s"]
-    left, back = [e for e in events if e["kind"] == "restarted"]
-    assert left["lost_steps"] == 0 and "straggler" in left["reason"] and left["world_size"] == 2, left
+    restarts = [e for e in events if e["kind"] == "restarted"]
+    left, back = restarts[0], restarts[-1]
+    assert all(e["lost_steps"] == 0 for e in restarts), story
+    assert "straggler" in left["reason"] and left["world_size"] == 2, left
     # While slow: checked, failed on its speed against the run's nodes, kept out.
-    assert kept_out["action"] == "kept_out" and not kept_out["passed"], f"{kept_out['reason']}\n{story}"
     assert "the run's nodes" in kept_out["reason"] and kept_out["gflops"] < kept_out["reference_gflops"] / 2
     checks = [e for e in events if e["kind"] == "node_health_checked"]
     assert checks[-1]["action"] == "readmitted" and checks[-1]["node_id"] == node, story
-    assert back["lost_steps"] == 0 and back["reason"].startswith("capacity returned: growing from 2 to 3"), back
+    assert back["reason"].startswith("capacity returned: growing from 2 to 3") and back["world_size"] == 3, back
     plans = [e for e in events if e["kind"] == "plan_chosen"]
     assert node not in plans[1]["rank_to_node"] and node in plans[-1]["rank_to_node"], "left, then used again"
     assert result.status == "stopped", story
