@@ -141,7 +141,11 @@ def _assert_cost_is_node_seconds(cost, events, dollars_per_node_s):
     lost = {e["node_id"]: e["time"] for e in events if e["kind"] == "node_lost"}
     node_s = sum(min(until, lost.get(n, end)) - since
                  for plan, since, until in zip(plans, starts, starts[1:] + [end]) for n in set(plan["rank_to_node"]))
-    assert len(plans) == 2, "a preemption and a restart"
+    # A preemption and a restart at once with the ranks that are up; and, where the run is
+    # still going once the spare node's worker is warm (a slow host: 72 steps outlast it),
+    # the growth back onto it. The identity holds either way.
+    sizes = [p["world_size"] for p in plans]
+    assert sizes in ([2, 1], [2, 1, 2]), sizes
     assert cost["total_usd"] == pytest.approx(sum(cost["parts_usd"].values()))
     assert cost["total_usd"] == pytest.approx(node_s * dollars_per_node_s, rel=1e-6)
     parts = cost["parts_usd"]
